@@ -1,0 +1,114 @@
+#pragma once
+/// \file Differentiable communication primitives on **local** tensors.
+///
+/// Every function here is **collective** over the named mesh dims of `mesh`
+/// (every rank of the participating sub-communicators must call it with the
+/// same arguments, in the same order) and is a torch::autograd::Function whose
+/// backward is the adjoint communication. Gradient conventions are in
+/// Note [replicated gradients] (docs/architecture.md): the gradient of a
+/// replicated value is the full gradient, identical on every rank.
+///
+/// Partition vectors (`sizes`) give the extent held by each coordinate along
+/// the mesh dim and must be identical on every rank. Errors are c10::Error,
+/// thrown before any communication when arguments are inconsistent.
+
+#include <ATen/core/Tensor.h>
+#include <shardtensor/mesh/device_mesh.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace shardtensor {
+
+enum class ReduceOp { Sum, Max, Min, Product };
+
+/// How a halo that crosses the global boundary of the domain is filled.
+enum class PadMode {
+  Constant,   ///< fill with `value` (zeros by default)
+  Reflect,    ///< mirror without repeating the edge (torch "reflect")
+  Replicate,  ///< repeat the edge element
+  Circular,   ///< wrap to the far end of the global domain
+};
+
+namespace comm {
+
+/// Collective over `mesh_dims`. Forward: element-wise sum over the ranks of
+/// those dims (Partial -> Replicate). Backward: identity.
+at::Tensor all_reduce(const at::Tensor& t, const DeviceMesh& mesh,
+                      const std::vector<int64_t>& mesh_dims);
+
+/// Collective over `mesh_dims`. Not differentiable (the result is detached):
+/// for Max/Min/Product reductions and metadata.
+at::Tensor all_reduce_nograd(const at::Tensor& t, const DeviceMesh& mesh,
+                             const std::vector<int64_t>& mesh_dims, ReduceOp op);
+
+/// Collective over `mesh_dims`. Forward: identity. Backward: all-reduce sum.
+/// Marks a replicated tensor used inside sharded (per-rank different) compute.
+at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
+                          const std::vector<int64_t>& mesh_dims);
+
+/// Collective over `mesh_dim`. Concatenates along `dim` the piece of every
+/// coordinate (all-gatherv; sizes[c] = extent at coordinate c). Backward: slice.
+at::Tensor all_gather(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                      int64_t dim, const std::vector<int64_t>& sizes);
+
+/// Local forward (Replicate -> Shard): this coordinate's slice along `dim`.
+/// Collective backward: all-gather of the gradient.
+at::Tensor shard_slice(const at::Tensor& full, const DeviceMesh& mesh, int64_t mesh_dim,
+                       int64_t dim, const std::vector<int64_t>& sizes);
+
+/// Collective over `mesh_dim` (Partial -> Shard): sum over the mesh dim, each
+/// coordinate keeping its slice along `dim`. Backward: all-gather.
+at::Tensor reduce_scatter(const at::Tensor& t, const DeviceMesh& mesh, int64_t mesh_dim,
+                          int64_t dim, const std::vector<int64_t>& sizes);
+
+/// Local (Replicate -> Partial): coordinate 0 keeps the value, others hold zeros.
+/// Backward: identity.
+at::Tensor replicate_to_partial(const at::Tensor& t, const DeviceMesh& mesh, int64_t mesh_dim);
+
+/// Collective over `mesh_dim` (Shard(src_dim) -> Shard(dst_dim), all-to-allv).
+/// `local` holds src_sizes[me] along src_dim and the full extent along dst_dim;
+/// the result holds dst_sizes[me] along dst_dim and the full extent along src_dim.
+/// Backward: the inverse all-to-all. src_dim == dst_dim is a repartition
+/// (rebalancing to new sizes).
+at::Tensor all_to_all(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                      int64_t src_dim, const std::vector<int64_t>& src_sizes, int64_t dst_dim,
+                      const std::vector<int64_t>& dst_sizes);
+
+/// A run of global indices [start, start + length) along one tensor dim.
+struct Segment {
+  int64_t start = 0;
+  int64_t length = 0;
+};
+
+/// Collective over `mesh_dim`. General repartition along `dim`: coordinate c
+/// holds, concatenated in this order, the global index runs `segments[c]`;
+/// afterwards coordinate c holds the contiguous block of `dst_sizes[c]`
+/// elements at offsets_of(dst_sizes)[c]. The runs of all coordinates must tile
+/// [0, sum(dst_sizes)) exactly. Backward: the inverse repartition.
+at::Tensor repartition(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                       int64_t dim, const std::vector<std::vector<Segment>>& segments,
+                       const std::vector<int64_t>& dst_sizes);
+
+/// Collective over `mesh_dim`: the general halo exchange. `sizes` is the
+/// partition of tensor dim `dim` (global extent n = sum(sizes)); `ranges[c]`
+/// is the half-open global index range [lo, hi) that coordinate c wants, which
+/// may extend past [0, n) (filled per `mode`), be narrower than what c owns
+/// (trim), or reach across several neighbours (multi-hop). Returns this rank's
+/// range as a new tensor. Backward: halo accumulate (the adjoint: every
+/// gradient element is sent back to its owner and summed there).
+/// Circular wraps modulo n; Reflect requires n >= 2 and a reach of at most n - 1.
+at::Tensor gather_range(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                        int64_t dim, const std::vector<int64_t>& sizes,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                        PadMode mode = PadMode::Constant, double value = 0.0);
+
+/// Collective over `mesh_dim`: gather_range() with ranges[c] = [off_c - left, off_c + size_c +
+/// right): every coordinate gets `left` elements before and `right` after its piece.
+at::Tensor halo_exchange(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                         int64_t dim, const std::vector<int64_t>& sizes, int64_t left,
+                         int64_t right, PadMode mode = PadMode::Constant, double value = 0.0);
+
+}  // namespace comm
+}  // namespace shardtensor

@@ -1,0 +1,15 @@
+#pragma once
+/// \file Umbrella header: the whole public API of shardtensor.
+///
+/// Layers, bottom to top (docs/architecture.md): core (runtime, errors,
+/// stats), mesh, spec, comm, tensor, ops, dispatch, nn, io.
+
+#include <shardtensor/comm/primitives.h>
+#include <shardtensor/core/error.h>
+#include <shardtensor/core/runtime.h>
+#include <shardtensor/core/stats.h>
+#include <shardtensor/mesh/device_mesh.h>
+#include <shardtensor/nn/module.h>
+#include <shardtensor/spec/placement.h>
+#include <shardtensor/spec/shard_spec.h>
+#include <shardtensor/tensor/shard_tensor.h>

@@ -1,0 +1,103 @@
+#pragma once
+/// \file ShardTensor: a real at::Tensor that reports the global shape and
+/// holds this rank's piece.
+///
+/// A ShardTensor's TensorImpl carries the dispatch keys PrivateUse1 and
+/// AutogradPrivateUse1; every aten op that touches one is intercepted above
+/// autograd and sent to a sharding rule (see dispatch/). Only one library per
+/// process can own PrivateUse1.
+///
+/// Autograd history lives on the local tensor (local()); the wrapper itself
+/// has none. So: use `loss.backward()` on plain (replicated) results, and
+/// shardtensor::backward() on sharded ones; read gradients with grad().
+
+#include <ATen/core/Tensor.h>
+#include <shardtensor/spec/shard_spec.h>
+
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+
+namespace shardtensor {
+
+class ShardTensor : public at::Tensor {
+ public:
+  ShardTensor() = default;
+  /// Local. Views `t` as a ShardTensor; throws c10::Error if it is not one.
+  explicit ShardTensor(at::Tensor t);
+
+  /// Local. True if `t` is defined and is a ShardTensor.
+  static bool is_shard_tensor(const at::Tensor& t);
+
+  /// Collective over the whole mesh when `sizes` is not given (the local
+  /// extents are all-gathered), local otherwise apart from one all-reduce of
+  /// an error flag. Wraps `local` (no copy; autograd history is kept).
+  /// Throws c10::Error on every rank if the local shapes do not fit the
+  /// placements (ranks disagree on a non-sharded extent, or on ndim), or if
+  /// `sizes` is invalid or does not match `local.sizes()`.
+  /// A Partial placement means every rank holds a summand.
+  static ShardTensor from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
+                                std::optional<ShardSizes> sizes = std::nullopt);
+
+  /// Local. Wraps `local` under `spec` without validation beyond local shape == spec.local_shape().
+  static ShardTensor from_local_unchecked(at::Tensor local, std::shared_ptr<const ShardSpec> spec);
+
+  /// Local. This rank's piece; autograd history lives here.
+  const at::Tensor& local() const;
+  /// Local. Layout metadata (identical on every rank).
+  const ShardSpec& spec() const;
+  std::shared_ptr<const ShardSpec> spec_ptr() const;
+  const DeviceMesh& mesh() const { return spec().mesh(); }
+  const Placements& placements() const { return spec().placements(); }
+
+  /// Collective over the mesh dims that are not Replicate. Differentiable.
+  /// The whole global tensor as a plain tensor on every rank (all-gatherv,
+  /// all-reduce for Partial).
+  at::Tensor full_tensor() const;
+
+  /// Collective over the mesh dims whose placement or sizes change.
+  /// Differentiable. Any placements on the same mesh: Shard(a) -> Shard(b) by
+  /// all-to-all, Shard <-> Replicate, Partial -> Replicate / Shard (all-reduce,
+  /// reduce-scatter), Replicate -> Partial, and Shard(a) -> Shard(a) with new
+  /// explicit sizes (rebalancing). Throws on every rank, before communicating,
+  /// for invalid placements or sizes, or for Shard -> Partial.
+  ShardTensor redistribute(Placements placements,
+                           std::optional<ShardSizes> sizes = std::nullopt) const;
+
+  /// Local. The gradient accumulated in local() as a ShardTensor with the same
+  /// spec, or an undefined tensor if there is none.
+  ShardTensor grad() const;
+
+  /// Local. Whether local() requires grad (the wrapper itself carries no autograd state).
+  bool requires_grad() const;
+
+  /// Local. "ShardTensor(global=[..], placements=[..], local=[..], mesh=[..])".
+  std::string to_string() const;
+};
+
+/// Local. Prints to_string() (global shape, placements, local shape), then the local values.
+std::ostream& operator<<(std::ostream& os, const ShardTensor& t);
+
+/// Collective over the mesh. Only `src` (a rank of mesh.comm()) needs `full`;
+/// the others may pass an undefined tensor. Shape and dtype are broadcast,
+/// then each rank receives only its own piece (MPI_Scatterv), never the whole
+/// tensor. The local piece is a leaf that requires grad if `requires_grad`.
+/// Throws on every rank if `full` on src does not fit the placements.
+ShardTensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
+                           Placements placements, bool requires_grad = false);
+
+/// Local (no communication): every rank has `full` and keeps a contiguous copy
+/// of its piece, a leaf that requires grad if `requires_grad`.
+/// Partial placements keep the value on coordinate 0 and zeros elsewhere.
+ShardTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
+                              bool requires_grad = false,
+                              std::optional<ShardSizes> sizes = std::nullopt);
+
+/// Collective when `output` is a ShardTensor (as its backward is). Runs the
+/// backward pass from any tensor, sharded or plain. `grad_output` may be a
+/// ShardTensor with the same spec, a plain tensor of the global shape (sliced
+/// to this rank's piece), or undefined for a single-element output.
+void backward(const at::Tensor& output, const at::Tensor& grad_output = {});
+
+}  // namespace shardtensor

@@ -1,0 +1,4 @@
+#pragma once
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <torch/torch.h>

@@ -1,0 +1,89 @@
+#include "testing.h"
+
+#include <mpi.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <sstream>
+
+namespace shardtensor::testing {
+
+bool is_mesh_2x2() {
+  const char* env = std::getenv("SHARDTENSOR_TEST_MESH");
+  return env != nullptr && std::string(env) == "2x2";
+}
+
+DeviceMesh test_mesh() {
+  if (is_mesh_2x2()) {
+    return DeviceMesh::create({2, 2}, {"dim0", "dim1"});
+  }
+  return DeviceMesh::create({-1}, {"domain"});
+}
+
+Placements fit_placements(const DeviceMesh& mesh, const Placements& wanted) {
+  Placements out;
+  for (int64_t i = 0; i < mesh.ndim(); ++i) {
+    out.push_back(i < static_cast<int64_t>(wanted.size()) ? wanted[i] : Placement(Replicate{}));
+  }
+  return out;
+}
+
+bool all_ranks(bool ok) {
+  int local = ok ? 1 : 0;
+  int global = 0;
+  MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return global == 1;
+}
+
+::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,
+                                     double rtol, double atol) {
+  // Local verdict first, then agree on the worst one.
+  double worst = 0.0;  // max over elements of |a-b| / (atol + rtol*|b|); > 1 fails
+  std::string why;
+  if (!actual.defined() || !expected.defined()) {
+    if (actual.defined() != expected.defined()) {
+      worst = 1e300;
+      why = actual.defined() ? "expected is undefined" : "actual is undefined";
+    }
+  } else if (actual.sizes() != expected.sizes()) {
+    worst = 1e300;
+    std::ostringstream os;
+    os << "shape " << actual.sizes() << " vs expected " << expected.sizes();
+    why = os.str();
+  } else if (actual.numel() > 0) {
+    auto a = actual.detach().to(torch::kDouble);
+    auto b = expected.detach().to(torch::kDouble);
+    auto err = (a - b).abs() / (atol + rtol * b.abs());
+    if (!torch::isfinite(a).equal(torch::isfinite(b))) {
+      worst = 1e300;
+      why = "non-finite values differ";
+    } else {
+      auto fin = torch::isfinite(b);
+      auto e = torch::where(fin, err, torch::zeros_like(err));
+      worst = e.max().item<double>();
+      std::ostringstream os;
+      os << "max |a-b| = " << (a - b).abs().masked_select(fin).max().item<double>()
+         << ", max |b| = " << b.abs().masked_select(fin).max().item<double>();
+      why = os.str();
+    }
+  }
+  struct {
+    double v;
+    int rank;
+  } in{worst, 0}, out{0.0, 0};
+  MPI_Comm_rank(MPI_COMM_WORLD, &in.rank);
+  MPI_Allreduce(&in, &out, 1, MPI_DOUBLE_INT, MPI_MAXLOC, MPI_COMM_WORLD);
+  // Ship the worst rank's message to everyone.
+  int len = static_cast<int>(why.size());
+  MPI_Bcast(&len, 1, MPI_INT, out.rank, MPI_COMM_WORLD);
+  why.resize(len);
+  MPI_Bcast(why.data(), len, MPI_CHAR, out.rank, MPI_COMM_WORLD);
+  if (out.v <= 1.0) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+         << "mismatch on rank " << out.rank << " (error ratio " << out.v << ", rtol " << rtol
+         << ", atol " << atol << "): " << why;
+}
+
+}  // namespace shardtensor::testing

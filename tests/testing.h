@@ -1,0 +1,56 @@
+#pragma once
+// Test utilities shared by the MPI test binaries.
+#include <gtest/gtest.h>
+#include <shardtensor/shardtensor.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace shardtensor::testing {
+
+/// Collective over MPI_COMM_WORLD. The mesh a test should use: 1-D over all
+/// ranks, or 2x2 when SHARDTENSOR_TEST_MESH=2x2.
+DeviceMesh test_mesh();
+/// Local. True when the test run uses the 2x2 mesh.
+bool is_mesh_2x2();
+
+/// Local. The first mesh.ndim() entries of `wanted` (so one list serves 1-D and 2-D meshes).
+Placements fit_placements(const DeviceMesh& mesh, const Placements& wanted);
+
+/// Collective over MPI_COMM_WORLD: true on every rank iff `ok` on every rank.
+bool all_ranks(bool ok);
+
+/// Collective over MPI_COMM_WORLD. Compares two plain tensors (shape and
+/// values, |a-b| <= atol + rtol*|b|); the verdict and the message are the
+/// same on every rank (the worst rank's error is reported).
+::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,
+                                     double rtol = 1e-5, double atol = 1e-6);
+
+/// Input to reference_check: a full tensor and how to shard it (std::nullopt: stays plain).
+struct RefInput {
+  at::Tensor full;
+  std::optional<Placements> placements;
+  bool requires_grad = true;
+};
+
+/// Collective. Runs `fn` once on plain tensors (the reference) and once on the
+/// sharded inputs, then compares: the output (gathered), the gradient of every
+/// input that requires grad, and the gradient of every parameter, after a
+/// backward pass from a fixed random cotangent. `params` are cloned for each
+/// run, so `fn` must use the vector it is given.
+/// Returns AssertionResult with every mismatch described.
+using RefFn = std::function<at::Tensor(const std::vector<at::Tensor>& inputs,
+                                       const std::vector<at::Tensor>& params)>;
+::testing::AssertionResult reference_check(const RefFn& fn, const std::vector<RefInput>& inputs,
+                                           const DeviceMesh& mesh,
+                                           const std::vector<at::Tensor>& params = {},
+                                           double rtol = 1e-5, double atol = 1e-6,
+                                           bool check_backward = true);
+
+/// Collective for ShardTensors. Gathered value of any tensor: full_tensor() of a ShardTensor, the
+/// tensor itself otherwise.
+at::Tensor gathered(const at::Tensor& t);
+
+}  // namespace shardtensor::testing
