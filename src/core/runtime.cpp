@@ -1,0 +1,188 @@
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <mpi.h>
+#include <shardtensor/core/error.h>
+#include <shardtensor/core/runtime.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardtensor {
+
+namespace detail {
+// Internal (not in the public headers): upper layers register work that must
+// happen in finalize() while MPI is still usable, e.g. mesh/ frees the
+// library's communicators. Hooks run in reverse order of registration.
+void register_finalize_hook(std::function<void()> hook);
+}  // namespace detail
+
+namespace {
+
+struct RuntimeState {
+  std::mutex mutex;
+  bool initialized = false;  // between init() and finalize()
+  bool owns_mpi = false;     // init() called MPI_Init_thread, so finalize() finalizes
+  int thread_level = -1;     // MPI_THREAD_* provided
+  std::vector<std::function<void()>> finalize_hooks;
+};
+
+RuntimeState& state() {
+  static RuntimeState* s = new RuntimeState();  // leaked: usable during static destruction
+  return *s;
+}
+
+bool mpi_initialized() {
+  int flag = 0;
+  MPI_Initialized(&flag);
+  return flag != 0;
+}
+
+bool mpi_finalized() {
+  int flag = 0;
+  MPI_Finalized(&flag);
+  return flag != 0;
+}
+
+// Number of intra-op threads per rank: SHARDTENSOR_NUM_THREADS, else
+// OMP_NUM_THREADS, else 1. An empty variable counts as unset.
+int thread_count_from_env() {
+  for (const char* name : {"SHARDTENSOR_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') {
+      continue;
+    }
+    errno = 0;
+    char* end = nullptr;
+    const long n = std::strtol(value, &end, 10);
+    while (end != nullptr && (*end == ' ' || *end == '\t')) {
+      ++end;
+    }
+    TORCH_CHECK(
+        errno == 0 && end != value && end != nullptr && *end == '\0' && n > 0 && n <= 1 << 20,
+        "shardtensor::init: environment variable ", name, "='", value,
+        "' is not a positive integer number of threads");
+    return static_cast<int>(n);
+  }
+  return 1;
+}
+
+}  // namespace
+
+namespace detail {
+void register_finalize_hook(std::function<void()> hook) {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.finalize_hooks.push_back(std::move(hook));
+}
+}  // namespace detail
+
+void init(int* argc, char*** argv) {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.initialized) {
+    return;
+  }
+  // Read the thread policy first, so that a bad value throws before MPI starts.
+  const int threads = thread_count_from_env();
+  TORCH_CHECK(!mpi_finalized(),
+              "shardtensor::init: MPI has already been finalized and cannot be initialized "
+              "again (MPI allows one MPI_Init/MPI_Finalize per process)");
+  if (mpi_initialized()) {
+    // Adopt the host's MPI: touch none of its communicators or error handlers.
+    int provided = MPI_THREAD_SINGLE;
+    SHARDTENSOR_MPI_CHECK(MPI_Query_thread(&provided));
+    s.owns_mpi = false;
+    s.thread_level = provided;
+  } else {
+    int provided = MPI_THREAD_SINGLE;
+    SHARDTENSOR_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
+    s.owns_mpi = true;
+    s.thread_level = provided;
+  }
+  at::set_num_threads(threads);
+  s.initialized = true;
+}
+
+void finalize() {
+  auto& s = state();
+  std::vector<std::function<void()>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.initialized) {
+      return;
+    }
+    hooks = s.finalize_hooks;
+  }
+  // Hooks may call back into the runtime (e.g. world_rank()), so run them unlocked.
+  if (mpi_initialized() && !mpi_finalized()) {
+    for (auto it = hooks.rbegin(); it != hooks.rend(); ++it) {
+      (*it)();
+    }
+  }
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.initialized) {
+    return;
+  }
+  s.initialized = false;
+  const bool owns = s.owns_mpi;
+  s.owns_mpi = false;
+  if (owns && mpi_initialized() && !mpi_finalized()) {
+    SHARDTENSOR_MPI_CHECK(MPI_Finalize());
+  }
+}
+
+bool is_initialized() {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.initialized;
+}
+
+int world_rank() {
+  TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
+              "shardtensor::world_rank: MPI is not initialized (call shardtensor::init() first)");
+  int rank = -1;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  return rank;
+}
+
+int world_size() {
+  TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
+              "shardtensor::world_size: MPI is not initialized (call shardtensor::init() first)");
+  int size = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  return size;
+}
+
+int mpi_thread_level() {
+  {
+    auto& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.initialized) {
+      return s.thread_level;
+    }
+  }
+  TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
+              "shardtensor::mpi_thread_level: MPI is not initialized");
+  int provided = MPI_THREAD_SINGLE;
+  SHARDTENSOR_MPI_CHECK(MPI_Query_thread(&provided));
+  return provided;
+}
+
+Runtime::Runtime(int* argc, char*** argv) { init(argc, argv); }
+
+Runtime::~Runtime() {
+  try {
+    finalize();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardtensor::Runtime: finalize failed: %s\n", e.what());
+  }
+}
+
+}  // namespace shardtensor
