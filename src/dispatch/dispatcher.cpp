@@ -1,0 +1,95 @@
+// Interception of every aten op that touches a ShardTensor (Note [dispatch]).
+//
+// Note [dispatch]: a ShardTensor carries the keys PrivateUse1 and
+// AutogradPrivateUse1. A boxed *fallback* at AutogradPrivateUse1 would not see
+// ops that have derivative formulas or composite kernels (the dispatcher
+// prefers those), so at load time we walk every registered aten op and
+// register one boxed kernel per op for AutogradPrivateUse1 on a library that
+// lives for the whole process. Composite ops (conv2d, layer_norm, matmul...)
+// therefore arrive before their decomposition. The kernel looks up the rule
+// table (ops/registry.h); without a rule, an op that has a
+// CompositeImplicitAutograd kernel is re-dispatched below the autograd key into
+// its decomposition, whose pieces come back here one by one; any other op
+// raises a c10::Error naming the op and the arguments' placements. Those
+// decisions depend only on metadata that is identical on every rank, so every
+// rank throws, and none is left in a collective.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "ops/common.h"
+
+namespace shardtensor::dispatch {
+namespace {
+
+bool debug_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("SHARDTENSOR_DEBUG");
+    return e != nullptr && std::string(e) != "0" && std::string(e) != "";
+  }();
+  return on;
+}
+
+// Debug mode: every rank must be running the same op on the same global
+// shapes and placements; a mismatch throws on every rank instead of hanging.
+void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  auto shards = ops::shard_args(args);
+  std::string fp = op.operator_name().name + "." + op.operator_name().overload_name;
+  for (const auto& t : shards) fp += "|" + ops::spec_of(t)->to_string();
+  const auto h = static_cast<int64_t>(std::hash<std::string>{}(fp) >> 2);
+  const DeviceMesh& mesh = ops::spec_of(shards[0])->mesh();
+  std::vector<int64_t> all_dims(mesh.ndim());
+  for (int64_t m = 0; m < mesh.ndim(); ++m) all_dims[m] = m;
+  auto v = at::tensor({h, -h}, at::kLong);
+  auto r = comm::all_reduce_nograd(v, mesh, all_dims, ReduceOp::Max);
+  if (r[0].item<int64_t>() != -r[1].item<int64_t>()) {
+    ops::fail(op, args, "SHARDTENSOR_DEBUG: ranks disagree on the op or its layouts");
+  }
+}
+
+void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (debug_enabled()) {
+    const size_t n = op.schema().arguments().size();
+    std::vector<c10::IValue> args(stack->end() - n, stack->end());
+    check_agreement(op, args);
+  }
+  if (const ops::Rule* rule = ops::find_rule(op.operator_name())) {
+    (*rule)(op, stack);
+    return;
+  }
+  if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
+                                                c10::DispatchKey::AutogradPrivateUse1),
+                       stack);
+    return;
+  }
+  const size_t n = op.schema().arguments().size();
+  std::vector<c10::IValue> args(stack->end() - n, stack->end());
+  ops::fail(op, args, "no sharding rule for this op");
+}
+
+struct Registration {
+  std::unique_ptr<torch::Library> lib;
+  Registration() {
+    lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                           c10::DispatchKey::AutogradPrivateUse1, __FILE__,
+                                           __LINE__);
+    for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0) continue;
+      std::string full = name.name.substr(6);
+      if (!name.overload_name.empty()) full += "." + name.overload_name;
+      lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+    }
+  }
+};
+
+// Registered when the library is loaded; never destroyed (kernels must outlive
+// every ShardTensor, including ones freed during static teardown).
+const Registration* const registration = new Registration();
+
+}  // namespace
+}  // namespace shardtensor::dispatch

@@ -1,0 +1,222 @@
+#include "ops/common.h"
+
+#include <sstream>
+
+namespace shardtensor::ops {
+
+const ShardSpec* spec_of(const at::Tensor& t) {
+  auto* impl = detail::shard_impl(t);
+  return impl ? impl->spec().get() : nullptr;
+}
+
+SpecPtr spec_ptr_of(const at::Tensor& t) {
+  auto* impl = detail::shard_impl(t);
+  return impl ? impl->spec() : nullptr;
+}
+
+at::Tensor local_of(const at::Tensor& t) {
+  auto* impl = detail::shard_impl(t);
+  return impl ? impl->local() : t;
+}
+
+at::Tensor wrap(at::Tensor local, SpecPtr spec) {
+  return detail::make_shard_tensor(std::move(local), std::move(spec));
+}
+
+std::vector<c10::IValue> pop_args(const c10::OperatorHandle& op, Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  TORCH_INTERNAL_ASSERT(stack->size() >= n);
+  std::vector<c10::IValue> args(std::make_move_iterator(stack->end() - n),
+                                std::make_move_iterator(stack->end()));
+  stack->erase(stack->end() - n, stack->end());
+  return args;
+}
+
+namespace {
+
+void describe_tensor(std::ostream& os, const at::Tensor& t) {
+  if (!t.defined()) {
+    os << "undefined";
+  } else if (auto* s = spec_of(t)) {
+    os << "ShardTensor(global=" << c10::IntArrayRef(s->global_shape())
+       << ", placements=" << to_string(s->placements()) << ", local=" << local_of(t).sizes()
+       << ")";
+  } else {
+    os << "Tensor" << t.sizes();
+  }
+}
+
+void describe_value(std::ostream& os, const c10::IValue& v) {
+  if (v.isTensor()) {
+    describe_tensor(os, v.toTensor());
+  } else if (v.isTensorList()) {
+    os << "[";
+    bool first = true;
+    for (const at::Tensor& t : v.toTensorList()) {
+      os << (first ? "" : ", ");
+      describe_tensor(os, t);
+      first = false;
+    }
+    os << "]";
+  } else if (v.isList()) {
+    os << "[";
+    bool first = true;
+    for (const c10::IValue& e : v.toListRef()) {
+      os << (first ? "" : ", ");
+      describe_value(os, e);
+      first = false;
+    }
+    os << "]";
+  } else if (v.isNone()) {
+    os << "None";
+  } else {
+    os << v;
+  }
+}
+
+}  // namespace
+
+std::string describe_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  std::ostringstream os;
+  os << op.operator_name() << "(";
+  const auto& schema_args = op.schema().arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (i) os << ", ";
+    if (i < schema_args.size()) os << schema_args[i].name() << "=";
+    describe_value(os, args[i]);
+  }
+  os << ")";
+  return os.str();
+}
+
+void fail(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+          const std::string& why) {
+  TORCH_CHECK(false, "shardtensor: ", why, " in ", describe_call(op, args));
+}
+
+std::vector<at::Tensor> shard_args(const std::vector<c10::IValue>& args) {
+  std::vector<at::Tensor> out;
+  for (const auto& v : args) {
+    if (v.isTensor()) {
+      if (spec_of(v.toTensor())) out.push_back(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) {
+        if (spec_of(t)) out.push_back(t);
+      }
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor() && spec_of(e.toTensor())) out.push_back(e.toTensor());
+      }
+    }
+  }
+  return out;
+}
+
+DeviceMesh common_mesh(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  auto shards = shard_args(args);
+  TORCH_INTERNAL_ASSERT(!shards.empty(), "no ShardTensor argument in ", op.operator_name());
+  const DeviceMesh& mesh = spec_of(shards[0])->mesh();
+  for (const auto& t : shards) {
+    if (spec_of(t)->mesh() != mesh) {
+      fail(op, args, "ShardTensor arguments live on different meshes (" + mesh.to_string() +
+                         " and " + spec_of(t)->mesh().to_string() + ")");
+    }
+  }
+  return mesh;
+}
+
+std::vector<int64_t> sharded_mesh_dims(const ShardSpec& spec) {
+  std::vector<int64_t> dims;
+  for (int64_t m = 0; m < spec.mesh().ndim(); ++m) {
+    if (is_shard(spec.placements()[m])) dims.push_back(m);
+  }
+  return dims;
+}
+
+ShardSpec operand_spec(const ShardSpec& out, c10::IntArrayRef shape) {
+  const int64_t lead = out.ndim() - static_cast<int64_t>(shape.size());
+  TORCH_INTERNAL_ASSERT(lead >= 0);
+  Placements p;
+  ShardSizes sizes;
+  for (int64_t m = 0; m < out.mesh().ndim(); ++m) {
+    const auto& pl = out.placements()[m];
+    const int64_t od = shard_dim(pl) - lead;
+    if (is_shard(pl) && od >= 0 && shape[od] == out.global_shape()[shard_dim(pl)]) {
+      p.push_back(Shard{od});
+      sizes.push_back(out.shard_sizes(m));
+    } else {
+      p.push_back(Replicate{});
+      sizes.push_back({});
+    }
+  }
+  return ShardSpec(out.mesh(), p, shape.vec(), sizes);
+}
+
+at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const ShardSpec& compute) {
+  at::Tensor local;
+  if (const ShardSpec* s = spec_of(operand)) {
+    local = *s == target ? local_of(operand)
+                         : detail::redistribute_local(local_of(operand), *s, target);
+  } else {
+    ShardSpec replicated(target.mesh(), Placements(target.mesh().ndim(), Replicate{}),
+                         operand.sizes().vec());
+    local = replicated == target ? operand
+                                 : detail::redistribute_local(operand, replicated, target);
+  }
+  std::vector<int64_t> sum_dims;
+  for (int64_t m = 0; m < target.mesh().ndim(); ++m) {
+    if (is_shard(compute.placements()[m]) && !is_shard(target.placements()[m])) {
+      sum_dims.push_back(m);
+    }
+  }
+  if (!sum_dims.empty() && local.requires_grad()) {
+    local = comm::use_replicated(local, target.mesh(), sum_dims);
+  }
+  return local;
+}
+
+ShardSpec without_partial(const ShardSpec& spec) {
+  if (!spec.has_partial()) return spec;
+  Placements p = spec.placements();
+  for (auto& pl : p) {
+    if (is_partial(pl)) pl = Replicate{};
+  }
+  return ShardSpec(spec.mesh(), p, spec.global_shape(), spec.all_shard_sizes());
+}
+
+SpecPtr make_spec(const DeviceMesh& mesh, Placements placements, std::vector<int64_t> shape,
+                  std::optional<ShardSizes> sizes) {
+  return std::make_shared<const ShardSpec>(mesh, std::move(placements), std::move(shape),
+                                           std::move(sizes));
+}
+
+void push_results(const c10::OperatorHandle& op, const std::vector<c10::IValue>& orig_args,
+                  Stack* results, const SpecPtr& spec, Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& rets = schema.returns();
+  TORCH_INTERNAL_ASSERT(results->size() == rets.size(), "unexpected number of results of ",
+                        op.operator_name());
+  for (size_t j = 0; j < rets.size(); ++j) {
+    c10::IValue& r = (*results)[j];
+    const auto* alias = rets[j].alias_info();
+    if (alias && alias->isWrite()) {
+      // Find the argument written in place (same alias set) and return it.
+      bool found = false;
+      for (size_t i = 0; i < schema.arguments().size(); ++i) {
+        const auto* a = schema.arguments()[i].alias_info();
+        if (a && a->isWrite() && a->beforeSets() == alias->beforeSets()) {
+          stack->push_back(orig_args[i]);
+          found = true;
+          break;
+        }
+      }
+      TORCH_INTERNAL_ASSERT(found, "no written argument for a result of ", op.operator_name());
+    } else if (r.isTensor() && spec) {
+      stack->push_back(wrap(r.toTensor(), spec));
+    } else {
+      stack->push_back(std::move(r));
+    }
+  }
+}
+
+}  // namespace shardtensor::ops

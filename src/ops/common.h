@@ -1,0 +1,73 @@
+#pragma once
+// Helpers shared by the sharding rules (private).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <shardtensor/comm/primitives.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ops/registry.h"
+#include "tensor/shard_tensor_impl.h"
+
+namespace shardtensor::ops {
+
+using SpecPtr = std::shared_ptr<const ShardSpec>;
+
+/// The spec of `t` if it is a ShardTensor, else nullptr.
+const ShardSpec* spec_of(const at::Tensor& t);
+SpecPtr spec_ptr_of(const at::Tensor& t);
+/// The local tensor of a ShardTensor, `t` itself otherwise.
+at::Tensor local_of(const at::Tensor& t);
+/// Wraps a local result.
+at::Tensor wrap(at::Tensor local, SpecPtr spec);
+
+/// Pops the op's arguments off the stack (in order).
+std::vector<c10::IValue> pop_args(const c10::OperatorHandle& op, Stack* stack);
+
+/// "aten::add.Tensor(self=ShardTensor(global=[4, 6], placements=[Shard(0)], local=[2, 6]), other=Tensor[6], alpha=1)"
+std::string describe_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args);
+
+/// Throws c10::Error naming the op, the shapes and the placements of every argument.
+[[noreturn]] void fail(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                       const std::string& why);
+
+/// Every ShardTensor in `args` (tensor lists included), in order.
+std::vector<at::Tensor> shard_args(const std::vector<c10::IValue>& args);
+
+/// The common mesh of all ShardTensor arguments; throws (naming the op) if they differ.
+DeviceMesh common_mesh(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args);
+
+/// Mesh dims on which `spec` is Shard.
+std::vector<int64_t> sharded_mesh_dims(const ShardSpec& spec);
+
+/// The layout that an operand of shape `shape` (right-aligned against `out`'s
+/// shape, as broadcasting does) must have to be combined elementwise with a
+/// result laid out as `out`: Shard where the operand spans the sharded dim at
+/// full size, Replicate where it broadcasts. Sizes are inherited.
+ShardSpec operand_spec(const ShardSpec& out, c10::IntArrayRef shape);
+
+/// Converts an operand (a plain tensor, taken as replicated, or a ShardTensor
+/// in any layout on the same mesh) to the local piece of layout `target`.
+/// `compute` is the layout of the computation it takes part in: on mesh dims
+/// where `compute` is Shard but `target` is Replicate, the operand is marked
+/// with comm::use_replicated so that its gradient is summed over those dims
+/// (Note [replicated gradients]). Differentiable; collective as redistribution is.
+at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const ShardSpec& compute);
+
+/// Same layout with every Partial placement turned into Replicate.
+ShardSpec without_partial(const ShardSpec& spec);
+
+/// Spec with new placements/shape/sizes on the same mesh, as a shared pointer.
+SpecPtr make_spec(const DeviceMesh& mesh, Placements placements, std::vector<int64_t> shape,
+                  std::optional<ShardSizes> sizes = std::nullopt);
+
+/// Wraps the op's results: results that alias a written argument (in-place,
+/// out=) return that argument; others are wrapped with `spec`, or returned
+/// plain if `spec` is null. Pushes them on the stack.
+void push_results(const c10::OperatorHandle& op, const std::vector<c10::IValue>& orig_args,
+                  Stack* results, const SpecPtr& spec, Stack* stack);
+
+}  // namespace shardtensor::ops

@@ -1,0 +1,452 @@
+#include "tensor/shard_tensor_impl.h"
+
+#include "comm/transport.h"
+
+#include <ATen/ATen.h>
+#include <shardtensor/comm/primitives.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <sstream>
+
+namespace shardtensor {
+namespace detail {
+
+namespace {
+c10::DispatchKeySet shard_keys() {
+  return c10::DispatchKeySet(
+      {c10::DispatchKey::PrivateUse1, c10::DispatchKey::AutogradPrivateUse1});
+}
+}  // namespace
+
+ShardTensorImpl::ShardTensorImpl(at::Tensor local, std::shared_ptr<const ShardSpec> spec)
+    : c10::TensorImpl(shard_keys(), local.dtype(), local.device()),
+      local_(std::move(local)),
+      spec_(std::move(spec)) {
+  set_storage_access_should_throw();
+  set_sizes_contiguous(spec_->global_shape());
+}
+
+c10::intrusive_ptr<c10::TensorImpl> ShardTensorImpl::shallow_copy_and_detach(
+    const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const {
+  auto impl = c10::make_intrusive<ShardTensorImpl>(local_.detach(), spec_);
+  impl->set_version_counter(version_counter);
+  impl->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
+  return impl;
+}
+
+c10::intrusive_ptr<c10::TensorImpl> ShardTensorImpl::shallow_copy_and_detach(
+    c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const {
+  auto impl = c10::make_intrusive<ShardTensorImpl>(local_.detach(), spec_);
+  impl->set_version_counter(std::move(version_counter));
+  impl->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
+  return impl;
+}
+
+void ShardTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) {
+  auto* other = dynamic_cast<ShardTensorImpl*>(impl.get());
+  TORCH_CHECK(other != nullptr, "ShardTensor: cannot set_data() from a plain tensor");
+  local_ = other->local_;
+  spec_ = other->spec_;
+  set_sizes_contiguous(spec_->global_shape());
+  data_type_ = other->data_type_;
+}
+
+ShardTensorImpl* shard_impl(const at::Tensor& t) {
+  if (!t.defined()) return nullptr;
+  return dynamic_cast<ShardTensorImpl*>(t.unsafeGetTensorImpl());
+}
+
+at::Tensor make_shard_tensor(at::Tensor local, std::shared_ptr<const ShardSpec> spec) {
+  TORCH_CHECK(local.defined(), "ShardTensor: the local tensor is undefined");
+  TORCH_CHECK(!shard_impl(local), "ShardTensor: the local tensor is itself a ShardTensor");
+  TORCH_CHECK(local.sizes().vec() == spec->local_shape(), "ShardTensor: local shape ",
+              local.sizes(), " does not match ", spec->to_string(), " whose local shape here is ",
+              c10::IntArrayRef(spec->local_shape()));
+  return at::detail::make_tensor<ShardTensorImpl>(std::move(local), std::move(spec));
+}
+
+at::Tensor local_slice(const at::Tensor& full, const ShardSpec& spec) {
+  TORCH_CHECK(full.sizes().vec() == spec.global_shape(), "local_slice: tensor of shape ",
+              full.sizes(), " does not match ", spec.to_string());
+  at::Tensor out = full;
+  const auto shape = spec.local_shape();
+  const auto offs = spec.local_offsets();
+  for (int64_t d = 0; d < spec.ndim(); ++d) {
+    if (spec.mesh_dim_of(d) >= 0) {
+      out = out.narrow(d, offs[d], shape[d]);
+    }
+  }
+  return out;
+}
+
+namespace {
+
+bool valid_placements(const Placements& p, int64_t ndim) {
+  std::vector<int> count(ndim, 0);
+  for (const auto& pl : p) {
+    if (is_shard(pl) && ++count[shard_dim(pl)] > 1) return false;
+  }
+  return true;
+}
+
+// One mesh dim's transition; `cur` and `cur_sizes` are updated.
+at::Tensor transition(const at::Tensor& local, const DeviceMesh& mesh, int64_t m,
+                      Placements& cur, ShardSizes& cur_sizes, const Placement& to,
+                      const std::vector<int64_t>& to_sizes) {
+  const Placement from = cur[m];
+  at::Tensor out;
+  if (is_shard(from) && is_replicate(to)) {
+    out = comm::all_gather(local, mesh, m, shard_dim(from), cur_sizes[m]);
+  } else if (is_shard(from) && is_shard(to)) {
+    out = comm::all_to_all(local, mesh, m, shard_dim(from), cur_sizes[m], shard_dim(to), to_sizes);
+  } else if (is_replicate(from) && is_shard(to)) {
+    out = comm::shard_slice(local, mesh, m, shard_dim(to), to_sizes);
+  } else if (is_replicate(from) && is_partial(to)) {
+    out = comm::replicate_to_partial(local, mesh, m);
+  } else if (is_partial(from) && is_replicate(to)) {
+    out = comm::all_reduce(local, mesh, {m});
+  } else if (is_partial(from) && is_shard(to)) {
+    out = comm::reduce_scatter(local, mesh, m, shard_dim(to), to_sizes);
+  } else {
+    TORCH_CHECK(false, "redistribute: cannot go from ", to_string(from), " to ", to_string(to),
+                " on mesh dim ", m, " (Shard -> Partial is not supported)");
+  }
+  cur[m] = to;
+  cur_sizes[m] = is_shard(to) ? to_sizes : std::vector<int64_t>{};
+  return out;
+}
+
+}  // namespace
+
+at::Tensor redistribute_local(const at::Tensor& local, const ShardSpec& src, const ShardSpec& dst) {
+  TORCH_CHECK(src.mesh() == dst.mesh(), "redistribute: the meshes differ: ", src.to_string(),
+              " vs ", dst.to_string());
+  TORCH_CHECK(src.global_shape() == dst.global_shape(), "redistribute: global shapes differ: ",
+              src.to_string(), " vs ", dst.to_string());
+  const DeviceMesh& mesh = src.mesh();
+  const int64_t nd = mesh.ndim();
+  // Reject Shard -> Partial up front, before any communication.
+  for (int64_t m = 0; m < nd; ++m) {
+    TORCH_CHECK(!(is_shard(src.placements()[m]) && is_partial(dst.placements()[m])),
+                "redistribute: Shard -> Partial is not supported (mesh dim ", m, "): from ",
+                src.to_string(), " to ", dst.to_string());
+  }
+  Placements cur = src.placements();
+  ShardSizes cur_sizes = src.all_shard_sizes();
+  std::vector<int64_t> pending;
+  for (int64_t m = 0; m < nd; ++m) {
+    if (!(cur[m] == dst.placements()[m]) || cur_sizes[m] != dst.shard_sizes(m)) {
+      pending.push_back(m);
+    }
+  }
+  at::Tensor out = local;
+  // Apply transitions whose intermediate layout is valid (no tensor dim sharded
+  // twice); when none is, go through Replicate on the first pending dim.
+  while (!pending.empty()) {
+    bool progressed = false;
+    for (auto it = pending.begin(); it != pending.end();) {
+      const int64_t m = *it;
+      Placements trial = cur;
+      trial[m] = dst.placements()[m];
+      if (valid_placements(trial, src.ndim())) {
+        out = transition(out, mesh, m, cur, cur_sizes, dst.placements()[m], dst.shard_sizes(m));
+        it = pending.erase(it);
+        progressed = true;
+      } else {
+        ++it;
+      }
+    }
+    if (!progressed) {
+      const int64_t m = pending.front();
+      out = transition(out, mesh, m, cur, cur_sizes, Replicate{}, {});
+    }
+  }
+  return out;
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------- ShardTensor
+
+ShardTensor::ShardTensor(at::Tensor t) : at::Tensor(std::move(t)) {
+  TORCH_CHECK(!defined() || detail::shard_impl(*this) != nullptr,
+              "ShardTensor: the tensor is not a ShardTensor (sizes ", sizes(), ")");
+}
+
+bool ShardTensor::is_shard_tensor(const at::Tensor& t) { return detail::shard_impl(t) != nullptr; }
+
+const at::Tensor& ShardTensor::local() const {
+  auto* impl = detail::shard_impl(*this);
+  TORCH_CHECK(impl, "ShardTensor::local(): undefined ShardTensor");
+  return impl->local();
+}
+
+const ShardSpec& ShardTensor::spec() const { return *spec_ptr(); }
+
+std::shared_ptr<const ShardSpec> ShardTensor::spec_ptr() const {
+  auto* impl = detail::shard_impl(*this);
+  TORCH_CHECK(impl, "ShardTensor::spec(): undefined ShardTensor");
+  return impl->spec();
+}
+
+ShardTensor ShardTensor::from_local_unchecked(at::Tensor local,
+                                              std::shared_ptr<const ShardSpec> spec) {
+  return ShardTensor(detail::make_shard_tensor(std::move(local), std::move(spec)));
+}
+
+at::Tensor ShardTensor::full_tensor() const {
+  const ShardSpec& s = spec();
+  ShardSpec dst(s.mesh(), Placements(s.mesh().ndim(), Replicate{}), s.global_shape());
+  return detail::redistribute_local(local(), s, dst);
+}
+
+ShardTensor ShardTensor::redistribute(Placements placements,
+                                      std::optional<ShardSizes> sizes) const {
+  const ShardSpec& s = spec();
+  auto dst = std::make_shared<const ShardSpec>(s.mesh(), std::move(placements), s.global_shape(),
+                                               std::move(sizes));
+  if (*dst == s) return *this;
+  return from_local_unchecked(detail::redistribute_local(local(), s, *dst), dst);
+}
+
+ShardTensor ShardTensor::grad() const {
+  const at::Tensor& g = local().grad();
+  if (!g.defined()) return ShardTensor();
+  return from_local_unchecked(g, spec_ptr());
+}
+
+bool ShardTensor::requires_grad() const { return local().requires_grad(); }
+
+std::string ShardTensor::to_string() const {
+  if (!defined()) return "ShardTensor(undefined)";
+  std::ostringstream os;
+  os << "ShardTensor(global=" << sizes() << ", placements=" << shardtensor::to_string(placements())
+     << ", local=" << local().sizes() << ", dtype=" << scalar_type() << ", mesh=" << mesh() << ")";
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const ShardTensor& t) {
+  os << t.to_string();
+  if (t.defined()) os << "\nlocal values:\n" << t.local();
+  return os;
+}
+
+// ---------------------------------------------------------------- factories
+
+namespace {
+
+constexpr int64_t kMaxDims = 16;
+
+// Local metadata record exchanged by from_local / scatter_tensor:
+// [ok, ndim, dtype, shape[0..kMaxDims)].
+std::vector<int64_t> meta_of(const at::Tensor& t) {
+  std::vector<int64_t> m(3 + kMaxDims, 0);
+  const bool ok = t.defined() && !ShardTensor::is_shard_tensor(t) && t.dim() <= kMaxDims &&
+                  t.layout() == at::kStrided && t.device().is_cpu();
+  m[0] = ok ? 1 : 0;
+  if (ok) {
+    m[1] = t.dim();
+    m[2] = static_cast<int64_t>(t.scalar_type());
+    for (int64_t d = 0; d < t.dim(); ++d) m[3 + d] = t.size(d);
+  }
+  return m;
+}
+
+std::vector<int64_t> shape_of(const int64_t* meta) {
+  return std::vector<int64_t>(meta + 3, meta + 3 + meta[1]);
+}
+
+}  // namespace
+
+ShardTensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
+                                    std::optional<ShardSizes> sizes) {
+  TORCH_CHECK(mesh.defined(), "from_local: the mesh is undefined");
+  // Every rank learns every rank's local shape, so that every rank reaches the
+  // same verdict (Note [collective discipline]).
+  const int64_t p = mesh.size();
+  const int64_t rec = 3 + kMaxDims;
+  auto mine = at::tensor(meta_of(local), at::kLong);
+  auto all = at::empty({p * rec}, at::kLong);
+  comm::transport::all_gatherv(mine, all, std::vector<int64_t>(p, rec * 8), mesh.comm());
+  const int64_t* meta = all.data_ptr<int64_t>();
+  for (int64_t r = 0; r < p; ++r) {
+    TORCH_CHECK(meta[r * rec] == 1, "from_local: the local tensor on mesh rank ", r,
+                " is undefined, a ShardTensor, not strided, not on CPU or has more than ",
+                kMaxDims, " dims (placements ", shardtensor::to_string(placements), ")");
+  }
+  const int64_t ndim = meta[1];
+  for (int64_t r = 0; r < p; ++r) {
+    TORCH_CHECK(meta[r * rec + 1] == ndim && meta[r * rec + 2] == meta[2],
+                "from_local: ranks disagree on ndim or dtype: mesh rank 0 has shape ",
+                c10::IntArrayRef(shape_of(meta)), ", mesh rank ", r, " has shape ",
+                c10::IntArrayRef(shape_of(meta + r * rec)));
+  }
+  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), "from_local: ",
+              placements.size(), " placements ", shardtensor::to_string(placements),
+              " for a mesh of ", mesh.ndim(), " dims");
+  // Extents per mesh dim, read off the ranks along each Shard mesh dim.
+  std::vector<int64_t> global = shape_of(meta);
+  ShardSizes gathered(mesh.ndim());
+  std::vector<int64_t> owner(ndim, -1);
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    if (!is_shard(placements[m])) continue;
+    int64_t d = shard_dim(placements[m]);
+    if (d < 0) d += ndim;
+    TORCH_CHECK(d >= 0 && d < ndim, "from_local: ", shardtensor::to_string(placements[m]),
+                " is out of range for local tensors of ", ndim, " dims");
+    TORCH_CHECK(owner[d] < 0, "from_local: tensor dim ", d, " is sharded by two mesh dims in ",
+                shardtensor::to_string(placements));
+    owner[d] = m;
+    gathered[m].assign(mesh.size(m), -1);
+  }
+  for (int64_t r = 0; r < p; ++r) {
+    const auto coord = mesh.coordinate_of(static_cast<int>(r));
+    const auto shape = shape_of(meta + r * rec);
+    for (int64_t d = 0; d < ndim; ++d) {
+      const int64_t m = owner[d];
+      if (m < 0) {
+        TORCH_CHECK(shape[d] == global[d], "from_local: tensor dim ", d,
+                    " is not sharded by ", shardtensor::to_string(placements),
+                    " but mesh rank 0 holds ", global[d], " and mesh rank ", r, " holds ",
+                    shape[d], " elements along it");
+      } else {
+        auto& slot = gathered[m][coord[m]];
+        TORCH_CHECK(slot < 0 || slot == shape[d], "from_local: ranks at coordinate ", coord[m],
+                    " of mesh dim ", m, " disagree on the extent of tensor dim ", d, " (", slot,
+                    " vs ", shape[d], ")");
+        slot = shape[d];
+      }
+    }
+  }
+  for (int64_t d = 0; d < ndim; ++d) {
+    if (owner[d] >= 0) {
+      const auto& v = gathered[owner[d]];
+      global[d] = std::accumulate(v.begin(), v.end(), int64_t{0});
+    }
+  }
+  if (sizes) {
+    // Validate the given sizes against what the ranks hold.
+    TORCH_CHECK(static_cast<int64_t>(sizes->size()) == mesh.ndim(), "from_local: sizes has ",
+                sizes->size(), " entries for a mesh of ", mesh.ndim(), " dims");
+    for (int64_t m = 0; m < mesh.ndim(); ++m) {
+      if (is_shard(placements[m])) {
+        TORCH_CHECK((*sizes)[m] == gathered[m], "from_local: sizes for mesh dim ", m, " are ",
+                    c10::IntArrayRef((*sizes)[m]), " but the ranks hold ",
+                    c10::IntArrayRef(gathered[m]));
+      }
+    }
+  }
+  auto spec = std::make_shared<const ShardSpec>(mesh, std::move(placements), global,
+                                                sizes ? std::move(sizes) : std::move(gathered));
+  return from_local_unchecked(std::move(local), std::move(spec));
+}
+
+ShardTensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
+                           Placements placements, bool requires_grad) {
+  TORCH_CHECK(mesh.defined(), "scatter_tensor: the mesh is undefined");
+  TORCH_CHECK(src >= 0 && src < mesh.size(), "scatter_tensor: src ", src,
+              " is not a rank of the mesh ", mesh.to_string());
+  const int me = mesh.rank();
+  // Shape and dtype travel from src first, so every rank can validate alike.
+  auto meta = at::tensor(me == src ? meta_of(full) : std::vector<int64_t>(3 + kMaxDims, 0),
+                         at::kLong);
+  comm::transport::broadcast_(meta, src, mesh.comm());
+  const int64_t* m = meta.data_ptr<int64_t>();
+  TORCH_CHECK(m[0] == 1, "scatter_tensor: the tensor on src rank ", src,
+              " is undefined, a ShardTensor, not strided, not on CPU or has more than ", kMaxDims,
+              " dims");
+  const auto dtype = static_cast<at::ScalarType>(m[2]);
+  auto spec =
+      std::make_shared<const ShardSpec>(mesh, std::move(placements), shape_of(m));
+  auto zero_piece = [&](const std::vector<int64_t>& coord) {
+    for (int64_t d = 0; d < mesh.ndim(); ++d) {
+      if (is_partial(spec->placements()[d]) && coord[d] != 0) return true;
+    }
+    return false;
+  };
+  const int64_t p = mesh.size();
+  const int64_t elem = c10::elementSize(dtype);
+  std::vector<int64_t> send_bytes(p, 0);
+  at::Tensor send;
+  if (me == src) {
+    std::vector<at::Tensor> pieces;
+    at::Tensor f = full.detach();
+    for (int64_t r = 0; r < p; ++r) {
+      const auto coord = mesh.coordinate_of(static_cast<int>(r));
+      if (zero_piece(coord)) continue;
+      at::Tensor piece = f;
+      const auto offs = spec->local_offsets_at(coord);
+      const auto shape = spec->local_shape_at(coord);
+      for (int64_t d = 0; d < spec->ndim(); ++d) {
+        if (spec->mesh_dim_of(d) >= 0) piece = piece.narrow(d, offs[d], shape[d]);
+      }
+      pieces.push_back(piece.reshape({-1}));
+      send_bytes[r] = piece.numel() * elem;
+    }
+    send = pieces.empty() ? at::empty({0}, f.options()) : at::cat(pieces);
+  }
+  at::Tensor local = at::empty(spec->local_shape(), at::TensorOptions().dtype(dtype));
+  const bool zero = zero_piece(mesh.coordinate());
+  comm::transport::scatterv(send, send_bytes, zero ? at::empty({0}, local.options()) : local, src,
+                            mesh.comm());
+  if (zero) local.zero_();
+  if (requires_grad) local.requires_grad_(true);
+  return ShardTensor::from_local_unchecked(std::move(local), std::move(spec));
+}
+
+ShardTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh,
+                              Placements placements, bool requires_grad,
+                              std::optional<ShardSizes> sizes) {
+  TORCH_CHECK(full.defined(), "distribute_tensor: the input tensor is undefined");
+  TORCH_CHECK(!ShardTensor::is_shard_tensor(full),
+              "distribute_tensor: the input is already a ShardTensor; use redistribute()");
+  auto spec = std::make_shared<const ShardSpec>(mesh, std::move(placements), full.sizes().vec(),
+                                                std::move(sizes));
+  at::Tensor local = detail::local_slice(full.detach(), *spec).clone(at::MemoryFormat::Contiguous);
+  const auto coord = mesh.coordinate();
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    if (is_partial(spec->placements()[m]) && coord[m] != 0) local.zero_();
+  }
+  if (requires_grad) local.requires_grad_(true);
+  return ShardTensor::from_local_unchecked(std::move(local), std::move(spec));
+}
+
+void backward(const at::Tensor& output, const at::Tensor& grad_output) {
+  TORCH_CHECK(output.defined(), "shardtensor::backward: the output is undefined");
+  if (!ShardTensor::is_shard_tensor(output)) {
+    at::Tensor g = grad_output;
+    if (ShardTensor::is_shard_tensor(g)) g = ShardTensor(g).full_tensor();
+    torch::autograd::backward({output}, {g});
+    return;
+  }
+  ShardTensor out(output);
+  const ShardSpec& spec = out.spec();
+  at::Tensor g;
+  if (!grad_output.defined()) {
+    TORCH_CHECK(spec.numel() == 1,
+                "shardtensor::backward: grad_output can be omitted only for a single-element "
+                "output, got ",
+                spec.to_string());
+    g = at::ones_like(out.local());
+  } else if (ShardTensor::is_shard_tensor(grad_output)) {
+    ShardTensor go(grad_output);
+    TORCH_CHECK(go.spec().global_shape() == spec.global_shape(),
+                "shardtensor::backward: grad_output ", go.spec().to_string(),
+                " does not match output ", spec.to_string());
+    // The gradient of a Partial value is replicated (Note [replicated gradients]).
+    Placements want = spec.placements();
+    for (auto& p : want) {
+      if (is_partial(p)) p = Replicate{};
+    }
+    ShardSpec dst(spec.mesh(), want, spec.global_shape(), spec.all_shard_sizes());
+    g = detail::redistribute_local(go.local(), go.spec(), dst);
+  } else {
+    TORCH_CHECK(grad_output.sizes().vec() == spec.global_shape(),
+                "shardtensor::backward: grad_output of shape ", grad_output.sizes(),
+                " does not match output ", spec.to_string());
+    g = detail::local_slice(grad_output, spec);
+  }
+  torch::autograd::backward({out.local()}, {g.detach()});
+}
+
+}  // namespace shardtensor
