@@ -26,7 +26,7 @@ at::Tensor gathered(const at::Tensor& t) {
     bool rg = in.requires_grad && in.full.is_floating_point();
     ref_in.push_back(in.full.detach().clone().requires_grad_(rg));
     if (in.placements) {
-      sh_in.push_back(distribute_tensor(in.full, mesh, *in.placements, rg));
+      sh_in.push_back(distribute_tensor(in.full, mesh, *in.placements, rg, in.sizes));
     } else {
       sh_in.push_back(in.full.detach().clone().requires_grad_(rg));
     }

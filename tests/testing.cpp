@@ -28,6 +28,26 @@ Placements fit_placements(const DeviceMesh& mesh, const Placements& wanted) {
   return out;
 }
 
+ShardSizes sizes_with_empty_first(const DeviceMesh& mesh, const Placements& placements,
+                                  c10::IntArrayRef global_shape) {
+  ShardSizes sizes(mesh.ndim());
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    if (!is_shard(placements[m])) continue;
+    int64_t d = shard_dim(placements[m]);
+    if (d < 0) d += static_cast<int64_t>(global_shape.size());
+    const int64_t n = global_shape[d];
+    const int64_t p = mesh.size(m);
+    if (p == 1) {
+      sizes[m] = {n};
+      continue;
+    }
+    sizes[m] = {0};
+    auto rest = balanced_sizes(n, p - 1);
+    sizes[m].insert(sizes[m].end(), rest.begin(), rest.end());
+  }
+  return sizes;
+}
+
 bool all_ranks(bool ok) {
   int local = ok ? 1 : 0;
   int global = 0;

@@ -33,7 +33,15 @@ struct RefInput {
   at::Tensor full;
   std::optional<Placements> placements;
   bool requires_grad = true;
+  /// Explicit shard sizes (e.g. with an empty shard); default balanced.
+  std::optional<ShardSizes> sizes = std::nullopt;
 };
+
+/// Local. Sizes for `mesh` that give coordinate 0 of every Shard mesh dim an
+/// empty piece and split the rest balanced (for the empty-shard cases); the
+/// same as balanced when a mesh dim has one coordinate.
+ShardSizes sizes_with_empty_first(const DeviceMesh& mesh, const Placements& placements,
+                                  c10::IntArrayRef global_shape);
 
 /// Collective. Runs `fn` once on plain tensors (the reference) and once on the
 /// sharded inputs, then compares: the output (gathered), the gradient of every
