@@ -1,0 +1,135 @@
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <shardtensor/core/stats.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+// libtorch >= 2.3 made Allocator::allocate non-const and added the pure
+// virtual Allocator::copy_data; 1.13 (Debian) has the const allocate only.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define SHARDTENSOR_ALLOCATE_CONST
+#define SHARDTENSOR_COPY_DATA_OVERRIDE override
+#else
+#define SHARDTENSOR_ALLOCATE_CONST const
+#define SHARDTENSOR_COPY_DATA_OVERRIDE
+#endif
+
+namespace shardtensor {
+
+namespace {
+
+// Constant-initialized, so they are valid during static initialization and
+// destruction of any library (tensors may be freed very late).
+std::atomic<int64_t> g_bytes_sent{0};
+std::atomic<int64_t> g_bytes_received{0};
+std::atomic<int64_t> g_messages{0};
+std::atomic<int64_t> g_current_bytes{0};
+std::atomic<int64_t> g_peak_bytes{0};
+
+void raise_peak_to(int64_t value) {
+  int64_t peak = g_peak_bytes.load(std::memory_order_relaxed);
+  while (value > peak &&
+         !g_peak_bytes.compare_exchange_weak(peak, value, std::memory_order_relaxed)) {
+  }
+}
+
+// The DataPtr context: the data pointer and its size, so that the deleter can
+// account for the bytes it frees.
+struct Allocation {
+  void* data;
+  size_t nbytes;
+};
+
+void delete_tracked(void* ctx) {
+  if (ctx == nullptr) {
+    return;  // zero-byte allocation
+  }
+  auto* a = static_cast<Allocation*>(ctx);
+  c10::free_cpu(a->data);
+  g_current_bytes.fetch_sub(static_cast<int64_t>(a->nbytes), std::memory_order_relaxed);
+  delete a;
+}
+
+/// libtorch's CPU allocator while the library is loaded: c10::alloc_cpu /
+/// c10::free_cpu (the same aligned allocation as the default allocator) plus
+/// live and peak byte counters. It does not zero-fill/junk-fill (the
+/// caffe2_cpu_allocator_* debug flags) nor report to the profiler.
+struct TrackingCPUAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) SHARDTENSOR_ALLOCATE_CONST override {
+    if (nbytes == 0) {
+      return {nullptr, nullptr, &delete_tracked, c10::Device(c10::DeviceType::CPU)};
+    }
+    auto ctx = std::make_unique<Allocation>(Allocation{nullptr, nbytes});
+    ctx->data = c10::alloc_cpu(nbytes);  // throws c10::Error when out of memory
+    const int64_t now =
+        g_current_bytes.fetch_add(static_cast<int64_t>(nbytes), std::memory_order_relaxed) +
+        static_cast<int64_t>(nbytes);
+    raise_peak_to(now);
+    void* data = ctx->data;
+    return {data, ctx.release(), &delete_tracked, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  // Pure virtual from libtorch 2.3; an ordinary member before.
+  void copy_data(void* dest, const void* src, size_t count) const SHARDTENSOR_COPY_DATA_OVERRIDE {
+    if (count > 0) {
+      std::memcpy(dest, src, count);
+    }
+  }
+};
+
+// Wins over libtorch's default CPU allocator (registered with priority 0).
+constexpr uint8_t kTrackingAllocatorPriority = 1;
+
+struct InstallTrackingAllocator {
+  InstallTrackingAllocator() {
+    // Leaked on purpose: tensors may outlive every static object.
+    static auto* tracker = new TrackingCPUAllocator();
+    c10::SetCPUAllocator(tracker, kTrackingAllocatorPriority);
+  }
+};
+
+const InstallTrackingAllocator g_install_tracking_allocator;
+
+}  // namespace
+
+CommStats comm_stats() {
+  CommStats s;
+  s.bytes_sent = g_bytes_sent.load(std::memory_order_relaxed);
+  s.bytes_received = g_bytes_received.load(std::memory_order_relaxed);
+  s.messages = g_messages.load(std::memory_order_relaxed);
+  return s;
+}
+
+void reset_comm_stats() {
+  g_bytes_sent.store(0, std::memory_order_relaxed);
+  g_bytes_received.store(0, std::memory_order_relaxed);
+  g_messages.store(0, std::memory_order_relaxed);
+}
+
+MemoryStats memory_stats() {
+  MemoryStats s;
+  s.current_bytes = g_current_bytes.load(std::memory_order_relaxed);
+  s.peak_bytes = std::max(g_peak_bytes.load(std::memory_order_relaxed), s.current_bytes);
+  return s;
+}
+
+void reset_peak_memory_stats() {
+  g_peak_bytes.store(g_current_bytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
+namespace detail {
+void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages) {
+  g_bytes_sent.fetch_add(bytes_sent, std::memory_order_relaxed);
+  g_bytes_received.fetch_add(bytes_received, std::memory_order_relaxed);
+  g_messages.fetch_add(messages, std::memory_order_relaxed);
+}
+}  // namespace detail
+
+}  // namespace shardtensor
