@@ -42,41 +42,42 @@ void raise_peak_to(int64_t value) {
 
 // The DataPtr context: the data pointer and its size, so that the deleter can
 // account for the bytes it frees.
-struct Allocation {
-  void* data;
-  size_t nbytes;
-};
+// Note [tracking allocator layout]: libtorch's raw_allocate()/raw_deallocate()
+// (used by some CPU kernels, e.g. gelu) require the DataPtr's context to be the
+// data pointer itself and a plain raw_deleter(). So the size lives in a header
+// of kHeader bytes in front of the data; kHeader equals c10's CPU alignment so
+// the data stays aligned.
+constexpr size_t kHeader = 64;
 
-void delete_tracked(void* ctx) {
-  if (ctx == nullptr) {
+void delete_tracked(void* data) {
+  if (data == nullptr) {
     return;  // zero-byte allocation
   }
-  auto* a = static_cast<Allocation*>(ctx);
-  c10::free_cpu(a->data);
-  g_current_bytes.fetch_sub(static_cast<int64_t>(a->nbytes), std::memory_order_relaxed);
-  delete a;
+  char* base = static_cast<char*>(data) - kHeader;
+  size_t nbytes = 0;
+  std::memcpy(&nbytes, base, sizeof(nbytes));
+  g_current_bytes.fetch_sub(static_cast<int64_t>(nbytes), std::memory_order_relaxed);
+  c10::free_cpu(base);
 }
 
-/// libtorch's CPU allocator while the library is loaded: c10::alloc_cpu /
-/// c10::free_cpu (the same aligned allocation as the default allocator) plus
-/// live and peak byte counters. It does not zero-fill/junk-fill (the
-/// caffe2_cpu_allocator_* debug flags) nor report to the profiler.
+// Wraps c10's CPU allocation (alignment, OOM errors) and counts live bytes.
 struct TrackingCPUAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) SHARDTENSOR_ALLOCATE_CONST override {
     if (nbytes == 0) {
       return {nullptr, nullptr, &delete_tracked, c10::Device(c10::DeviceType::CPU)};
     }
-    auto ctx = std::make_unique<Allocation>(Allocation{nullptr, nbytes});
-    ctx->data = c10::alloc_cpu(nbytes);  // throws c10::Error when out of memory
+    char* base = static_cast<char*>(c10::alloc_cpu(nbytes + kHeader));  // throws on OOM
+    std::memcpy(base, &nbytes, sizeof(nbytes));
     const int64_t now =
         g_current_bytes.fetch_add(static_cast<int64_t>(nbytes), std::memory_order_relaxed) +
         static_cast<int64_t>(nbytes);
     raise_peak_to(now);
-    void* data = ctx->data;
-    return {data, ctx.release(), &delete_tracked, c10::Device(c10::DeviceType::CPU)};
+    void* data = base + kHeader;
+    return {data, data, &delete_tracked, c10::Device(c10::DeviceType::CPU)};
   }
 
-  // Pure virtual from libtorch 2.3; an ordinary member before.
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_tracked; }
+
   void copy_data(void* dest, const void* src, size_t count) const SHARDTENSOR_COPY_DATA_OVERRIDE {
     if (count > 0) {
       std::memcpy(dest, src, count);
