@@ -1,0 +1,173 @@
+#pragma once
+/// \file The transport: the one seam between shardtensor and MPI.
+///
+/// Non-differentiable data movement on **contiguous CPU tensors** over an
+/// MPI_Comm. Everything above comm/ reaches the network only through the
+/// differentiable primitives (shardtensor/comm/primitives.h), and those reach
+/// it only through the functions declared here.
+///
+/// Note [transport seam]
+/// ~~~~~~~~~~~~~~~~~~~~~
+/// The interface is deliberately small and speaks in tensors and byte counts,
+/// not in raw pointers or MPI datatypes, so that another backend can slot in
+/// underneath without touching the primitives:
+///  - CUDA-aware MPI: the same calls on device pointers once the CPU check is
+///    relaxed (and a stream synchronisation before each call);
+///  - NCCL: all_reduce_/all_gatherv/reduce_scatter/broadcast_ map one to one,
+///    all_to_allv and the split-phase exchange become ncclGroupStart/End of
+///    ncclSend/ncclRecv (the PendingExchange then holds a CUDA event);
+///  - device tensors with a host-only transport: stage through pinned host
+///    buffers inside these functions.
+/// MPI_Comm is the only MPI type in the interface: it names the group and is
+/// what a backend would key its own communicator cache on. Data always moves
+/// as MPI_BYTE; only the reductions need the element type.
+///
+/// Note [traffic accounting]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~
+/// Every function records this rank's traffic with detail::record_comm() so
+/// that tests can assert on bytes, not seconds. The numbers model what must
+/// leave and arrive at this rank under a bandwidth-optimal direct (pairwise)
+/// algorithm, independently of what the MPI library does internally, so they
+/// are deterministic and identical for any MPI:
+///  - Bytes are payload bytes in the caller's dtype (half/bfloat16 count 2
+///    bytes per element even though reductions upcast them to float).
+///  - Nothing sent to or received from this rank itself is counted, so a
+///    communicator of size 1 counts nothing.
+///  - `messages` counts non-empty sends only (receives are the other side's
+///    messages).
+///  - point-to-point (start_exchange): exact payload bytes of every non-empty
+///    send/receive to/from another rank; one message per non-empty send.
+///  - all_gatherv: sends its own piece (b_me bytes) to P-1 peers:
+///    sent = (P-1)*b_me, received = sum_{c != me} b_c, messages = P-1 if b_me > 0.
+///  - reduce_scatter: sends every peer its piece of this rank's summand and
+///    receives P-1 contributions to its own piece: sent = sum_{c != me} b_c,
+///    received = (P-1)*b_me, messages = #{c != me : b_c > 0}.
+///  - all_reduce_: reduce-scatter followed by all-gather over element chunks
+///    split balanced-block (balanced_sizes(numel, P)); with N total bytes and
+///    b_me this rank's chunk: sent = received = N + (P-2)*b_me (about
+///    2N(P-1)/P, the ring all-reduce volume); messages = #{c != me : b_c > 0}
+///    + (P-1 if b_me > 0).
+///  - all_to_allv: sum of send / receive counts to / from other ranks;
+///    messages = #{peers != me with a non-empty send}.
+///  - broadcast_: the root sends N bytes to each of P-1 peers (messages = P-1
+///    if N > 0); every other rank receives N bytes.
+///  - scatterv: the root sends each other rank its piece; each other rank
+///    receives its piece.
+///  - Diagnostics (diagnostic_max_) are not counted, so the counters are the
+///    same with and without SHARDTENSOR_DEBUG.
+
+#include <ATen/core/Tensor.h>
+#include <mpi.h>
+#include <shardtensor/comm/primitives.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace shardtensor::comm::transport {
+
+/// Tag used by start_exchange() unless told otherwise. MPI keeps messages
+/// between one pair of ranks with one tag in order, so successive exchanges on
+/// one communicator match as long as every rank posts them in the same order.
+constexpr int kExchangeTag = 7031;
+
+/// Local. Size of and this process's rank in `comm`. Throw c10::Error on MPI failure.
+int comm_size(MPI_Comm comm);
+int comm_rank(MPI_Comm comm);
+
+/// Collective over `comm`. In-place element-wise reduction of `t` (contiguous,
+/// CPU) over all ranks. Supports float, double, int8/16/32/64, uint8 and bool
+/// (Sum/Max are logical or, Min/Product logical and); half and bfloat16 are
+/// reduced in float and rounded back. Throws c10::Error for other dtypes,
+/// non-contiguous or non-CPU tensors, and MPI failures.
+void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+
+/// Collective over `comm`. All-gatherv of bytes: rank c contributes `send`
+/// (recv_bytes[c] bytes); `recv` (contiguous, at least sum(recv_bytes) bytes)
+/// receives the pieces concatenated in rank order, i.e. along dim 0 of a
+/// row-major buffer. Throws if send.nbytes() != recv_bytes[me], a count
+/// exceeds INT_MAX bytes, or MPI fails.
+void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+
+/// Collective over `comm`. All-to-allv of bytes: send_bytes[c] bytes at byte
+/// offset send_displs[c] of `send` go to rank c, which stores them at
+/// recv_displs[me] of its `recv`; recv_bytes[c] must equal what c sends here.
+/// Throws on inconsistent lengths, buffers too small, counts or displacements
+/// above INT_MAX bytes, or MPI failure.
+void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
+                 const std::vector<int64_t>& send_displs, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
+                 MPI_Comm comm);
+
+/// Collective over `comm`. Overwrites `t` (contiguous, same nbytes on every
+/// rank) with the root's bytes.
+void broadcast_(const at::Tensor& t, int root, MPI_Comm comm);
+
+/// Collective over `comm`. The root sends send_bytes[c] bytes of `send`
+/// (consecutive, in rank order) to rank c, which receives them into `recv`
+/// (recv.nbytes() bytes). `send` and `send_bytes` are read on the root only.
+void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
+              const at::Tensor& recv, int root, MPI_Comm comm);
+
+/// Collective over `comm`. Element-wise reduction of `send` over all ranks,
+/// rank c keeping elements [sum(recv_numel[:c]), +recv_numel[c]) in `recv`
+/// (a reduce-scatter along dim 0 of a row-major buffer). Same dtypes as
+/// all_reduce_(); `send` and `recv` share a dtype.
+void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm);
+
+/// Collective over `comm`, uncounted: in-place max of a few int64 values. For
+/// diagnostics only (the SHARDTENSOR_DEBUG fingerprint check).
+void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm);
+
+/// One side of a point-to-point transfer: the whole of `buffer` (contiguous,
+/// CPU) goes to / comes from rank `peer` of the communicator.
+struct PeerBuffer {
+  int peer = 0;
+  at::Tensor buffer;
+};
+
+/// A split-phase point-to-point exchange in flight (like PETSc's
+/// DMGlobalToLocalBegin/End or AMReX's FillBoundary_nowait/_finish). Holds
+/// references to its buffers until it completes. Move-only.
+class PendingExchange {
+ public:
+  PendingExchange() = default;
+  PendingExchange(PendingExchange&& other) noexcept;
+  PendingExchange& operator=(PendingExchange&& other) noexcept;
+  PendingExchange(const PendingExchange&) = delete;
+  PendingExchange& operator=(const PendingExchange&) = delete;
+  /// If still pending (finish() was never reached, e.g. during stack
+  /// unwinding), cancels the receives and waits for the sends; never throws.
+  ~PendingExchange();
+
+  /// Local. Waits for every send and receive. Throws c10::Error if MPI fails
+  /// or a receive got a different number of bytes than its buffer holds.
+  /// A second call does nothing.
+  void finish();
+  /// Local. True between start_exchange() and finish().
+  bool pending() const { return !requests_.empty(); }
+
+ private:
+  friend PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
+                                        const std::vector<PeerBuffer>& recvs, MPI_Comm comm,
+                                        int tag);
+  void abandon() noexcept;
+
+  std::vector<MPI_Request> requests_;    // receives first, then sends
+  std::vector<int64_t> expected_bytes_;  // per receive
+  std::vector<at::Tensor> buffers_;      // keep-alive
+};
+
+/// Point-to-point over `comm`: posts MPI_Irecv for every entry of `recvs`, then
+/// MPI_Isend for every entry of `sends`, and returns without waiting. Every
+/// peer named must post the matching operation (same byte count; with several
+/// messages between one pair, in the same order). Empty buffers are skipped
+/// on both sides. The buffers must not be touched until finish(). Throws
+/// c10::Error on invalid peers, non-contiguous or non-CPU buffers, messages
+/// above INT_MAX bytes, or MPI failure.
+PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
+                               const std::vector<PeerBuffer>& recvs, MPI_Comm comm,
+                               int tag = kExchangeTag);
+
+}  // namespace shardtensor::comm::transport

@@ -1,0 +1,468 @@
+// The MPI transport (see Note [transport seam] in transport.h): the only file
+// of the library that moves tensor data through MPI.
+#include "comm/transport.h"
+
+#include <ATen/ATen.h>
+#include <shardtensor/core/error.h>
+#include <shardtensor/core/stats.h>
+
+#include <climits>
+#include <cstring>
+#include <numeric>
+#include <utility>
+
+namespace shardtensor::comm::transport {
+
+namespace {
+
+/// Converts a byte or element count to the int that MPI-3 calls take.
+int to_count(int64_t v, const char* what) {
+  TORCH_CHECK(v >= 0, "shardtensor transport: negative ", what, " (", v, ")");
+  TORCH_CHECK(v <= static_cast<int64_t>(INT_MAX), "shardtensor transport: ", what, " of ", v,
+              " exceeds the MPI count limit of INT_MAX = ", INT_MAX,
+              "; split the tensor into smaller pieces (more ranks or chunks)");
+  return static_cast<int>(v);
+}
+
+std::vector<int> to_counts(const std::vector<int64_t>& v, const char* what) {
+  std::vector<int> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    out[i] = to_count(v[i], what);
+  }
+  return out;
+}
+
+/// Exclusive prefix sum as MPI displacements (checked against INT_MAX).
+std::vector<int> prefix_displs(const std::vector<int64_t>& counts, const char* what) {
+  std::vector<int> out(counts.size());
+  int64_t acc = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    out[i] = to_count(acc, what);
+    acc += counts[i];
+  }
+  return out;
+}
+
+void check_buffer(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.defined(), "shardtensor transport: ", what, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "shardtensor transport: ", what,
+              " must be a CPU tensor (the MPI transport does not take device memory), got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: ", what, " must be contiguous");
+}
+
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
+
+void* ptr(const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr(); }
+
+/// Element type and operation for a reduction on `dtype` (after any upcast).
+std::pair<MPI_Datatype, MPI_Op> reduction_type(at::ScalarType dtype, ReduceOp op) {
+  MPI_Op mpi_op = MPI_SUM;
+  switch (op) {
+    case ReduceOp::Sum:
+      mpi_op = MPI_SUM;
+      break;
+    case ReduceOp::Max:
+      mpi_op = MPI_MAX;
+      break;
+    case ReduceOp::Min:
+      mpi_op = MPI_MIN;
+      break;
+    case ReduceOp::Product:
+      mpi_op = MPI_PROD;
+      break;
+  }
+  switch (dtype) {
+    case at::kFloat:
+      return {MPI_FLOAT, mpi_op};
+    case at::kDouble:
+      return {MPI_DOUBLE, mpi_op};
+    case at::kInt:
+      return {MPI_INT32_T, mpi_op};
+    case at::kLong:
+      return {MPI_INT64_T, mpi_op};
+    case at::kByte:
+      return {MPI_UINT8_T, mpi_op};
+    case at::kChar:
+      return {MPI_INT8_T, mpi_op};
+    case at::kShort:
+      return {MPI_INT16_T, mpi_op};
+    case at::kBool:
+      // Stored as one byte holding 0 or 1: or = max, and = min.
+      return {MPI_UINT8_T, (op == ReduceOp::Sum || op == ReduceOp::Max) ? MPI_MAX : MPI_MIN};
+    default:
+      TORCH_CHECK(false, "shardtensor transport: reductions do not support dtype ", dtype);
+  }
+  return {MPI_BYTE, mpi_op};  // unreachable
+}
+
+bool needs_upcast(at::ScalarType dtype) { return dtype == at::kHalf || dtype == at::kBFloat16; }
+
+void record_all_reduce(int64_t numel, int64_t elem, int size, int rank) {
+  if (size <= 1 || numel == 0) {
+    return;
+  }
+  const int64_t total = numel * elem;
+  const int64_t base = numel / size, extra = numel % size;
+  auto chunk = [&](int64_t c) { return (base + (c < extra ? 1 : 0)) * elem; };
+  const int64_t mine = chunk(rank);
+  int64_t messages = 0;
+  for (int c = 0; c < size; ++c) {
+    messages += (c != rank && chunk(c) > 0) ? 1 : 0;
+  }
+  messages += mine > 0 ? size - 1 : 0;
+  const int64_t bytes = total + static_cast<int64_t>(size - 2) * mine;
+  detail::record_comm(bytes, bytes, messages);
+}
+
+}  // namespace
+
+int comm_size(MPI_Comm comm) {
+  int size = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_size(comm, &size));
+  return size;
+}
+
+int comm_rank(MPI_Comm comm) {
+  int rank = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  return rank;
+}
+
+void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
+  check_buffer(t, "all_reduce_ buffer");
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  if (needs_upcast(t.scalar_type())) {
+    at::Tensor wide = t.to(at::kFloat).contiguous();
+    if (size > 1 && t.numel() > 0) {
+      auto [type, mpi_op] = reduction_type(at::kFloat, op);
+      auto* data = static_cast<float*>(ptr(wide));
+      for (int64_t done = 0; done < wide.numel(); done += INT_MAX) {
+        const int n = static_cast<int>(std::min<int64_t>(INT_MAX, wide.numel() - done));
+        SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, n, type, mpi_op, comm));
+      }
+      t.copy_(wide);
+    }
+    record_all_reduce(t.numel(), t.element_size(), size, rank);
+    return;
+  }
+  auto [type, mpi_op] = reduction_type(t.scalar_type(), op);
+  if (size > 1 && t.numel() > 0) {
+    // Counts are elements: chunk so that no single call exceeds INT_MAX.
+    auto* data = static_cast<char*>(ptr(t));
+    const int64_t elem = t.element_size();
+    for (int64_t done = 0; done < t.numel(); done += INT_MAX) {
+      const int n = static_cast<int>(std::min<int64_t>(INT_MAX, t.numel() - done));
+      SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done * elem, n, type, mpi_op, comm));
+    }
+  }
+  record_all_reduce(t.numel(), t.element_size(), size, rank);
+}
+
+void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+  check_buffer(send, "all_gatherv send buffer");
+  check_buffer(recv, "all_gatherv receive buffer");
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  TORCH_CHECK(static_cast<int>(recv_bytes.size()) == size,
+              "shardtensor transport: all_gatherv got ", recv_bytes.size(),
+              " byte counts for a communicator of size ", size);
+  const int64_t mine = nbytes(send);
+  TORCH_CHECK(mine == recv_bytes[rank], "shardtensor transport: all_gatherv: rank ", rank,
+              " sends ", mine, " bytes but recv_bytes says ", recv_bytes[rank]);
+  const int64_t total = std::accumulate(recv_bytes.begin(), recv_bytes.end(), int64_t{0});
+  TORCH_CHECK(nbytes(recv) >= total, "shardtensor transport: all_gatherv receive buffer holds ",
+              nbytes(recv), " bytes, needs ", total);
+  std::vector<int> counts = to_counts(recv_bytes, "all_gatherv piece");
+  std::vector<int> displs = prefix_displs(recv_bytes, "all_gatherv displacement");
+  if (size == 1) {
+    if (mine > 0) {
+      std::memcpy(recv.data_ptr(), send.data_ptr(), mine);
+    }
+    return;
+  }
+  SHARDTENSOR_MPI_CHECK(MPI_Allgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv), counts.data(),
+                                       displs.data(), MPI_BYTE, comm));
+  detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
+}
+
+void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
+                 const std::vector<int64_t>& send_displs, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
+                 MPI_Comm comm) {
+  check_buffer(send, "all_to_allv send buffer");
+  check_buffer(recv, "all_to_allv receive buffer");
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  TORCH_CHECK(
+      static_cast<int>(send_bytes.size()) == size && static_cast<int>(send_displs.size()) == size &&
+          static_cast<int>(recv_bytes.size()) == size &&
+          static_cast<int>(recv_displs.size()) == size,
+      "shardtensor transport: all_to_allv needs ", size, " counts and displacements on each side");
+  int64_t sent = 0, received = 0, messages = 0;
+  for (int c = 0; c < size; ++c) {
+    TORCH_CHECK(send_displs[c] >= 0 && send_displs[c] + send_bytes[c] <= nbytes(send),
+                "shardtensor transport: all_to_allv send range for rank ", c,
+                " lies outside the send buffer");
+    TORCH_CHECK(recv_displs[c] >= 0 && recv_displs[c] + recv_bytes[c] <= nbytes(recv),
+                "shardtensor transport: all_to_allv receive range for rank ", c,
+                " lies outside the receive buffer");
+    if (c != rank) {
+      sent += send_bytes[c];
+      received += recv_bytes[c];
+      messages += send_bytes[c] > 0 ? 1 : 0;
+    }
+  }
+  TORCH_CHECK(send_bytes[rank] == recv_bytes[rank],
+              "shardtensor transport: all_to_allv sends itself ", send_bytes[rank],
+              " bytes but expects ", recv_bytes[rank]);
+  std::vector<int> sc = to_counts(send_bytes, "all_to_allv send count");
+  std::vector<int> sd = to_counts(send_displs, "all_to_allv send displacement");
+  std::vector<int> rc = to_counts(recv_bytes, "all_to_allv receive count");
+  std::vector<int> rd = to_counts(recv_displs, "all_to_allv receive displacement");
+  if (size == 1) {
+    if (sc[0] > 0) {
+      std::memcpy(static_cast<char*>(recv.data_ptr()) + rd[0],
+                  static_cast<const char*>(send.data_ptr()) + sd[0], sc[0]);
+    }
+    return;
+  }
+  SHARDTENSOR_MPI_CHECK(MPI_Alltoallv(ptr(send), sc.data(), sd.data(), MPI_BYTE, ptr(recv),
+                                      rc.data(), rd.data(), MPI_BYTE, comm));
+  detail::record_comm(sent, received, messages);
+}
+
+void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
+  check_buffer(t, "broadcast_ buffer");
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  TORCH_CHECK(root >= 0 && root < size, "shardtensor transport: broadcast root ", root,
+              " is not a rank of a communicator of size ", size);
+  const int64_t n = nbytes(t);
+  if (size == 1 || n == 0) {
+    return;
+  }
+  SHARDTENSOR_MPI_CHECK(MPI_Bcast(ptr(t), to_count(n, "broadcast size"), MPI_BYTE, root, comm));
+  if (rank == root) {
+    detail::record_comm(static_cast<int64_t>(size - 1) * n, 0, size - 1);
+  } else {
+    detail::record_comm(0, n, 0);
+  }
+}
+
+void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
+              const at::Tensor& recv, int root, MPI_Comm comm) {
+  check_buffer(recv, "scatterv receive buffer");
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  TORCH_CHECK(root >= 0 && root < size, "shardtensor transport: scatterv root ", root,
+              " is not a rank of a communicator of size ", size);
+  const int64_t mine = nbytes(recv);
+  std::vector<int> counts, displs;
+  int64_t sent = 0, messages = 0;
+  if (rank == root) {
+    check_buffer(send, "scatterv send buffer");
+    TORCH_CHECK(static_cast<int>(send_bytes.size()) == size, "shardtensor transport: scatterv got ",
+                send_bytes.size(), " byte counts for a communicator of size ", size);
+    TORCH_CHECK(send_bytes[rank] == mine, "shardtensor transport: scatterv root keeps ",
+                send_bytes[rank], " bytes but its receive buffer holds ", mine);
+    const int64_t total = std::accumulate(send_bytes.begin(), send_bytes.end(), int64_t{0});
+    TORCH_CHECK(nbytes(send) >= total, "shardtensor transport: scatterv send buffer holds ",
+                nbytes(send), " bytes, needs ", total);
+    counts = to_counts(send_bytes, "scatterv piece");
+    displs = prefix_displs(send_bytes, "scatterv displacement");
+    for (int c = 0; c < size; ++c) {
+      if (c != rank) {
+        sent += send_bytes[c];
+        messages += send_bytes[c] > 0 ? 1 : 0;
+      }
+    }
+  }
+  if (size == 1) {
+    if (mine > 0) {
+      std::memcpy(recv.data_ptr(), send.data_ptr(), mine);
+    }
+    return;
+  }
+  SHARDTENSOR_MPI_CHECK(MPI_Scatterv(rank == root ? ptr(send) : nullptr,
+                                     rank == root ? counts.data() : nullptr,
+                                     rank == root ? displs.data() : nullptr, MPI_BYTE, ptr(recv),
+                                     to_count(mine, "scatterv piece"), MPI_BYTE, root, comm));
+  if (rank == root) {
+    detail::record_comm(sent, 0, messages);
+  } else {
+    detail::record_comm(0, mine, 0);
+  }
+}
+
+void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+  check_buffer(send, "reduce_scatter send buffer");
+  check_buffer(recv, "reduce_scatter receive buffer");
+  TORCH_CHECK(send.scalar_type() == recv.scalar_type(),
+              "shardtensor transport: reduce_scatter send and receive dtypes differ (",
+              send.scalar_type(), " vs ", recv.scalar_type(), ")");
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  TORCH_CHECK(static_cast<int>(recv_numel.size()) == size,
+              "shardtensor transport: reduce_scatter got ", recv_numel.size(),
+              " counts for a communicator of size ", size);
+  const int64_t total = std::accumulate(recv_numel.begin(), recv_numel.end(), int64_t{0});
+  TORCH_CHECK(send.numel() == total, "shardtensor transport: reduce_scatter sends ", send.numel(),
+              " elements but the counts sum to ", total);
+  TORCH_CHECK(recv.numel() == recv_numel[rank], "shardtensor transport: reduce_scatter rank ", rank,
+              " receives into ", recv.numel(), " elements, expected ", recv_numel[rank]);
+  const int64_t offset = std::accumulate(recv_numel.begin(), recv_numel.begin() + rank, int64_t{0});
+  if (size == 1) {
+    (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
+    recv.view(-1).copy_(send.view(-1).narrow(0, offset, recv.numel()));
+    return;
+  }
+  std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
+  (void)prefix_displs(recv_numel, "reduce_scatter offset (elements)");
+  if (needs_upcast(send.scalar_type())) {
+    at::Tensor wide_send = send.to(at::kFloat).contiguous();
+    at::Tensor wide_recv = at::empty(recv.sizes(), recv.options().dtype(at::kFloat));
+    auto [type, mpi_op] = reduction_type(at::kFloat, op);
+    SHARDTENSOR_MPI_CHECK(
+        MPI_Reduce_scatter(ptr(wide_send), ptr(wide_recv), counts.data(), type, mpi_op, comm));
+    recv.copy_(wide_recv);
+  } else {
+    auto [type, mpi_op] = reduction_type(send.scalar_type(), op);
+    SHARDTENSOR_MPI_CHECK(
+        MPI_Reduce_scatter(ptr(send), ptr(recv), counts.data(), type, mpi_op, comm));
+  }
+  const int64_t elem = send.element_size();
+  int64_t sent = 0, messages = 0;
+  for (int c = 0; c < size; ++c) {
+    if (c != rank) {
+      sent += recv_numel[c] * elem;
+      messages += recv_numel[c] > 0 ? 1 : 0;
+    }
+  }
+  detail::record_comm(sent, static_cast<int64_t>(size - 1) * recv_numel[rank] * elem, messages);
+}
+
+void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm) {
+  if (values.empty() || comm_size(comm) == 1) {
+    return;
+  }
+  SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values.data(),
+                                      to_count(static_cast<int64_t>(values.size()), "values"),
+                                      MPI_INT64_T, MPI_MAX, comm));
+}
+
+// ---- split-phase point-to-point ---------------------------------------------
+
+PendingExchange::PendingExchange(PendingExchange&& other) noexcept
+    : requests_(std::move(other.requests_)),
+      expected_bytes_(std::move(other.expected_bytes_)),
+      buffers_(std::move(other.buffers_)) {
+  other.requests_.clear();
+}
+
+PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    requests_ = std::move(other.requests_);
+    expected_bytes_ = std::move(other.expected_bytes_);
+    buffers_ = std::move(other.buffers_);
+    other.requests_.clear();
+  }
+  return *this;
+}
+
+PendingExchange::~PendingExchange() { abandon(); }
+
+void PendingExchange::abandon() noexcept {
+  if (requests_.empty()) {
+    return;
+  }
+  // Note [abandoned exchange]: reached only when finish() was skipped, e.g. by
+  // an exception between start and finish. Receives may never be matched, so
+  // cancel them; sends are small enough or matched by peers that did not fail.
+  for (size_t i = 0; i < expected_bytes_.size(); ++i) {
+    if (requests_[i] != MPI_REQUEST_NULL) {
+      MPI_Cancel(&requests_[i]);
+    }
+  }
+  MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+  requests_.clear();
+  expected_bytes_.clear();
+  buffers_.clear();
+}
+
+void PendingExchange::finish() {
+  if (requests_.empty()) {
+    return;
+  }
+  std::vector<MPI_Status> statuses(requests_.size());
+  const int rc = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), statuses.data());
+  std::vector<int64_t> expected = std::move(expected_bytes_);
+  requests_.clear();
+  expected_bytes_.clear();
+  buffers_.clear();
+  if (rc == MPI_ERR_IN_STATUS) {
+    for (const auto& s : statuses) {
+      SHARDTENSOR_MPI_CHECK(s.MPI_ERROR);
+    }
+  }
+  SHARDTENSOR_MPI_CHECK(rc);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    int got = 0;
+    SHARDTENSOR_MPI_CHECK(MPI_Get_count(&statuses[i], MPI_BYTE, &got));
+    TORCH_CHECK(got == expected[i], "shardtensor transport: exchange received ", got,
+                " bytes from rank ", statuses[i].MPI_SOURCE, " but expected ", expected[i],
+                " (ranks disagree on the exchange; SHARDTENSOR_DEBUG=1 checks arguments)");
+  }
+}
+
+PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
+                               const std::vector<PeerBuffer>& recvs, MPI_Comm comm, int tag) {
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  // Validate everything before posting anything.
+  for (const auto* list : {&sends, &recvs}) {
+    for (const auto& pb : *list) {
+      TORCH_CHECK(pb.peer >= 0 && pb.peer < size, "shardtensor transport: exchange peer ", pb.peer,
+                  " is not a rank of a communicator of size ", size);
+      check_buffer(pb.buffer, "exchange buffer");
+      (void)to_count(nbytes(pb.buffer), "exchange message");
+    }
+  }
+  PendingExchange ex;
+  int64_t sent = 0, received = 0, messages = 0;
+  ex.requests_.reserve(sends.size() + recvs.size());
+  for (const auto& pb : recvs) {
+    const int64_t n = nbytes(pb.buffer);
+    if (n == 0) {
+      continue;
+    }
+    ex.requests_.push_back(MPI_REQUEST_NULL);
+    ex.expected_bytes_.push_back(n);
+    ex.buffers_.push_back(pb.buffer);
+    SHARDTENSOR_MPI_CHECK(MPI_Irecv(pb.buffer.data_ptr(), static_cast<int>(n), MPI_BYTE, pb.peer,
+                                    tag, comm, &ex.requests_.back()));
+    received += pb.peer != rank ? n : 0;
+  }
+  for (const auto& pb : sends) {
+    const int64_t n = nbytes(pb.buffer);
+    if (n == 0) {
+      continue;
+    }
+    ex.requests_.push_back(MPI_REQUEST_NULL);
+    ex.buffers_.push_back(pb.buffer);
+    SHARDTENSOR_MPI_CHECK(MPI_Isend(pb.buffer.data_ptr(), static_cast<int>(n), MPI_BYTE, pb.peer,
+                                    tag, comm, &ex.requests_.back()));
+    if (pb.peer != rank) {
+      sent += n;
+      messages += 1;
+    }
+  }
+  detail::record_comm(sent, received, messages);
+  return ex;
+}
+
+}  // namespace shardtensor::comm::transport
