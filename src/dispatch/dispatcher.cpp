@@ -72,17 +72,33 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   ops::fail(op, args, "no sharding rule for this op");
 }
 
+// Note [below-autograd interception]: code that excludes the autograd keys
+// (torch:: factory functions such as torch::empty_like run under
+// AutoDispatchBelowADInplaceOrView; InferenceMode) skips AutogradPrivateUse1
+// and lands on the PrivateUse1 backend key, where a CompositeExplicitAutograd
+// kernel would happily build a plain full-size tensor. So the same kernel is
+// also registered at PrivateUse1 for every op that has no
+// CompositeImplicitAutograd kernel; composite ops keep their decomposition at
+// PrivateUse1 (which is where the autograd-level kernel sends them), and their
+// pieces come back here.
 struct Registration {
-  std::unique_ptr<torch::Library> lib;
+  std::unique_ptr<torch::Library> autograd_lib;
+  std::unique_ptr<torch::Library> backend_lib;
   Registration() {
-    lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
-                                           c10::DispatchKey::AutogradPrivateUse1, __FILE__,
-                                           __LINE__);
-    for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    autograd_lib = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
+    backend_lib = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const auto& name : dispatcher.getAllOpNames()) {
       if (name.name.rfind("aten::", 0) != 0) continue;
       std::string full = name.name.substr(6);
       if (!name.overload_name.empty()) full += "." + name.overload_name;
-      lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      autograd_lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      auto op = dispatcher.findOp(name);
+      if (op && !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+        backend_lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      }
     }
   }
 };

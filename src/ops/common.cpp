@@ -39,8 +39,7 @@ void describe_tensor(std::ostream& os, const at::Tensor& t) {
     os << "undefined";
   } else if (auto* s = spec_of(t)) {
     os << "ShardTensor(global=" << c10::IntArrayRef(s->global_shape())
-       << ", placements=" << to_string(s->placements()) << ", local=" << local_of(t).sizes()
-       << ")";
+       << ", placements=" << to_string(s->placements()) << ", local=" << local_of(t).sizes() << ")";
   } else {
     os << "Tensor" << t.sizes();
   }
@@ -118,8 +117,9 @@ DeviceMesh common_mesh(const c10::OperatorHandle& op, const std::vector<c10::IVa
   const DeviceMesh& mesh = spec_of(shards[0])->mesh();
   for (const auto& t : shards) {
     if (spec_of(t)->mesh() != mesh) {
-      fail(op, args, "ShardTensor arguments live on different meshes (" + mesh.to_string() +
-                         " and " + spec_of(t)->mesh().to_string() + ")");
+      fail(op, args,
+           "ShardTensor arguments live on different meshes (" + mesh.to_string() + " and " +
+               spec_of(t)->mesh().to_string() + ")");
     }
   }
   return mesh;
@@ -160,8 +160,8 @@ at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const S
   } else {
     ShardSpec replicated(target.mesh(), Placements(target.mesh().ndim(), Replicate{}),
                          operand.sizes().vec());
-    local = replicated == target ? operand
-                                 : detail::redistribute_local(operand, replicated, target);
+    local =
+        replicated == target ? operand : detail::redistribute_local(operand, replicated, target);
   }
   std::vector<int64_t> sum_dims;
   for (int64_t m = 0; m < target.mesh().ndim(); ++m) {

@@ -27,7 +27,8 @@ at::Tensor wrap(at::Tensor local, SpecPtr spec);
 /// Pops the op's arguments off the stack (in order).
 std::vector<c10::IValue> pop_args(const c10::OperatorHandle& op, Stack* stack);
 
-/// "aten::add.Tensor(self=ShardTensor(global=[4, 6], placements=[Shard(0)], local=[2, 6]), other=Tensor[6], alpha=1)"
+/// "aten::add.Tensor(self=ShardTensor(global=[4, 6], placements=[Shard(0)], local=[2, 6]),
+/// other=Tensor[6], alpha=1)"
 std::string describe_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args);
 
 /// Throws c10::Error naming the op, the shapes and the placements of every argument.

@@ -25,8 +25,8 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
   std::vector<size_t> operand_idx, out_idx;
   for (size_t i = 0; i < args.size(); ++i) {
     if (!args[i].isTensor()) {
-      if (args[i].isTensorList() || (args[i].isList() && !args[i].toListRef().empty() &&
-                                      args[i].toListRef()[0].isTensor())) {
+      if (args[i].isTensorList() ||
+          (args[i].isList() && !args[i].toListRef().empty() && args[i].toListRef()[0].isTensor())) {
         fail(op, args, "tensor-list arguments are not supported by the elementwise rule");
       }
       continue;
@@ -133,7 +133,8 @@ void dropout_rule(const c10::OperatorHandle& op, Stack* stack) {
     }
     auto rank_gen = at::make_generator<at::CPUGeneratorImpl>(
         base + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(s->mesh().rank() + 1));
-    at::Tensor mask = at::empty_like(local, at::MemoryFormat::Contiguous).bernoulli_(1.0 - p, rank_gen);
+    at::Tensor mask =
+        at::empty_like(local, at::MemoryFormat::Contiguous).bernoulli_(1.0 - p, rank_gen);
     out = local * mask.div_(1.0 - p);
   }
   stack->push_back(wrap(out, spec));
@@ -159,41 +160,36 @@ void like_rule(const c10::OperatorHandle& op, Stack* stack) {
 }
 
 const RuleRegistrar pointwise_ops(
-    {
-        // arithmetic
-        "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "rsub", "neg", "neg_",
-        "abs", "abs_", "pow", "pow_", "float_power", "sqrt", "sqrt_", "rsqrt", "rsqrt_", "exp",
-        "exp_", "exp2", "expm1", "log", "log_", "log2", "log10", "log1p", "reciprocal",
-        "reciprocal_", "square", "sign", "sgn", "floor", "floor_", "ceil", "ceil_", "round",
-        "round_", "trunc", "trunc_", "frac", "remainder", "remainder_", "fmod", "fmod_",
-        "maximum", "minimum", "fmax", "fmin", "atan2", "atan2_", "hypot", "lerp", "lerp_",
-        "addcmul", "addcmul_", "addcdiv", "addcdiv_", "xlogy", "copysign", "nan_to_num",
-        "nan_to_num_", "true_divide", "floor_divide", "erf", "erfc", "erfinv", "lgamma",
-        "digamma",
-        // trigonometric
-        "sin", "sin_", "cos", "cos_", "tan", "tan_", "asin", "acos", "atan", "sinh", "cosh",
-        "tanh", "tanh_", "asinh", "acosh", "atanh",
-        // activations
-        "relu", "relu_", "relu6", "gelu", "gelu_", "silu", "silu_", "sigmoid", "sigmoid_",
-        "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "selu_", "celu", "celu_",
-        "softplus", "mish", "mish_", "hardtanh", "hardtanh_", "hardsigmoid", "hardsigmoid_",
-        "hardswish", "hardswish_", "logsigmoid", "log_sigmoid", "softshrink", "hardshrink",
-        "threshold", "threshold_", "prelu", "rrelu",
-        // clamping, selection, comparison, logic
-        "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "clip",
-        "clip_", "where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar",
-        "where.self_out", "masked_fill", "masked_fill_", "eq", "eq_", "ne", "ne_", "lt", "lt_",
-        "le", "le_", "gt", "gt_", "ge", "ge_", "isnan", "isinf", "isfinite", "isposinf",
-        "isneginf", "logical_and", "logical_and_", "logical_or", "logical_or_", "logical_not",
-        "logical_not_", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
-        "bitwise_not", "signbit", "heaviside",
-        // in-place fills and randomness (per-rank RNG)
-        "fill_", "zero_", "bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_",
-        "random_",
-        // conversions
-        "_to_copy", "clone", "detach", "detach_", "contiguous", "alias", "copy_",
-        "lift_fresh", "resolve_conj", "resolve_neg", "positive", "_conj", "conj_physical",
-        "real", "imag"},
+    {// arithmetic
+     "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "rsub", "neg", "neg_", "abs",
+     "abs_", "pow", "pow_", "float_power", "sqrt", "sqrt_", "rsqrt", "rsqrt_", "exp", "exp_",
+     "exp2", "expm1", "log", "log_", "log2", "log10", "log1p", "reciprocal", "reciprocal_",
+     "square", "sign", "sgn", "floor", "floor_", "ceil", "ceil_", "round", "round_", "trunc",
+     "trunc_", "frac", "remainder", "remainder_", "fmod", "fmod_", "maximum", "minimum", "fmax",
+     "fmin", "atan2", "atan2_", "hypot", "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv",
+     "addcdiv_", "xlogy", "copysign", "nan_to_num", "nan_to_num_", "true_divide", "floor_divide",
+     "erf", "erfc", "erfinv", "lgamma", "digamma",
+     // trigonometric
+     "sin", "sin_", "cos", "cos_", "tan", "tan_", "asin", "acos", "atan", "sinh", "cosh", "tanh",
+     "tanh_", "asinh", "acosh", "atanh",
+     // activations
+     "relu", "relu_", "relu6", "gelu", "gelu_", "silu", "silu_", "sigmoid", "sigmoid_",
+     "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "selu_", "celu", "celu_", "softplus",
+     "mish", "mish_", "hardtanh", "hardtanh_", "hardsigmoid", "hardsigmoid_", "hardswish",
+     "hardswish_", "logsigmoid", "log_sigmoid", "softshrink", "hardshrink", "threshold",
+     "threshold_", "prelu", "rrelu",
+     // clamping, selection, comparison, logic
+     "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "clip", "clip_",
+     "where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar", "where.self_out",
+     "masked_fill", "masked_fill_", "eq", "eq_", "ne", "ne_", "lt", "lt_", "le", "le_", "gt", "gt_",
+     "ge", "ge_", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "logical_and",
+     "logical_and_", "logical_or", "logical_or_", "logical_not", "logical_not_", "logical_xor",
+     "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "signbit", "heaviside",
+     // in-place fills and randomness (per-rank RNG)
+     "fill_", "zero_", "bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "random_",
+     // conversions
+     "_to_copy", "clone", "detach", "detach_", "contiguous", "alias", "copy_", "lift_fresh",
+     "resolve_conj", "resolve_neg", "positive", "_conj", "conj_physical", "real", "imag"},
     pointwise_rule);
 
 const RuleRegistrar dropout_ops({"dropout"}, dropout_rule);

@@ -90,8 +90,8 @@ bool valid_placements(const Placements& p, int64_t ndim) {
 }
 
 // One mesh dim's transition; `cur` and `cur_sizes` are updated.
-at::Tensor transition(const at::Tensor& local, const DeviceMesh& mesh, int64_t m,
-                      Placements& cur, ShardSizes& cur_sizes, const Placement& to,
+at::Tensor transition(const at::Tensor& local, const DeviceMesh& mesh, int64_t m, Placements& cur,
+                      ShardSizes& cur_sizes, const Placement& to,
                       const std::vector<int64_t>& to_sizes) {
   const Placement from = cur[m];
   at::Tensor out;
@@ -121,8 +121,8 @@ at::Tensor transition(const at::Tensor& local, const DeviceMesh& mesh, int64_t m
 at::Tensor redistribute_local(const at::Tensor& local, const ShardSpec& src, const ShardSpec& dst) {
   TORCH_CHECK(src.mesh() == dst.mesh(), "redistribute: the meshes differ: ", src.to_string(),
               " vs ", dst.to_string());
-  TORCH_CHECK(src.global_shape() == dst.global_shape(), "redistribute: global shapes differ: ",
-              src.to_string(), " vs ", dst.to_string());
+  TORCH_CHECK(src.global_shape() == dst.global_shape(),
+              "redistribute: global shapes differ: ", src.to_string(), " vs ", dst.to_string());
   const DeviceMesh& mesh = src.mesh();
   const int64_t nd = mesh.ndim();
   // Reject Shard -> Partial up front, before any communication.
@@ -271,8 +271,8 @@ ShardTensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placement
   const int64_t* meta = all.data_ptr<int64_t>();
   for (int64_t r = 0; r < p; ++r) {
     TORCH_CHECK(meta[r * rec] == 1, "from_local: the local tensor on mesh rank ", r,
-                " is undefined, a ShardTensor, not strided, not on CPU or has more than ",
-                kMaxDims, " dims (placements ", shardtensor::to_string(placements), ")");
+                " is undefined, a ShardTensor, not strided, not on CPU or has more than ", kMaxDims,
+                " dims (placements ", shardtensor::to_string(placements), ")");
   }
   const int64_t ndim = meta[1];
   for (int64_t r = 0; r < p; ++r) {
@@ -281,8 +281,8 @@ ShardTensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placement
                 c10::IntArrayRef(shape_of(meta)), ", mesh rank ", r, " has shape ",
                 c10::IntArrayRef(shape_of(meta + r * rec)));
   }
-  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), "from_local: ",
-              placements.size(), " placements ", shardtensor::to_string(placements),
+  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(),
+              "from_local: ", placements.size(), " placements ", shardtensor::to_string(placements),
               " for a mesh of ", mesh.ndim(), " dims");
   // Extents per mesh dim, read off the ranks along each Shard mesh dim.
   std::vector<int64_t> global = shape_of(meta);
@@ -305,10 +305,9 @@ ShardTensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placement
     for (int64_t d = 0; d < ndim; ++d) {
       const int64_t m = owner[d];
       if (m < 0) {
-        TORCH_CHECK(shape[d] == global[d], "from_local: tensor dim ", d,
-                    " is not sharded by ", shardtensor::to_string(placements),
-                    " but mesh rank 0 holds ", global[d], " and mesh rank ", r, " holds ",
-                    shape[d], " elements along it");
+        TORCH_CHECK(shape[d] == global[d], "from_local: tensor dim ", d, " is not sharded by ",
+                    shardtensor::to_string(placements), " but mesh rank 0 holds ", global[d],
+                    " and mesh rank ", r, " holds ", shape[d], " elements along it");
       } else {
         auto& slot = gathered[m][coord[m]];
         TORCH_CHECK(slot < 0 || slot == shape[d], "from_local: ranks at coordinate ", coord[m],
@@ -348,16 +347,15 @@ ShardTensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& me
               " is not a rank of the mesh ", mesh.to_string());
   const int me = mesh.rank();
   // Shape and dtype travel from src first, so every rank can validate alike.
-  auto meta = at::tensor(me == src ? meta_of(full) : std::vector<int64_t>(3 + kMaxDims, 0),
-                         at::kLong);
+  auto meta =
+      at::tensor(me == src ? meta_of(full) : std::vector<int64_t>(3 + kMaxDims, 0), at::kLong);
   comm::transport::broadcast_(meta, src, mesh.comm());
   const int64_t* m = meta.data_ptr<int64_t>();
   TORCH_CHECK(m[0] == 1, "scatter_tensor: the tensor on src rank ", src,
               " is undefined, a ShardTensor, not strided, not on CPU or has more than ", kMaxDims,
               " dims");
   const auto dtype = static_cast<at::ScalarType>(m[2]);
-  auto spec =
-      std::make_shared<const ShardSpec>(mesh, std::move(placements), shape_of(m));
+  auto spec = std::make_shared<const ShardSpec>(mesh, std::move(placements), shape_of(m));
   auto zero_piece = [&](const std::vector<int64_t>& coord) {
     for (int64_t d = 0; d < mesh.ndim(); ++d) {
       if (is_partial(spec->placements()[d]) && coord[d] != 0) return true;
@@ -394,9 +392,8 @@ ShardTensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& me
   return ShardTensor::from_local_unchecked(std::move(local), std::move(spec));
 }
 
-ShardTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh,
-                              Placements placements, bool requires_grad,
-                              std::optional<ShardSizes> sizes) {
+ShardTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
+                              bool requires_grad, std::optional<ShardSizes> sizes) {
   TORCH_CHECK(full.defined(), "distribute_tensor: the input tensor is undefined");
   TORCH_CHECK(!ShardTensor::is_shard_tensor(full),
               "distribute_tensor: the input is already a ShardTensor; use redistribute()");

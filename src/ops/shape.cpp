@@ -1,0 +1,818 @@
+// Shape ops: the view/reshape family, squeeze/unsqueeze, permute/transpose,
+// narrow/slice/select, expand, split/unbind.
+//
+// Every rule here computes the result's layout from metadata alone (global
+// shapes, placements, shard sizes, op arguments), validates everything before
+// any communication, and applies the matching libtorch op to the local piece,
+// so results that are views in libtorch are views of the local piece here
+// (in-place ops on them reach the source).
+#include <ATen/ATen.h>
+#include <ATen/InferSize.h>
+#include <ATen/WrapDimUtils.h>
+
+#include <numeric>
+#include <sstream>
+
+#include "ops/common.h"
+
+namespace shardtensor::ops {
+namespace {
+int mut() { const char* e = std::getenv("MUT"); return e ? std::atoi(e) : 0; }
+
+// ---------------------------------------------------------------- arguments
+
+// SymInt arguments arrive as ints or as (concrete) SymInts depending on the
+// caller; both are accepted.
+int64_t int_arg(const c10::IValue& v) {
+  if (v.isInt()) return v.toInt();
+  if (v.isSymInt()) return v.toSymInt().expect_int();
+  TORCH_CHECK(false, "shardtensor: expected an int argument, got ", v.tagKind());
+}
+
+std::optional<int64_t> opt_int_arg(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return int_arg(v);
+}
+
+std::vector<int64_t> int_list_arg(const c10::IValue& v) {
+  if (v.isIntList()) return v.toIntVector();
+  std::vector<int64_t> out;
+  for (const c10::IValue& e : v.toListRef()) out.push_back(int_arg(e));
+  return out;
+}
+
+std::string str(c10::IntArrayRef v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+bool has_string_arg(const std::vector<c10::IValue>& args) {
+  for (const auto& a : args) {
+    if (a.isString()) return true;
+    if (a.isList() && !a.toListRef().empty() && a.toListRef()[0].isString()) return true;
+  }
+  return false;
+}
+
+void reject_named(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  if (has_string_arg(args)) fail(op, args, "named dimensions are not supported on ShardTensors");
+}
+
+const ShardSpec& self_spec(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  const ShardSpec* s = args[0].isTensor() ? spec_of(args[0].toTensor()) : nullptr;
+  if (!s) fail(op, args, "the tensor argument `self` must be the ShardTensor");
+  return *s;
+}
+
+std::string mesh_dim_str(const ShardSpec& s, int64_t m) {
+  std::ostringstream os;
+  os << "Shard(" << shard_dim(s.placements()[m]) << ") on mesh dim " << m << ", sizes "
+     << c10::IntArrayRef(s.shard_sizes(m));
+  return os.str();
+}
+
+// ---------------------------------------------------------------- pieces
+
+// A local tensor and its layout.
+struct Piece {
+  at::Tensor local;
+  SpecPtr spec;
+};
+
+Piece piece_of(const at::Tensor& t) { return {local_of(t), spec_ptr_of(t)}; }
+
+// Collective over the mesh dims in `dims` that are Shard: makes them Replicate.
+Piece replicate_mesh_dims(const Piece& x, const std::vector<int64_t>& dims) {
+  const ShardSpec& s = *x.spec;
+  Placements p = s.placements();
+  ShardSizes sizes = s.all_shard_sizes();
+  bool changed = false;
+  for (int64_t m : dims) {
+    if (!is_shard(p[m])) continue;
+    p[m] = Replicate{};
+    sizes[m] = {};
+    changed = true;
+  }
+  if (!changed) return x;
+  SpecPtr spec = make_spec(s.mesh(), p, s.global_shape(), sizes);
+  return {detail::redistribute_local(x.local, s, *spec), spec};
+}
+
+// The layout after removing tensor dims `removed` (sorted ascending, none of
+// them sharded) from `s`, with the new global shape `shape`.
+SpecPtr drop_dims(const ShardSpec& s, const std::vector<int64_t>& removed,
+                  std::vector<int64_t> shape) {
+  Placements p = s.placements();
+  for (auto& pl : p) {
+    if (!is_shard(pl)) continue;
+    const int64_t d = shard_dim(pl);
+    int64_t below = 0;
+    for (int64_t r : removed) {
+      TORCH_INTERNAL_ASSERT(r != d, "drop_dims: removing the sharded dim ", d);
+      if (r < d) ++below;
+    }
+    pl = Shard{d - below};
+  }
+  return make_spec(s.mesh(), p, std::move(shape), s.all_shard_sizes());
+}
+
+// Local. slice(dim, start, end, step) with start/end already normalized to
+// 0 <= start <= end <= size. Along a sharded dim every coordinate keeps the
+// selected indices it owns; they form a contiguous, ordered block of the
+// result, so the result is sharded with sizes computed arithmetically.
+Piece slice_piece(const Piece& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
+  const ShardSpec& s = *x.spec;
+  std::vector<int64_t> shape = s.global_shape();
+  shape[dim] = end > start ? (end - start + step - 1) / step : 0;
+  const int64_t m = s.mesh_dim_of(dim);
+  if (m < 0) {
+    return {x.local.slice(dim, start, end, step),
+            make_spec(s.mesh(), s.placements(), shape, s.all_shard_sizes())};
+  }
+  const auto& sz = s.shard_sizes(m);
+  const auto off = offsets_of(sz);
+  // Number of selected indices start + k*step that are < bound.
+  auto count = [&](int64_t bound) {
+    return bound <= start ? int64_t{0} : (std::min(bound, end) - start + step - 1) / step;
+  };
+  std::vector<int64_t> out(sz.size());
+  for (size_t c = 0; c < sz.size(); ++c) {
+    out[c] = std::max<int64_t>(0, count(off[c] + sz[c]) - count(off[c]));
+  }
+  const int64_t me = s.mesh().coordinate()[m];
+  at::Tensor local;
+  if (out[me] > 0) {
+    const int64_t first = mut() == 1 ? std::max<int64_t>(start - off[me], 0) : start + count(off[me]) * step - off[me];
+    local = x.local.slice(dim, first, first + (out[me] - 1) * step + 1, step);
+  } else {
+    local = x.local.narrow(dim, 0, 0);
+  }
+  ShardSizes sizes = s.all_shard_sizes();
+  sizes[m] = out;
+  return {local, make_spec(s.mesh(), s.placements(), shape, sizes)};
+}
+
+// select(dim, index) with index normalized. Along a sharded dim: slice to the
+// one element (held by one coordinate), replicate that mesh dim (collective),
+// then select locally; the result is Replicate on that mesh dim.
+Piece select_piece(const Piece& x, int64_t dim, int64_t index) {
+  Piece y = x;
+  int64_t local_index = index;
+  const int64_t m = x.spec->mesh_dim_of(dim);
+  if (m >= 0) {
+    y = replicate_mesh_dims(slice_piece(x, dim, index, index + 1, 1), {m});
+    local_index = 0;
+  }
+  std::vector<int64_t> shape = y.spec->global_shape();
+  shape.erase(shape.begin() + dim);
+  return {y.local.select(dim, local_index), drop_dims(*y.spec, {dim}, shape)};
+}
+
+void push_piece(Stack* stack, const Piece& p) { stack->push_back(wrap(p.local, p.spec)); }
+
+void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
+  std::vector<at::Tensor> out;
+  out.reserve(ps.size());
+  for (const auto& p : ps) out.push_back(wrap(p.local, p.spec));
+  stack->push_back(c10::IValue(out));
+}
+
+// ---------------------------------------------------------------- view / reshape
+
+// Note [view layout]: a view/reshape maps the input's global shape to the
+// output's. Leaving out size-1 dims, the dims of both shapes are grouped into
+// minimal blocks of equal product (e.g. [6, 4] -> [24] is one block, [2, 3, 4]
+// -> [6, 4] is {2, 3} -> {6} and {4} -> {4}). In row-major order a block is a
+// contiguous run of the flattened tensor, so a tensor dim sharded by mesh dim
+// m maps cleanly when it is the block's outermost input dim and the block's
+// other input dims are not sharded: coordinate c holds the flat range
+// [off_c * inner_in, (off_c + size_c) * inner_in) of the block, which is a
+// block of whole rows of the output's outermost block dim iff size_c * inner_in
+// (and so off_c * inner_in) is a multiple of inner_out; the output dim is then
+// sharded with sizes size_c * inner_in / inner_out and the local view is the
+// same view on the piece (no communication). Otherwise:
+//  - a sharded size-1 dim holds all the data on one coordinate and has no
+//    counterpart: that mesh dim is replicated first (cheap and correct; the
+//    result is not a view of the source then);
+//  - sizes that are not multiples (e.g. [24] over 4 ranks as [6, 6, 6, 6] ->
+//    [6, 4] needs multiples of 4): view fails, because libtorch's view never
+//    copies; reshape, flatten and _unsafe_view (which may copy) first
+//    repartition that mesh dim to the balanced multiples (all-to-all moving
+//    only the elements that change owner);
+//  - a sharded dim that is not the block's outermost, or a block with two
+//    sharded dims: fail with the layout in the message (redistribute first),
+//    except on a mesh dim of one coordinate, which is replicated (no data moves).
+// A tensor with no elements maps every sharded dim to Replicate: every local
+// piece is empty, so no data needs to move.
+enum class ViewKind { View, Reshape, UnsafeView };
+
+struct Block {
+  std::vector<int64_t> in, out;
+};
+
+std::vector<Block> view_blocks(c10::IntArrayRef from, c10::IntArrayRef to) {
+  std::vector<int64_t> in, out;
+  for (int64_t d = 0; d < static_cast<int64_t>(from.size()); ++d) {
+    if (from[d] != 1) in.push_back(d);
+  }
+  for (int64_t d = 0; d < static_cast<int64_t>(to.size()); ++d) {
+    if (to[d] != 1) out.push_back(d);
+  }
+  std::vector<Block> blocks;
+  size_t i = 0, j = 0;
+  while (i < in.size() || j < out.size()) {
+    TORCH_INTERNAL_ASSERT(i < in.size() && j < out.size(), "view_blocks: products differ");
+    Block b;
+    int64_t pi = from[in[i]], pj = to[out[j]];
+    b.in.push_back(in[i++]);
+    b.out.push_back(out[j++]);
+    while (pi != pj) {
+      if (pi < pj) {
+        TORCH_INTERNAL_ASSERT(i < in.size(), "view_blocks: products differ");
+        pi *= from[in[i]];
+        b.in.push_back(in[i++]);
+      } else {
+        TORCH_INTERNAL_ASSERT(j < out.size(), "view_blocks: products differ");
+        pj *= to[out[j]];
+        b.out.push_back(out[j++]);
+      }
+    }
+    blocks.push_back(std::move(b));
+  }
+  return blocks;
+}
+
+const char* kind_name(ViewKind k) {
+  switch (k) {
+    case ViewKind::View:
+      return "view";
+    case ViewKind::Reshape:
+      return "reshape";
+    case ViewKind::UnsafeView:
+      return "_unsafe_view";
+  }
+  return "";
+}
+
+// Validates and plans: `mid` is the layout the input must first be brought to
+// (equal to the input's when no data moves), `out` the result's.
+std::pair<SpecPtr, SpecPtr> plan_view(const c10::OperatorHandle& op,
+                                      const std::vector<c10::IValue>& args, const ShardSpec& s,
+                                      const std::vector<int64_t>& to, ViewKind kind) {
+  const auto& from = s.global_shape();
+  const DeviceMesh& mesh = s.mesh();
+  const int64_t nm = mesh.ndim();
+  Placements mid_p = s.placements(), out_p(nm, Replicate{});
+  ShardSizes mid_sizes = s.all_shard_sizes(), out_sizes(nm);
+  for (int64_t m = 0; m < nm; ++m) {
+    if (is_partial(s.placements()[m])) out_p[m] = Partial{};
+  }
+  if (s.numel() > 0) {
+    const auto blocks = view_blocks(from, to);
+    std::vector<int64_t> block_of(from.size(), -1);
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      for (int64_t d : blocks[b].in) block_of[d] = static_cast<int64_t>(b);
+    }
+    for (int64_t m = 0; m < nm; ++m) {
+      if (!is_shard(s.placements()[m])) continue;
+      const int64_t d = shard_dim(s.placements()[m]);
+      if (from[d] == 1) {
+        mid_p[m] = Replicate{};
+        mid_sizes[m] = {};
+        continue;
+      }
+      const Block& b = blocks[block_of[d]];
+      auto block_str = [&] {
+        return "input dims " + str(b.in) + " of sizes " +
+               str(c10::IntArrayRef(from).slice(b.in.front(), b.in.back() - b.in.front() + 1)) +
+               " map to output dims " + str(b.out);
+      };
+      std::string problem;
+      if (b.in.front() != d) {
+        problem = std::string(kind_name(kind)) + " cannot keep tensor dim " + std::to_string(d) +
+                  " sharded (" + mesh_dim_str(s, m) + "): " + block_str() +
+                  " and only the outermost of them may be sharded; redistribute mesh dim " +
+                  std::to_string(m) + " first";
+      }
+      for (size_t k = 1; k < b.in.size() && problem.empty(); ++k) {
+        if (s.mesh_dim_of(b.in[k]) >= 0) {
+          problem = std::string(kind_name(kind)) + " cannot keep tensor dims " + std::to_string(d) +
+                    " and " + std::to_string(b.in[k]) + " both sharded: " + block_str() +
+                    "; redistribute mesh dim " + std::to_string(s.mesh_dim_of(b.in[k])) + " first";
+        }
+      }
+      if (!problem.empty()) {
+        // A mesh dim of one coordinate holds the whole extent: replicating it moves nothing.
+        if (mesh.size(m) > 1) fail(op, args, problem);
+        mid_p[m] = Replicate{};
+        mid_sizes[m] = {};
+        continue;
+      }
+      int64_t inner_in = 1, inner_out = 1;
+      for (size_t k = 1; k < b.in.size(); ++k) inner_in *= from[b.in[k]];
+      for (size_t k = 1; k < b.out.size(); ++k) inner_out *= to[b.out[k]];
+      const int64_t q = inner_out / std::gcd(inner_in, inner_out);
+      const auto& sz = s.shard_sizes(m);
+      const bool clean = std::all_of(sz.begin(), sz.end(), [&](int64_t n) { return n % q == 0; });
+      if (!clean) {
+        if (kind == ViewKind::View) {
+          fail(op, args,
+               "view cannot split tensor dim " + std::to_string(d) + " (" + mesh_dim_str(s, m) +
+                   ") into output dims " + str(b.out) + " of sizes " + str(to) +
+                   " without moving data: every piece must hold a multiple of " +
+                   std::to_string(q) +
+                   " rows; view never copies: use reshape, or redistribute to such sizes first");
+        }
+        auto balanced = balanced_sizes(from[d] / q, mesh.size(m));
+        for (auto& n : balanced) n *= q;
+        mid_sizes[m] = balanced;
+      }
+      out_p[m] = Shard{b.out.front()};
+      for (int64_t n : mid_sizes[m]) out_sizes[m].push_back(n * inner_in / inner_out);
+    }
+  } else {
+    for (int64_t m = 0; m < nm; ++m) {
+      if (is_shard(mid_p[m])) out_p[m] = Replicate{};
+    }
+  }
+  SpecPtr mid = make_spec(mesh, mid_p, from, mid_sizes);
+  if (*mid == s) mid = nullptr;
+  return {mid, make_spec(mesh, out_p, to, out_sizes)};
+}
+
+at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                     const at::Tensor& self, c10::IntArrayRef requested, ViewKind kind) {
+  const ShardSpec& s = *spec_of(self);
+  const std::vector<int64_t> to = at::infer_size(requested, s.numel());
+  auto [mid, out] = plan_view(op, args, s, to, kind);
+  at::Tensor local = local_of(self);
+  if (mid) local = detail::redistribute_local(local, s, *mid);
+  const auto shape = out->local_shape();
+  switch (kind) {
+    case ViewKind::View:
+      local = local.view(shape);
+      break;
+    case ViewKind::Reshape:
+      local = local.reshape(shape);
+      break;
+    case ViewKind::UnsafeView:
+      local = at::_unsafe_view(local, shape);
+      break;
+  }
+  return wrap(local, out);
+}
+
+// view(self, size) and view.dtype(self, dtype).
+void view_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  const at::Tensor& self = args[0].toTensor();
+  if (op.schema().overload_name() == "dtype") {
+    // Reinterpreting the dtype only changes the last dim (by the ratio of the
+    // element sizes), which must then not be sharded.
+    const auto dtype = args[1].toScalarType();
+    at::Tensor local = local_of(self);
+    const auto meta = at::empty(s.global_shape(), self.options().device(at::kMeta)).view(dtype);
+    if (meta.sizes().vec() != s.global_shape() && s.ndim() > 0 &&
+        s.mesh_dim_of(s.ndim() - 1) >= 0) {
+      fail(op, args, "viewing as a dtype of another size changes the last dim, which is sharded");
+    }
+    stack->push_back(wrap(local.view(dtype), make_spec(s.mesh(), s.placements(), meta.sizes().vec(),
+                                                       s.all_shard_sizes())));
+    return;
+  }
+  stack->push_back(view_impl(op, args, self, int_list_arg(args[1]), ViewKind::View));
+}
+
+void reshape_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  self_spec(op, args);
+  stack->push_back(
+      view_impl(op, args, args[0].toTensor(), int_list_arg(args[1]), ViewKind::Reshape));
+}
+
+void unsafe_view_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  self_spec(op, args);
+  if (!op.schema().overload_name().empty()) fail(op, args, "the out= variant is not supported");
+  stack->push_back(
+      view_impl(op, args, args[0].toTensor(), int_list_arg(args[1]), ViewKind::UnsafeView));
+}
+
+// _reshape_alias(self, size, stride): reached only when called directly (we
+// intercept reshape before it decomposes). The strides refer to the global
+// tensor, whose strides are contiguous; only those are meaningful here.
+void reshape_alias_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  self_spec(op, args);
+  const auto size = int_list_arg(args[1]);
+  const auto stride = int_list_arg(args[2]);
+  std::vector<int64_t> contiguous(size.size());
+  int64_t acc = 1;
+  for (int64_t d = static_cast<int64_t>(size.size()) - 1; d >= 0; --d) {
+    contiguous[d] = acc;
+    acc *= std::max<int64_t>(size[d], 1);
+  }
+  for (size_t d = 0; d < size.size(); ++d) {
+    if (size[d] != 1 && stride[d] != contiguous[d]) {
+      fail(op, args, "only contiguous strides are supported on ShardTensors");
+    }
+  }
+  stack->push_back(view_impl(op, args, args[0].toTensor(), size, ViewKind::View));
+}
+
+// flatten.using_ints(self, start_dim, end_dim): libtorch's reshape semantics
+// (a view when possible); start_dim == end_dim returns self.
+void flatten_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  reject_named(op, args);
+  const ShardSpec& s = self_spec(op, args);
+  const at::Tensor& self = args[0].toTensor();
+  const int64_t start = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+  const int64_t end = at::maybe_wrap_dim(args[2].toInt(), s.ndim());
+  TORCH_CHECK(start <= end, "flatten() has invalid args: start_dim cannot come after end_dim");
+  if (s.ndim() == 0) {
+    stack->push_back(view_impl(op, args, self, {1}, ViewKind::Reshape));
+    return;
+  }
+  if (start == end) {
+    stack->push_back(self);
+    return;
+  }
+  const auto& g = s.global_shape();
+  std::vector<int64_t> shape(g.begin(), g.begin() + start);
+  shape.push_back(
+      std::accumulate(g.begin() + start, g.begin() + end + 1, int64_t{1}, std::multiplies<>()));
+  shape.insert(shape.end(), g.begin() + end + 1, g.end());
+  stack->push_back(view_impl(op, args, self, shape, ViewKind::Reshape));
+}
+
+// unflatten.int(self, dim, sizes): a view in libtorch, so a view here.
+void unflatten_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  reject_named(op, args);
+  const ShardSpec& s = self_spec(op, args);
+  const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+  const auto sizes = int_list_arg(args[2]);
+  TORCH_CHECK(!sizes.empty(), "unflatten: sizes must be non-empty");
+  const auto& g = s.global_shape();
+  std::vector<int64_t> inferred;
+  try {
+    inferred = at::infer_size(sizes, g[dim]);
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "unflatten: Provided sizes ", c10::IntArrayRef(sizes),
+                " don't multiply up to the size of dim ", dim, " (", g[dim],
+                ") in the input tensor");
+  }
+  std::vector<int64_t> shape(g.begin(), g.begin() + dim);
+  shape.insert(shape.end(), inferred.begin(), inferred.end());
+  shape.insert(shape.end(), g.begin() + dim + 1, g.end());
+  stack->push_back(view_impl(op, args, args[0].toTensor(), shape, ViewKind::View));
+}
+
+// ---------------------------------------------------------------- squeeze / unsqueeze
+
+// The global size-1 dims that squeeze removes, ascending.
+std::vector<int64_t> squeeze_dims(const c10::OperatorHandle& op,
+                                  const std::vector<c10::IValue>& args, const ShardSpec& s) {
+  reject_named(op, args);
+  const auto& g = s.global_shape();
+  std::vector<int64_t> wanted;
+  if (args.size() < 2) {
+    for (int64_t d = 0; d < s.ndim(); ++d) wanted.push_back(d);
+  } else if (args[1].isInt()) {
+    wanted.push_back(at::maybe_wrap_dim(args[1].toInt(), s.ndim()));
+  } else {
+    for (int64_t d : int_list_arg(args[1])) wanted.push_back(at::maybe_wrap_dim(d, s.ndim()));
+  }
+  std::vector<int64_t> dims;
+  for (int64_t d : wanted) {
+    if (s.ndim() > 0 && g[d] == 1) dims.push_back(d);
+  }
+  std::sort(dims.begin(), dims.end());
+  dims.erase(std::unique(dims.begin(), dims.end()), dims.end());
+  return dims;
+}
+
+// Note [squeeze]: only GLOBAL size-1 dims are squeezed (a piece may hold one
+// element of a longer dim, or none). A sharded size-1 dim has its element on
+// one coordinate, so that mesh dim is replicated first (collective).
+void squeeze_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  const auto dims = squeeze_dims(op, args, s);
+  std::vector<int64_t> rep;
+  for (int64_t d : dims) {
+    if (s.mesh_dim_of(d) >= 0) rep.push_back(s.mesh_dim_of(d));
+  }
+  Piece x = replicate_mesh_dims(piece_of(args[0].toTensor()), rep);
+  at::Tensor local = x.local;
+  if (dims.empty()) {
+    local = local.alias();
+  } else {
+    for (auto it = dims.rbegin(); it != dims.rend(); ++it) local = local.squeeze(*it);
+  }
+  if (mut() == 4) local = x.local.squeeze();
+  std::vector<int64_t> shape;
+  for (int64_t d = 0; d < s.ndim(); ++d) {
+    if (!std::binary_search(dims.begin(), dims.end(), d)) shape.push_back(s.global_shape()[d]);
+  }
+  stack->push_back(wrap(local, drop_dims(*x.spec, dims, shape)));
+}
+
+SpecPtr unsqueeze_spec(const ShardSpec& s, int64_t dim) {
+  Placements p = s.placements();
+  for (auto& pl : p) {
+    if (is_shard(pl) && shard_dim(pl) >= dim) pl = Shard{shard_dim(pl) + 1};
+  }
+  std::vector<int64_t> shape = s.global_shape();
+  shape.insert(shape.begin() + dim, 1);
+  return make_spec(s.mesh(), p, shape, s.all_shard_sizes());
+}
+
+void unsqueeze_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim() + 1);
+  stack->push_back(wrap(local_of(args[0].toTensor()).unsqueeze(dim), unsqueeze_spec(s, dim)));
+}
+
+// ---------------------------------------------------------------- permute / transpose
+
+SpecPtr permute_spec(const ShardSpec& s, const std::vector<int64_t>& perm) {
+  Placements p = s.placements();
+  for (auto& pl : p) {
+    if (!is_shard(pl)) continue;
+    const auto it = std::find(perm.begin(), perm.end(), shard_dim(pl));
+    TORCH_INTERNAL_ASSERT(it != perm.end());
+    pl = Shard{static_cast<int64_t>(it - perm.begin())};
+  }
+  std::vector<int64_t> shape;
+  for (int64_t d : perm) shape.push_back(s.global_shape()[d]);
+  return make_spec(s.mesh(), p, shape, s.all_shard_sizes());
+}
+
+void permute_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  auto perm = int_list_arg(args[1]);
+  // libtorch's own checks and messages, on a shape-only tensor.
+  at::empty(s.global_shape(), at::TensorOptions().device(at::kMeta)).permute(perm);
+  for (auto& d : perm) d = at::maybe_wrap_dim(d, s.ndim());
+  stack->push_back(wrap(local_of(args[0].toTensor()).permute(perm), permute_spec(s, perm)));
+}
+
+std::vector<int64_t> transpose_perm(int64_t ndim, int64_t d0, int64_t d1) {
+  std::vector<int64_t> perm(ndim);
+  std::iota(perm.begin(), perm.end(), 0);
+  if (ndim > 0) std::swap(perm[d0], perm[d1]);
+  return perm;
+}
+
+// transpose.int(self, dim0, dim1) and t(self).
+void transpose_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  int64_t d0 = 0, d1 = 1;
+  if (args.size() >= 3) {
+    d0 = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+    d1 = at::maybe_wrap_dim(args[2].toInt(), s.ndim());
+  } else {
+    TORCH_CHECK(s.ndim() <= 2, "t() expects a tensor with <= 2 dimensions, but self is ", s.ndim(),
+                "D");
+    if (s.ndim() < 2) d1 = 0;
+  }
+  const at::Tensor local = local_of(args[0].toTensor());
+  stack->push_back(
+      wrap(local.transpose(d0, d1), permute_spec(s, transpose_perm(s.ndim(), d0, d1))));
+}
+
+// ---------------------------------------------------------------- in-place view ops
+
+// squeeze_, unsqueeze_, transpose_, t_: the local piece is changed in place
+// and the ShardTensor takes the new layout. A squeeze_ that would need
+// communication (a sharded size-1 dim) is refused: the piece could not stay
+// the same tensor.
+void inplace_view_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  const at::Tensor& self = args[0].toTensor();
+  at::Tensor local = local_of(self);
+  const std::string& name = op.schema().name();
+  SpecPtr spec;
+  if (name == "aten::squeeze_") {
+    const auto dims = squeeze_dims(op, args, s);
+    for (int64_t d : dims) {
+      if (s.mesh_dim_of(d) >= 0) {
+        fail(op, args,
+             "in-place squeeze of the sharded size-1 dim " + std::to_string(d) +
+                 " would need communication; use squeeze() (out of place)");
+      }
+    }
+    std::vector<int64_t> shape;
+    for (int64_t d = 0; d < s.ndim(); ++d) {
+      if (!std::binary_search(dims.begin(), dims.end(), d)) shape.push_back(s.global_shape()[d]);
+    }
+    spec = drop_dims(s, dims, shape);
+    for (auto it = dims.rbegin(); it != dims.rend(); ++it) local.squeeze_(*it);
+  } else if (name == "aten::unsqueeze_") {
+    const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim() + 1);
+    spec = unsqueeze_spec(s, dim);
+    local.unsqueeze_(dim);
+  } else {
+    int64_t d0 = 0, d1 = 1;
+    if (name == "aten::transpose_") {
+      d0 = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+      d1 = at::maybe_wrap_dim(args[2].toInt(), s.ndim());
+    } else {
+      TORCH_CHECK(s.ndim() <= 2, "t_() expects a tensor with <= 2 dimensions, but self is ",
+                  s.ndim(), "D");
+      if (s.ndim() < 2) d1 = 0;
+    }
+    spec = permute_spec(s, transpose_perm(s.ndim(), d0, d1));
+    local.transpose_(d0, d1);
+  }
+  detail::shard_impl(self)->shallow_copy_from(
+      c10::make_intrusive<detail::ShardTensorImpl>(local, spec));
+  stack->push_back(self);
+}
+
+// ---------------------------------------------------------------- narrow / slice / select
+
+// slice.Tensor(self, dim, start?, end?, step): libtorch's normalization of the
+// bounds (negative wrap, then clamp), then slice_piece.
+void slice_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  TORCH_CHECK(s.ndim() > 0, "slice() cannot be applied to a 0-dim tensor.");
+  const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+  const int64_t size = s.global_shape()[dim];
+  int64_t start = opt_int_arg(args[2]).value_or(0);
+  int64_t end = opt_int_arg(args[3]).value_or(INT64_MAX);
+  const int64_t step = int_arg(args[4]);
+  TORCH_CHECK(step > 0, "slice step must be positive");
+  if (start < 0) start += size;
+  if (end < 0) end += size;
+  start = std::clamp<int64_t>(start, 0, size);
+  end = std::clamp<int64_t>(end, start, size);
+  push_piece(stack, slice_piece(piece_of(args[0].toTensor()), dim, start, end, step));
+}
+
+// narrow(self, dim, start, length) and narrow.Tensor (start as a 0-dim tensor).
+void narrow_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  TORCH_CHECK(s.ndim() > 0, "narrow() cannot be applied to a 0-dim tensor.");
+  const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+  int64_t start;
+  if (args[2].isTensor()) {
+    const at::Tensor& t = args[2].toTensor();
+    if (spec_of(t)) fail(op, args, "`start` must be a plain tensor");
+    TORCH_CHECK(t.dim() == 0 && at::isIntegralType(t.scalar_type(), /*includeBool=*/false),
+                "start must be an 0-dim integral Tensor.");
+    start = t.item<int64_t>();
+  } else {
+    start = int_arg(args[2]);
+  }
+  const int64_t length = int_arg(args[3]);
+  const int64_t cur = s.global_shape()[dim];
+  if (start != cur) start = at::maybe_wrap_dim(start, cur);
+  TORCH_CHECK(length >= 0 && start <= cur - length, "start (", start, ") + length (", length,
+              ") exceeds dimension size (", cur, ").");
+  push_piece(stack, slice_piece(piece_of(args[0].toTensor()), dim, start, start + length, 1));
+}
+
+void select_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  TORCH_CHECK_INDEX(s.ndim() > 0, "select() cannot be applied to a 0-dim tensor.");
+  const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+  int64_t index = int_arg(args[2]);
+  const int64_t size = s.global_shape()[dim];
+  TORCH_CHECK_INDEX(!(size < -index || size <= index), "select(): index ", index,
+                    " out of range for tensor of size ", c10::IntArrayRef(s.global_shape()),
+                    " at dimension ", dim);
+  if (index < 0) index += size;
+  push_piece(stack, select_piece(piece_of(args[0].toTensor()), dim, index));
+}
+
+// ---------------------------------------------------------------- expand
+
+// expand(self, size, implicit): new leading dims are unsharded; a sharded dim
+// must keep its size (expanding a sharded size-1 dim is refused).
+void expand_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  const auto size = int_list_arg(args[1]);
+  const bool implicit = args.size() > 2 && args[2].toBool();
+  // libtorch's checks and result shape, on a shape-only tensor.
+  const std::vector<int64_t> shape =
+      at::empty(s.global_shape(), at::TensorOptions().device(at::kMeta))
+          .expand(size, implicit)
+          .sizes()
+          .vec();
+  const int64_t lead = static_cast<int64_t>(shape.size()) - s.ndim();
+  Placements p = s.placements();
+  for (int64_t m = 0; m < s.mesh().ndim(); ++m) {
+    if (!is_shard(p[m])) continue;
+    const int64_t d = shard_dim(p[m]);
+    if (shape[d + lead] != s.global_shape()[d]) {
+      fail(op, args,
+           "expand cannot change the size of the sharded dim " + std::to_string(d) + " (" +
+               mesh_dim_str(s, m) + "); redistribute mesh dim " + std::to_string(m) +
+               " to Replicate first");
+    }
+    p[m] = Shard{d + lead};
+  }
+  SpecPtr spec = make_spec(s.mesh(), p, shape, s.all_shard_sizes());
+  stack->push_back(wrap(local_of(args[0].toTensor()).expand(spec->local_shape(), implicit), spec));
+}
+
+// ---------------------------------------------------------------- split / unbind
+
+// split.Tensor, unsafe_split.Tensor (split_size) and split_with_sizes,
+// unsafe_split_with_sizes (sizes): one slice per piece, libtorch's checks.
+void split_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const ShardSpec& s = self_spec(op, args);
+  TORCH_CHECK(s.ndim() != 0, "split expects at least a 1-dimensional tensor");
+  const int64_t dim = at::maybe_wrap_dim(args[2].toInt(), s.ndim());
+  const int64_t dim_size = s.global_shape()[dim];
+  std::vector<int64_t> lengths;
+  if (args[1].isInt() || args[1].isSymInt()) {
+    const int64_t split_size = int_arg(args[1]);
+    TORCH_CHECK(split_size >= 0,
+                "split expects split_size be non-negative, but got split_size=", split_size);
+    TORCH_CHECK(split_size > 0 || dim_size == 0,
+                "split_size can only be 0 if dimension size is 0, but got dimension size of ",
+                dim_size);
+    int64_t n = 1;
+    if (split_size != 0) n = std::max<int64_t>((dim_size + split_size - 1) / split_size, 1);
+    for (int64_t i = 0; i < n; ++i) {
+      lengths.push_back(i < n - 1 ? split_size : split_size - (split_size * n - dim_size));
+    }
+  } else {
+    lengths = int_list_arg(args[1]);
+    int64_t total = 0;
+    for (int64_t l : lengths) {
+      TORCH_CHECK(l >= 0, "split_with_sizes expects split_sizes have only non-negative ",
+                  "entries, but got split_sizes=", c10::IntArrayRef(lengths));
+      total += l;
+    }
+    TORCH_CHECK(total == dim_size, "split_with_sizes expects split_sizes to sum exactly to ",
+                dim_size, " (input tensor's size at dimension ", dim, "), ",
+                "but got split_sizes=", c10::IntArrayRef(lengths));
+  }
+  const Piece x = piece_of(args[0].toTensor());
+  std::vector<Piece> out;
+  int64_t start = 0;
+  for (int64_t l : lengths) {
+    out.push_back(slice_piece(x, dim, start, start + l, 1));
+    start += l;
+  }
+  push_pieces(stack, out);
+}
+
+// unbind.int(self, dim): along a sharded dim, one replication of that mesh dim
+// (rather than one per element), then a local unbind.
+void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  reject_named(op, args);
+  const ShardSpec& s = self_spec(op, args);
+  TORCH_CHECK_INDEX(s.ndim() > 0, "Dimension specified as 0 but tensor has no dimensions");
+  const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
+  const int64_t m = s.mesh_dim_of(dim);
+  Piece x = piece_of(args[0].toTensor());
+  if (m >= 0) x = replicate_mesh_dims(x, {m});
+  std::vector<int64_t> shape = s.global_shape();
+  shape.erase(shape.begin() + dim);
+  SpecPtr spec = drop_dims(*x.spec, {dim}, shape);
+  std::vector<Piece> out;
+  for (const auto& t : x.local.unbind(dim)) out.push_back({t, spec});
+  push_pieces(stack, out);
+}
+
+const RuleRegistrar view_ops({"view"}, view_rule);
+const RuleRegistrar reshape_ops({"reshape"}, reshape_rule);
+const RuleRegistrar unsafe_view_ops({"_unsafe_view"}, unsafe_view_rule);
+const RuleRegistrar reshape_alias_ops({"_reshape_alias"}, reshape_alias_rule);
+const RuleRegistrar flatten_ops({"flatten.using_ints"}, flatten_rule);
+const RuleRegistrar unflatten_ops({"unflatten.int"}, unflatten_rule);
+const RuleRegistrar squeeze_ops({"squeeze"}, squeeze_rule);
+const RuleRegistrar unsqueeze_ops({"unsqueeze"}, unsqueeze_rule);
+const RuleRegistrar permute_ops({"permute"}, permute_rule);
+const RuleRegistrar transpose_ops({"transpose.int", "t"}, transpose_rule);
+const RuleRegistrar inplace_view_ops({"squeeze_", "unsqueeze_", "transpose_", "t_"},
+                                     inplace_view_rule);
+const RuleRegistrar slice_ops({"slice.Tensor"}, slice_rule);
+const RuleRegistrar narrow_ops({"narrow"}, narrow_rule);
+const RuleRegistrar select_ops({"select.int"}, select_rule);
+const RuleRegistrar expand_ops({"expand"}, expand_rule);
+const RuleRegistrar split_ops({"split.Tensor", "split_with_sizes", "unsafe_split.Tensor",
+                               "unsafe_split_with_sizes"},
+                              split_rule);
+const RuleRegistrar unbind_ops({"unbind.int"}, unbind_rule);
+
+}  // namespace
+}  // namespace shardtensor::ops

@@ -1,0 +1,19 @@
+# downstream: install this build into a temporary prefix, build tests/downstream
+# against it with find_package(ShardTensor), and run it on 2 ranks.
+string(REPLACE ";" " " _downstream_mpiexec_flags "${SHARDTENSOR_MPIEXEC_FLAGS}")
+add_test(NAME downstream
+  COMMAND ${CMAKE_COMMAND}
+    -DBUILD_DIR=${PROJECT_BINARY_DIR}
+    -DSRC_ROOT=${PROJECT_SOURCE_DIR}
+    -DSOURCE_DIR=${CMAKE_CURRENT_SOURCE_DIR}/downstream
+    -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/downstream
+    -DMPIEXEC=${SHARDTENSOR_MPIEXEC}
+    -DMPIEXEC_FLAGS=${_downstream_mpiexec_flags}
+    -DNP=2
+    -DBUILD_TYPE=${CMAKE_BUILD_TYPE}
+    -DCXX_COMPILER=${CMAKE_CXX_COMPILER}
+    -DLAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER}
+    -P ${CMAKE_CURRENT_SOURCE_DIR}/downstream/run.cmake)
+# It compiles a program, so it gets the CPU budget of an MPI test and a long timeout.
+set_tests_properties(downstream PROPERTIES ENVIRONMENT "${SHARDTENSOR_TEST_ENV}"
+  TIMEOUT 900 PROCESSORS 2 LABELS "mpi;install")

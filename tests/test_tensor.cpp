@@ -1,0 +1,369 @@
+// ShardTensor wrapper, factories, redistribution and the elementwise rule,
+// each compared with plain libtorch on the full tensors.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+
+namespace {
+
+at::Tensor seeded_randn(c10::IntArrayRef shape, uint64_t seed = 0) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kFloat);
+}
+
+// This rank's piece of `full` under `spec`, by brute-force arithmetic.
+at::Tensor expected_piece(const at::Tensor& full, const st::ShardSpec& spec) {
+  at::Tensor out = full;
+  auto offs = spec.local_offsets();
+  auto shape = spec.local_shape();
+  for (int64_t d = 0; d < spec.ndim(); ++d) out = out.narrow(d, offs[d], shape[d]);
+  return out;
+}
+
+std::vector<st::Placements> layouts(const st::DeviceMesh& mesh) {
+  return {fit_placements(mesh, {st::Shard{0}, st::Shard{1}}),
+          fit_placements(mesh, {st::Shard{1}, st::Shard{0}}),
+          fit_placements(mesh, {st::Replicate{}, st::Shard{1}}),
+          fit_placements(mesh, {st::Shard{2}, st::Replicate{}}),
+          fit_placements(mesh, {st::Replicate{}, st::Replicate{}})};
+}
+
+}  // namespace
+
+TEST(ShardTensorBasics, WrapperReportsGlobalShape) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({5, 7, 3});
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  auto sx = st::distribute_tensor(x, mesh, p);
+  EXPECT_EQ(sx.sizes(), x.sizes());
+  EXPECT_EQ(sx.dim(), 3);
+  EXPECT_EQ(sx.numel(), x.numel());
+  EXPECT_EQ(sx.scalar_type(), at::kFloat);
+  EXPECT_TRUE(st::ShardTensor::is_shard_tensor(sx));
+  EXPECT_FALSE(st::ShardTensor::is_shard_tensor(x));
+  EXPECT_EQ(sx.local().sizes().vec(), sx.spec().local_shape());
+  EXPECT_TRUE(sx.local().equal(expected_piece(x, sx.spec())));
+  EXPECT_THROW(st::ShardTensor{x}, c10::Error);
+  std::ostringstream os;
+  os << sx;
+  EXPECT_NE(os.str().find("global=[5, 7, 3]"), std::string::npos) << os.str();
+  EXPECT_NE(os.str().find("Shard(0)"), std::string::npos) << os.str();
+  EXPECT_NE(os.str().find("local="), std::string::npos) << os.str();
+}
+
+TEST(ShardTensorFactories, DistributeThenFullTensorRoundTrips) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({7, 5, 4});
+  for (const auto& p : layouts(mesh)) {
+    auto sx = st::distribute_tensor(x, mesh, p);
+    EXPECT_TRUE(sx.local().equal(expected_piece(x, sx.spec()))) << st::to_string(p);
+    EXPECT_TRUE(all_close(sx.full_tensor(), x, 0, 0)) << st::to_string(p);
+    // Uneven explicit sizes with an empty piece.
+    auto sizes = sizes_with_empty_first(mesh, p, x.sizes());
+    auto se = st::distribute_tensor(x, mesh, p, false, sizes);
+    EXPECT_TRUE(all_close(se.full_tensor(), x, 0, 0)) << st::to_string(p);
+  }
+}
+
+TEST(ShardTensorFactories, PartialSumsToTheValue) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({6, 5});
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {st::Partial{}, st::Shard{1}}));
+  EXPECT_TRUE(all_close(sx.full_tensor(), x, 0, 0));
+  auto r = sx.redistribute(fit_placements(mesh, {st::Shard{0}, st::Shard{1}}));
+  EXPECT_TRUE(all_close(r.full_tensor(), x, 0, 0));
+}
+
+TEST(ShardTensorFactories, ScatterSendsEachRankOnlyItsPiece) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({9, 6, 5});
+  const int last = static_cast<int>(mesh.size()) - 1;
+  for (int src : {0, last}) {
+    for (const auto& p : layouts(mesh)) {
+      st::reset_comm_stats();
+      // Only src passes the tensor; others pass an undefined one.
+      auto sx = st::scatter_tensor(mesh.rank() == src ? x : at::Tensor(), src, mesh, p, true);
+      auto stats = st::comm_stats();
+      EXPECT_TRUE(sx.local().requires_grad());
+      EXPECT_TRUE(sx.local().equal(expected_piece(x, sx.spec()))) << st::to_string(p);
+      if (mesh.rank() != src) {
+        // Metadata record (19 int64) plus exactly this rank's piece.
+        EXPECT_EQ(stats.bytes_received, 19 * 8 + sx.local().numel() * 4) << st::to_string(p);
+      }
+    }
+  }
+  // Undefined on src: every rank throws, and a later collective still works.
+  bool threw = false;
+  try {
+    st::scatter_tensor(at::Tensor(), 0, mesh, fit_placements(mesh, {st::Shard{0}}));
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("scatter_tensor") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+}
+
+TEST(ShardTensorFactories, FromLocalGathersUnevenSizes) {
+  auto mesh = test_mesh();
+  // Coordinate c along mesh dim 0 holds c+1 rows; mesh dim 1 (if any) replicates.
+  const int64_t c = mesh.coordinate()[0];
+  auto full_rows = mesh.size(0) * (mesh.size(0) + 1) / 2;
+  auto x = seeded_randn({full_rows, 3});
+  const int64_t off = c * (c + 1) / 2;
+  auto local = x.narrow(0, off, c + 1).clone();
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Replicate{}});
+  auto sx = st::ShardTensor::from_local(local, mesh, p);
+  EXPECT_EQ(sx.sizes(), x.sizes());
+  EXPECT_TRUE(all_close(sx.full_tensor(), x, 0, 0));
+  // The same with sizes given explicitly, and wrong sizes rejected everywhere.
+  st::ShardSizes sizes(mesh.ndim());
+  for (int64_t i = 0; i < mesh.size(0); ++i) sizes[0].push_back(i + 1);
+  auto sy = st::ShardTensor::from_local(local, mesh, p, sizes);
+  EXPECT_TRUE(all_close(sy.full_tensor(), x, 0, 0));
+  if (mesh.size(0) > 1) {
+    st::ShardSizes bad = sizes;
+    std::reverse(bad[0].begin(), bad[0].end());
+    bool threw = false;
+    try {
+      st::ShardTensor::from_local(local, mesh, p, bad);
+    } catch (const c10::Error& e) {
+      threw = std::string(e.what()).find("from_local") != std::string::npos;
+    }
+    EXPECT_TRUE(all_ranks(threw));
+  }
+}
+
+TEST(ShardTensorFactories, FromLocalRejectsMismatchedReplicatedExtentOnEveryRank) {
+  auto mesh = test_mesh();
+  if (mesh.size() == 1) GTEST_SKIP() << "needs two ranks";
+  // One rank disagrees on an unsharded extent: every rank must throw.
+  auto local = at::zeros({2, mesh.rank() == 1 ? 4 : 3});
+  bool threw = false;
+  std::string msg;
+  try {
+    st::ShardTensor::from_local(local, mesh, fit_placements(mesh, {st::Shard{0}}));
+  } catch (const c10::Error& e) {
+    threw = true;
+    msg = e.what();
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  EXPECT_NE(msg.find("Shard(0)"), std::string::npos) << msg;
+  // A later collective still works.
+  auto sx = st::distribute_tensor(at::ones({4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  EXPECT_TRUE(all_close(sx.full_tensor(), at::ones({4})));
+}
+
+TEST(ShardTensorRedistribute, EveryPairOfLayoutsIsExactAndDifferentiable) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({7, 6, 5});
+  auto ls = layouts(mesh);
+  for (const auto& from : ls) {
+    for (const auto& to : ls) {
+      auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+        if (!st::ShardTensor::is_shard_tensor(in[0])) return in[0] * 1.0;
+        return at::Tensor(st::ShardTensor(in[0]).redistribute(to));
+      };
+      EXPECT_TRUE(reference_check(fn, {{x, from}}, mesh))
+          << st::to_string(from) << " -> " << st::to_string(to);
+    }
+  }
+}
+
+TEST(ShardTensorRedistribute, RebalancesToExplicitSizesIncludingEmpty) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({9, 4});
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  auto sizes = sizes_with_empty_first(mesh, p, x.sizes());
+  auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    if (!st::ShardTensor::is_shard_tensor(in[0])) return in[0] * 1.0;
+    auto r = st::ShardTensor(in[0]).redistribute(p, sizes);
+    EXPECT_EQ(r.spec().all_shard_sizes(), sizes);
+    return at::Tensor(r);
+  };
+  EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh));
+  EXPECT_TRUE(reference_check(fn, {{x, p, true, sizes}}, mesh));
+}
+
+TEST(ShardTensorRedistribute, ShardToPartialIsRejectedOnEveryRank) {
+  auto mesh = test_mesh();
+  auto sx = st::distribute_tensor(at::ones({4, 4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  bool threw = false;
+  try {
+    sx.redistribute(fit_placements(mesh, {st::Partial{}}));
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("Partial") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+}
+
+// ------------------------------------------------------------------ elementwise
+
+TEST(Elementwise, UnaryAndActivations) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({2, 5, 7, 3});
+  auto p = fit_placements(mesh, {st::Shard{2}, st::Shard{1}});
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    auto y = torch::tanh(in[0] * 2.0 + 1.0);
+    y = torch::relu(y) + torch::sigmoid(in[0]) + torch::silu(in[0]);
+    y = y + torch::gelu(in[0]) + torch::elu(in[0]) + torch::softplus(in[0]);
+    y = y + torch::leaky_relu(in[0], 0.1) + torch::exp(-in[0].abs()) + in[0].pow(2);
+    return y;
+  };
+  EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh));
+  auto sizes = sizes_with_empty_first(mesh, p, x.sizes());
+  EXPECT_TRUE(reference_check(fn, {{x, p, true, sizes}}, mesh));
+}
+
+TEST(Elementwise, PlainOperandsBroadcastOrAreSliced) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({2, 4, 7, 5});
+  auto bias = seeded_randn({4, 1, 1}, 1);  // broadcasts along the sharded dims
+  auto field = seeded_randn({7, 5}, 2);    // spans the sharded dims at full size
+  auto p = fit_placements(mesh, {st::Shard{2}, st::Shard{3}});
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& params) {
+    return (in[0] + params[0]) * params[1] - in[0] * 0.5;
+  };
+  EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh, {bias, field}));
+  auto sizes = sizes_with_empty_first(mesh, p, x.sizes());
+  EXPECT_TRUE(reference_check(fn, {{x, p, true, sizes}}, mesh, {bias, field}));
+}
+
+TEST(Elementwise, ShardTensorsInDifferentLayoutsAreRedistributed) {
+  auto mesh = test_mesh();
+  auto a = seeded_randn({6, 5, 3});
+  auto b = seeded_randn({6, 5, 3}, 1);
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return torch::maximum(in[0] * in[1], in[1]) + torch::where(in[0] > 0, in[0], in[1]);
+  };
+  EXPECT_TRUE(reference_check(fn,
+                              {{a, fit_placements(mesh, {st::Shard{0}, st::Shard{1}})},
+                               {b, fit_placements(mesh, {st::Shard{1}, st::Replicate{}})}},
+                              mesh));
+  // Broadcast ShardTensor operand (replicated) and a sharded one.
+  auto c = seeded_randn({5, 3}, 3);
+  EXPECT_TRUE(reference_check(fn,
+                              {{a, fit_placements(mesh, {st::Shard{0}, st::Shard{1}})},
+                               {c, fit_placements(mesh, {st::Replicate{}, st::Replicate{}})}},
+                              mesh));
+}
+
+TEST(Elementwise, InPlaceAndOutVariants) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({5, 6});
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    auto y = in[0] * 3.0;
+    y.add_(in[0]).mul_(2.0);
+    auto z = y * y;
+    return z.sub_(in[0]).relu_();
+  };
+  EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh));
+  // out= variants (no autograd, as in libtorch).
+  torch::NoGradGuard no_grad;
+  auto sx = st::distribute_tensor(x, mesh, p);
+  // Factories reached below autograd (torch:: wrappers) still give ShardTensors.
+  for (const at::Tensor& f : {torch::zeros_like(sx), torch::ones_like(sx), torch::randn_like(sx),
+                              torch::full_like(sx, 3.0), at::empty_like(sx)}) {
+    EXPECT_TRUE(st::ShardTensor::is_shard_tensor(f));
+    EXPECT_EQ(st::ShardTensor(f).spec(), sx.spec());
+  }
+  auto z = torch::empty_like(sx);
+  auto& r = at::mul_out(z, sx, sx);
+  EXPECT_TRUE(st::ShardTensor::is_shard_tensor(r));
+  EXPECT_TRUE(all_close(st::ShardTensor(z).full_tensor(), x * x));
+  at::add_out(z, sx, x, 2.0);  // plain operand is sliced
+  EXPECT_TRUE(all_close(st::ShardTensor(z).full_tensor(), x + 2.0 * x));
+}
+
+TEST(Elementwise, ClampComparisonsAndConversions) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({7, 4});
+  auto lo = seeded_randn({4}, 5) - 1.0;
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& params) {
+    auto y = torch::clamp(in[0], -0.5, 0.5) + torch::clamp_min(in[0], params[0]);
+    auto mask = (in[0] > 0.1).logical_and(in[0] < 1.0);
+    y = y + mask.to(torch::kFloat) + in[0].to(torch::kDouble).to(torch::kFloat);
+    y = y + in[0].clone().contiguous() + in[0].detach() + torch::zeros_like(in[0]);
+    return y * torch::ones_like(in[0]);
+  };
+  EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh, {lo}));
+}
+
+TEST(Elementwise, DropoutUsesPerRankRandomness) {
+  auto mesh = test_mesh();
+  auto x = torch::ones({64, 64});
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  auto sx = st::distribute_tensor(x, mesh, p, true);
+  // Eval mode and p = 0 are the identity.
+  auto e = torch::dropout(sx, 0.5, /*train=*/false);
+  EXPECT_TRUE(all_close(st::ShardTensor(e).full_tensor(), x, 0, 0));
+  torch::manual_seed(7);
+  auto d = st::ShardTensor(torch::dropout(sx, 0.25, /*train=*/true));
+  auto full = d.full_tensor();
+  // Values are 0 or 1/(1-p); about a quarter are dropped; scaling is exact.
+  auto kept = (full != 0);
+  EXPECT_TRUE(all_ranks(full.masked_select(kept).allclose(torch::full({1}, 1.0 / 0.75))));
+  double frac = 1.0 - kept.to(torch::kDouble).mean().item<double>();
+  EXPECT_NEAR(frac, 0.25, 0.03);
+  // Backward: gradient is the mask scaled, on the same elements.
+  st::backward(d, torch::ones({64, 64}));
+  EXPECT_TRUE(all_close(sx.grad().full_tensor(), full, 0, 0));
+}
+
+TEST(Elementwise, ErrorsNameTheOpAndPlacementsOnEveryRank) {
+  auto mesh = test_mesh();
+  auto sx = st::distribute_tensor(seeded_randn({6, 4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  // An op with no rule and no decomposition.
+  bool threw = false;
+  std::string msg;
+  try {
+    auto y = at::cumsum(sx, 0);
+  } catch (const c10::Error& e) {
+    threw = true;
+    msg = e.what();
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  EXPECT_NE(msg.find("cumsum"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Shard(0)"), std::string::npos) << msg;
+  // In-place on a plain tensor with a ShardTensor operand.
+  threw = false;
+  try {
+    auto plain = at::zeros({6, 4});
+    plain.add_(sx);
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("add_") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  // Two different meshes.
+  auto other = test_mesh();
+  auto so =
+      st::distribute_tensor(seeded_randn({6, 4}), other, fit_placements(other, {st::Shard{0}}));
+  threw = false;
+  try {
+    auto y = sx + so;
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("different meshes") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  // Collectives still work afterwards.
+  EXPECT_TRUE(all_close(st::ShardTensor(sx * 2.0).full_tensor(), sx.full_tensor() * 2.0));
+}
+
+TEST(Backward, ShardedOutputWithPlainOrShardedCotangent) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({5, 3});
+  auto g = seeded_randn({5, 3}, 9);
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  auto sx = st::distribute_tensor(x, mesh, p, true);
+  st::backward(sx * 3.0, g);
+  EXPECT_TRUE(all_close(sx.grad().full_tensor(), g * 3.0));
+  auto sy = st::distribute_tensor(x, mesh, p, true);
+  auto sg = st::distribute_tensor(g, mesh, fit_placements(mesh, {st::Shard{1}, st::Shard{0}}));
+  st::backward(sy * 2.0, sg);
+  EXPECT_TRUE(all_close(sy.grad().full_tensor(), g * 2.0));
+  EXPECT_FALSE(st::distribute_tensor(x, mesh, p).grad().defined());
+}
