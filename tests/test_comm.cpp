@@ -1050,3 +1050,128 @@ TEST(CommDebug, MismatchedCallsThrowOnEveryRankNamingThePrimitive) {
     EXPECT_TRUE(all_close(comm::all_gather(local, mesh, a.mesh_dim, 0, sizes), full));
   }
 }
+
+// ---- the transport itself (also used directly by tensor/ for metadata) ------------
+
+// Internal header: the transport is not public API, but its contract is tested here.
+#include "../src/comm/transport.h"
+
+namespace transport = shardtensor::comm::transport;
+
+TEST(CommTransport, BroadcastScattervReduceScatterAllToAllv) {
+  auto mesh = test_mesh();
+  for (const Axis& a : axes(mesh)) {
+    SCOPED_TRACE("mesh dim " + std::to_string(a.mesh_dim));
+    const int64_t P = a.P, me = a.me;
+    // broadcast_ from the last coordinate.
+    at::Tensor b = a.me == P - 1 ? seeded_randn({5}, 2100) : at::zeros({5}, at::kDouble);
+    st::reset_comm_stats();
+    transport::broadcast_(b, static_cast<int>(P - 1), a.comm);
+    st::CommStats s = st::comm_stats();
+    const int64_t nb = 5 * 8;
+    bool ok = b.equal(seeded_randn({5}, 2100)) &&
+              (P == 1 ? (s.bytes_sent == 0 && s.bytes_received == 0 && s.messages == 0)
+               : me == P - 1
+                   ? (s.bytes_sent == (P - 1) * nb && s.bytes_received == 0 && s.messages == P - 1)
+                   : (s.bytes_sent == 0 && s.bytes_received == nb && s.messages == 0));
+    EXPECT_TRUE(all_ranks(ok)) << "broadcast_ " << s.bytes_sent << "/" << s.bytes_received << "/"
+                               << s.messages;
+    // scatterv from coordinate 0: coordinate c gets c + 1 int64 values c*10 + i.
+    std::vector<int64_t> bytes(P);
+    std::vector<at::Tensor> pieces;
+    for (int64_t c = 0; c < P; ++c) {
+      bytes[c] = (c + 1) * 8;
+      pieces.push_back(at::arange(c + 1, at::kLong) + 10 * c);
+    }
+    at::Tensor send = me == 0 ? at::cat(pieces) : at::Tensor();
+    at::Tensor recv = at::empty({me + 1}, at::kLong);
+    st::reset_comm_stats();
+    transport::scatterv(send, me == 0 ? bytes : std::vector<int64_t>{}, recv, 0, a.comm);
+    s = st::comm_stats();
+    ok =
+        recv.equal(pieces[me]) && (me == 0 ? s.bytes_sent == total(bytes) - 8 && s.messages == P - 1
+                                           : s.bytes_received == bytes[me] && s.bytes_sent == 0);
+    EXPECT_TRUE(all_ranks(ok)) << "scatterv " << recv;
+    // reduce_scatter in half precision (reduced in float), with an empty piece when P >= 2.
+    auto sizes = partitions(P)[1];
+    const int64_t n = total(sizes);
+    auto off = offsets(sizes);
+    at::Tensor mine = (at::arange(n, at::kFloat) + me).to(at::kHalf);
+    at::Tensor sum = at::zeros({n}, at::kFloat);
+    for (int64_t c = 0; c < P; ++c) {
+      sum += at::arange(n, at::kFloat) + c;
+    }
+    at::Tensor piece = at::empty({sizes[me]}, at::kHalf);
+    st::reset_comm_stats();
+    transport::reduce_scatter(mine, piece, sizes, ReduceOp::Sum, a.comm);
+    s = st::comm_stats();
+    int64_t rs_sent = 0;
+    for (int64_t c = 0; c < P; ++c) {
+      rs_sent += c == me ? 0 : sizes[c] * 2;
+    }
+    ok = piece.to(at::kFloat).equal(sum.narrow(0, off[me], sizes[me])) && s.bytes_sent == rs_sent &&
+         s.bytes_received == (P - 1) * sizes[me] * 2;
+    EXPECT_TRUE(all_ranks(ok)) << "reduce_scatter " << piece;
+    // all_to_allv: coordinate me sends (me + 1) * (c + 1) bytes of value me*16 + c to c.
+    std::vector<int64_t> sb(P), sd(P), rb(P), rd(P);
+    for (int64_t c = 0; c < P; ++c) {
+      sb[c] = (me + 1) * (c + 1);
+      rb[c] = (c + 1) * (me + 1);
+    }
+    sd = offsets(sb);
+    rd = offsets(rb);
+    at::Tensor abuf = at::empty({total(sb)}, at::kByte);
+    for (int64_t c = 0; c < P; ++c) {
+      abuf.narrow(0, sd[c], sb[c]).fill_(me * 16 + c);
+    }
+    at::Tensor rbuf = at::zeros({total(rb)}, at::kByte);
+    st::reset_comm_stats();
+    transport::all_to_allv(abuf, sb, sd, rbuf, rb, rd, a.comm);
+    s = st::comm_stats();
+    ok = s.bytes_sent == total(sb) - sb[me] && s.bytes_received == total(rb) - rb[me] &&
+         s.messages == P - 1;
+    for (int64_t c = 0; c < P; ++c) {
+      ok = ok && (rbuf.narrow(0, rd[c], rb[c]) == c * 16 + me).all().item<bool>();
+    }
+    EXPECT_TRUE(all_ranks(ok)) << "all_to_allv " << rbuf;
+  }
+}
+
+TEST(CommTransport, SplitPhaseExchangeKeepsOrderAndCountsPayload) {
+  auto mesh = test_mesh();
+  for (const Axis& a : axes(mesh)) {
+    const int64_t P = a.P, me = a.me;
+    // Two messages to every coordinate (self included), plus an empty one that is skipped.
+    std::vector<transport::PeerBuffer> sends, recvs;
+    std::vector<at::Tensor> expected;
+    for (int64_t c = 0; c < P; ++c) {
+      const int peer = static_cast<int>(c);
+      sends.push_back({peer, at::full({3}, static_cast<double>(100 * me + c), at::kDouble)});
+      sends.push_back({peer, at::empty({0}, at::kDouble)});
+      sends.push_back({peer, at::full({1, 2}, static_cast<double>(-(100 * me + c)), at::kDouble)});
+      recvs.push_back({peer, at::zeros({3}, at::kDouble)});
+      recvs.push_back({peer, at::empty({0}, at::kDouble)});
+      recvs.push_back({peer, at::zeros({1, 2}, at::kDouble)});
+      expected.push_back(at::full({3}, static_cast<double>(100 * c + me), at::kDouble));
+      expected.push_back(at::empty({0}, at::kDouble));
+      expected.push_back(at::full({1, 2}, static_cast<double>(-(100 * c + me)), at::kDouble));
+    }
+    st::reset_comm_stats();
+    auto pending = transport::start_exchange(sends, recvs, a.comm);
+    EXPECT_TRUE(pending.pending());
+    pending.finish();
+    pending.finish();  // idempotent
+    st::CommStats s = st::comm_stats();
+    bool ok = !pending.pending() && s.bytes_sent == (P - 1) * 5 * 8 &&
+              s.bytes_received == (P - 1) * 5 * 8 && s.messages == 2 * (P - 1);
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      ok = ok && recvs[i].buffer.equal(expected[i]);
+    }
+    EXPECT_TRUE(all_ranks(ok)) << "mesh dim " << a.mesh_dim << ": " << s.bytes_sent << "/"
+                               << s.bytes_received << "/" << s.messages;
+    // Invalid peers and non-contiguous buffers are rejected before anything is posted.
+    EXPECT_THROW(transport::start_exchange({{static_cast<int>(P), at::zeros({1})}}, {}, a.comm),
+                 c10::Error);
+    EXPECT_THROW(transport::start_exchange({{0, at::zeros({4, 4}).t()}}, {}, a.comm), c10::Error);
+  }
+}
