@@ -7,7 +7,6 @@
 
 namespace shardtensor::ops {
 namespace {
-int mut() { const char* e = std::getenv("MUT"); return e ? std::atoi(e) : 0; }
 
 // libtorch's legacy rule: 1-D tensors of size 0 are skipped by cat whatever
 // the other inputs' shapes.
@@ -100,15 +99,14 @@ at::Tensor cat_impl(const c10::OperatorHandle& op, const std::vector<c10::IValue
       sizes[mm] = s->mesh_dim_of(dim) == mm ? s->shard_sizes(mm) : balanced_sizes(n, parts);
       const auto off = offsets_of(sizes[mm]);
       for (int64_t c = 0; c < parts; ++c) {
-        if (sizes[mm][c] > 0) segments[c].push_back({(mut() == 5 ? 0 : base) + off[c], sizes[mm][c]});
+        if (sizes[mm][c] > 0) segments[c].push_back({base + off[c], sizes[mm][c]});
       }
       pieces.push_back(to_layout(t, ShardSpec(mesh, p, t.sizes().vec(), sizes), *out));
     } else {
       // Replicated along mm: every coordinate takes its own part.
       p[mm] = Replicate{};
       sizes[mm] = {};
-      ShardSpec ts(mesh, p, t.sizes().vec(), sizes);
-      at::Tensor local = to_layout(t, ts, mut() == 2 ? ts : *out);
+      at::Tensor local = to_layout(t, ShardSpec(mesh, p, t.sizes().vec(), sizes), *out);
       for (int64_t c = 0; c < parts; ++c) {
         const int64_t lo = std::max(base, toff[c]);
         const int64_t hi = std::min(base + n, toff[c] + tgt[c]);

@@ -17,7 +17,6 @@
 
 namespace shardtensor::ops {
 namespace {
-int mut() { const char* e = std::getenv("MUT"); return e ? std::atoi(e) : 0; }
 
 // ---------------------------------------------------------------- arguments
 
@@ -143,7 +142,7 @@ Piece slice_piece(const Piece& x, int64_t dim, int64_t start, int64_t end, int64
   const int64_t me = s.mesh().coordinate()[m];
   at::Tensor local;
   if (out[me] > 0) {
-    const int64_t first = mut() == 1 ? std::max<int64_t>(start - off[me], 0) : start + count(off[me]) * step - off[me];
+    const int64_t first = start + count(off[me]) * step - off[me];
     local = x.local.slice(dim, first, first + (out[me] - 1) * step + 1, step);
   } else {
     local = x.local.narrow(dim, 0, 0);
@@ -513,7 +512,6 @@ void squeeze_rule(const c10::OperatorHandle& op, Stack* stack) {
   } else {
     for (auto it = dims.rbegin(); it != dims.rend(); ++it) local = local.squeeze(*it);
   }
-  if (mut() == 4) local = x.local.squeeze();
   std::vector<int64_t> shape;
   for (int64_t d = 0; d < s.ndim(); ++d) {
     if (!std::binary_search(dims.begin(), dims.end(), d)) shape.push_back(s.global_shape()[d]);
