@@ -367,3 +367,35 @@ TEST(Backward, ShardedOutputWithPlainOrShardedCotangent) {
   EXPECT_TRUE(all_close(sy.grad().full_tensor(), g * 2.0));
   EXPECT_FALSE(st::distribute_tensor(x, mesh, p).grad().defined());
 }
+
+TEST(Dispatch, CompositeOpWithoutRuleRunsItsDecomposition) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({7, 3});
+  auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  // at::multiply / at::subtract / at::greater are composite aliases with no rule
+  // of their own: they decompose into mul / sub / gt, which have rules.
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    auto y = at::multiply(in[0], 2.0);
+    y = at::subtract(y, in[0] * in[0]);
+    return y + at::greater(in[0], 0.0).to(torch::kFloat);
+  };
+  EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh));
+  auto sx = st::distribute_tensor(x, mesh, p);
+  EXPECT_TRUE(st::ShardTensor::is_shard_tensor(at::multiply(sx, 2.0)));
+}
+
+TEST(Dispatch, DebugModeTurnsDisagreementIntoAnErrorOnEveryRank) {
+  if (std::getenv("SHARDTENSOR_DEBUG") == nullptr) GTEST_SKIP() << "needs SHARDTENSOR_DEBUG=1";
+  auto mesh = test_mesh();
+  if (mesh.size() == 1) GTEST_SKIP() << "needs two ranks";
+  auto sx = st::distribute_tensor(seeded_randn({6, 4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  bool threw = false;
+  try {
+    // Rank 0 runs a different op than the others: a program bug that would
+    // otherwise give silently wrong results or a hang in a later collective.
+    auto y = mesh.rank() == 0 ? at::add(sx, 1.0) : at::mul(sx, 2.0);
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("disagree") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+}
