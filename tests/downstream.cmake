@@ -16,4 +16,4 @@ add_test(NAME downstream
     -P ${CMAKE_CURRENT_SOURCE_DIR}/downstream/run.cmake)
 # It compiles a program, so it gets the CPU budget of an MPI test and a long timeout.
 set_tests_properties(downstream PROPERTIES ENVIRONMENT "${SHARDTENSOR_TEST_ENV}"
-  TIMEOUT 900 PROCESSORS 2 LABELS "mpi;install")
+  TIMEOUT 1200 PROCESSORS 2 LABELS "mpi;install")
