@@ -1,8 +1,11 @@
 // MPI tests of the core and mesh layers: runtime, MPI error checking,
 // DeviceMesh over Cartesian communicators, and the observability counters.
+#include <c10/core/CPUAllocator.h>
 #include <mpi.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <cstdint>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -476,4 +479,24 @@ TEST(Stats, MemoryStatsTrackTensorAllocations) {
   // Empty tensors are fine.
   auto e = torch::empty({0});
   EXPECT_EQ(st::memory_stats().current_bytes, end.current_bytes);
+}
+
+TEST(Stats, TrackingAllocatorRawInterfaceAndAlignment) {
+  // Some CPU kernels (e.g. gelu) use raw_allocate()/raw_deallocate() on the
+  // CPU allocator: they must work and be counted.
+  c10::Allocator* cpu = c10::GetCPUAllocator();
+  const auto before = st::memory_stats();
+  void* p = cpu->raw_allocate(1000);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+  EXPECT_EQ(st::memory_stats().current_bytes, before.current_bytes + 1000);
+  cpu->raw_deallocate(p);
+  EXPECT_EQ(st::memory_stats().current_bytes, before.current_bytes);
+  for (int64_t n : {1, 3, 17, 4096}) {
+    auto t = torch::empty({n}, torch::kUInt8);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % 64, 0u) << n << " bytes";
+  }
+  auto x = torch::randn({1000});
+  auto y = torch::gelu(x);
+  EXPECT_TRUE(y.allclose(0.5 * x * (1 + torch::erf(x / std::sqrt(2.0))), 1e-5, 1e-6));
 }

@@ -1,5 +1,6 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/alignment.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <shardtensor/core/stats.h>
 #include <torch/version.h>
@@ -9,7 +10,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 
 // libtorch >= 2.3 made Allocator::allocate non-const and added the pure
 // virtual Allocator::copy_data; 1.13 (Debian) has the const allocate only.
@@ -40,14 +40,14 @@ void raise_peak_to(int64_t value) {
   }
 }
 
-// The DataPtr context: the data pointer and its size, so that the deleter can
-// account for the bytes it frees.
 // Note [tracking allocator layout]: libtorch's raw_allocate()/raw_deallocate()
 // (used by some CPU kernels, e.g. gelu) require the DataPtr's context to be the
 // data pointer itself and a plain raw_deleter(). So the size lives in a header
-// of kHeader bytes in front of the data; kHeader equals c10's CPU alignment so
-// the data stays aligned.
-constexpr size_t kHeader = 64;
+// of kHeader bytes in front of the data; kHeader is a multiple of c10's CPU
+// alignment so the data stays aligned.
+constexpr size_t kHeader = c10::gAlignment >= sizeof(size_t) ? c10::gAlignment : 64;
+static_assert(kHeader % alignof(std::max_align_t) == 0 && kHeader >= sizeof(size_t),
+              "the header must keep the data aligned and hold the size");
 
 void delete_tracked(void* data) {
   if (data == nullptr) {
@@ -60,7 +60,10 @@ void delete_tracked(void* data) {
   c10::free_cpu(base);
 }
 
-// Wraps c10's CPU allocation (alignment, OOM errors) and counts live bytes.
+/// libtorch's CPU allocator while the library is loaded: c10::alloc_cpu /
+/// c10::free_cpu (alignment, OOM errors) plus live and peak byte counters.
+/// It does not zero-fill/junk-fill (the caffe2_cpu_allocator_* debug flags)
+/// nor report to the profiler.
 struct TrackingCPUAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) SHARDTENSOR_ALLOCATE_CONST override {
     if (nbytes == 0) {
@@ -78,6 +81,7 @@ struct TrackingCPUAllocator final : c10::Allocator {
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_tracked; }
 
+  // Pure virtual from libtorch 2.3; an ordinary member before.
   void copy_data(void* dest, const void* src, size_t count) const SHARDTENSOR_COPY_DATA_OVERRIDE {
     if (count > 0) {
       std::memcpy(dest, src, count);
