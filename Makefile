@@ -1,0 +1,125 @@
+# shardtensor: the two commands.
+#
+#   make demo   install missing Debian packages, build, run the demo on $(NP) MPI ranks
+#   make test   install missing Debian packages, build, run every test (ctest)
+#
+# Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean.
+# Overridable: DEMO, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
+# CMAKE_ARGS, MPIRUN_FLAGS, SKIP_DEPS=1 (do not touch the system's packages).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+REPO_ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+
+DEMO         ?= first_example
+NP           ?= 4
+BUILD_DIR    ?= build
+BUILD_TYPE   ?= RelWithDebInfo
+PREFIX       ?= /usr/local
+NPROC        := $(shell nproc 2>/dev/null || echo 2)
+JOBS         ?= $(NPROC)
+# Each MPI test runs up to 4 ranks and declares PROCESSORS 2 to CTest; half the
+# cores as CTest's budget keeps 4-rank tests from piling up (on 2 cores: one at a time).
+TEST_JOBS    ?= $(shell n=$$(( $(NPROC) / 2 )); echo $$(( n > 0 ? n : 1 )))
+TEST_TIMEOUT ?= 1800
+CMAKE_ARGS   ?=
+MPIRUN       ?= mpirun
+MPIRUN_FLAGS ?= --oversubscribe --bind-to none
+CLANG_FORMAT ?= clang-format
+BUILD_ABS    := $(if $(filter /%,$(BUILD_DIR)),$(BUILD_DIR),$(REPO_ROOT)/$(BUILD_DIR))
+
+# Debian 12 packages. libtorch-dev pulls in what its CMake config
+# (/usr/lib/x86_64-linux-gnu/cmake/{Torch,Caffe2}) needs: libgflags-dev,
+# libgoogle-glog-dev, libprotobuf-dev; they are listed so a missing one is caught.
+DEB_PACKAGES ?= libtorch-dev libgflags-dev libgoogle-glog-dev libprotobuf-dev \
+                libopenmpi-dev openmpi-bin libgtest-dev cmake make g++ ccache \
+                libpng-dev pkg-config clang-format
+
+# ccache shared by every build dir of every checkout under one user.
+export CCACHE_DIR        ?= $(HOME)/.ccache
+export CCACHE_BASEDIR    ?= $(REPO_ROOT)
+export CCACHE_NOHASHDIR  ?= 1
+export CCACHE_SLOPPINESS ?= pch_defines,time_macros,include_file_mtime,include_file_ctime
+
+# One compute thread per rank; OpenMPI refuses root without these.
+export OMP_NUM_THREADS ?= 1
+# Containers often forbid the cross-memory-attach single-copy path.
+export OMPI_MCA_btl_vader_single_copy_mechanism ?= none
+ifeq ($(shell id -u),0)
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+SUDO :=
+else
+SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
+endif
+
+.PHONY: help demo test deps configure build install format format-check clean
+
+help:
+	@echo "make demo     build and run examples/$(DEMO) on $(NP) ranks"
+	@echo "make test     build and run all tests (ctest)"
+	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
+
+# Builds only the demo (and the library), not the tests.
+demo: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target $(DEMO)
+	$(MPIRUN) $(MPIRUN_FLAGS) -np $(NP) $(BUILD_ABS)/examples/$(DEMO)
+
+test: build
+	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error \
+	  --timeout $(TEST_TIMEOUT) -j $(TEST_JOBS)
+
+# Checks every package with dpkg-query; apt-get runs only when one is missing.
+deps:
+ifeq ($(SKIP_DEPS),1)
+	@echo "deps: skipped (SKIP_DEPS=1)"
+else
+	@if ! command -v dpkg-query >/dev/null 2>&1; then \
+	  echo "deps: no dpkg-query (not Debian?); assuming the dependencies are installed"; \
+	  exit 0; \
+	fi; \
+	missing=""; \
+	for p in $(DEB_PACKAGES); do \
+	  status=$$(dpkg-query -W -f='$${Status}' "$$p" 2>/dev/null || true); \
+	  if [ "$$status" != "install ok installed" ]; then missing="$$missing $$p"; fi; \
+	done; \
+	if [ -z "$$missing" ]; then \
+	  echo "deps: all $(words $(DEB_PACKAGES)) Debian packages already installed"; \
+	  exit 0; \
+	fi; \
+	echo "deps: installing:$$missing"; \
+	if [ "$$(id -u)" != 0 ] && [ -z "$(SUDO)" ]; then \
+	  echo "deps: not root and no sudo; install as root:"; \
+	  echo "  apt-get install -y --no-install-recommends$$missing"; \
+	  exit 1; \
+	fi; \
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update; \
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(APT_FLAGS) $$missing
+endif
+
+# Configuring again is cheap when nothing changed and rebuilds nothing.
+configure: deps
+	cd $(REPO_ROOT) && cmake -S . -B $(BUILD_ABS) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+
+build: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS)
+
+install: build
+	cmake --install $(BUILD_ABS) --prefix $(PREFIX)
+
+FORMAT_DIRS := include src tests examples bench
+# Only the folders that exist (git does not keep empty ones, e.g. bench/ before it has files).
+format-files = cd $(REPO_ROOT) && find $(wildcard $(addprefix $(REPO_ROOT)/,$(FORMAT_DIRS))) \
+  -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' -o -name '*.cc' \) | sort
+
+format:
+	$(format-files) | xargs -r $(CLANG_FORMAT) -i
+
+format-check:
+	$(format-files) | xargs -r $(CLANG_FORMAT) --dry-run -Werror
+
+clean:
+	@test -n "$(BUILD_DIR)" && test "$(BUILD_ABS)" != "$(REPO_ROOT)" && test "$(BUILD_ABS)" != /
+	rm -rf -- $(BUILD_ABS)
