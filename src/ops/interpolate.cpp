@@ -1,0 +1,328 @@
+// Sharding rules for interpolation (torch::nn::functional::interpolate,
+// torch::nn::Upsample): upsample_nearest{1,2,3}d, _upsample_nearest_exact{1,2,3}d,
+// upsample_linear1d, upsample_bilinear2d, upsample_bicubic2d,
+// upsample_trilinear3d, each in its plain (output_size, scales...) and .vec
+// (output_size?, scale_factors?) overloads. Mode "area" is adaptive_avg_pool
+// (ops/pool.cpp).
+//
+// Note [interpolation as weighted gathers]: along each spatial dim, output o
+// reads a few source indices idx_j(o) with weights w_j(o) (nearest: 1 tap,
+// linear: 2, cubic: 4), computed here with libtorch's own formulas and
+// precision (Note [interpolation indices]). Interpolation is separable, so the
+// result is obtained dim by dim as
+//     out = sum_j w_j(o) * x.index_select(dim, idx_j(o) - lo)
+// where lo is the first global index of the input range this rank holds. The
+// output is partitioned first (stencil::output_sizes); each rank needs the
+// input range [min_j,o idx_j(o), max_j,o idx_j(o) + 1) of its output block,
+// which comm::gather_range fetches (any halo, multi-hop, negative). index_select
+// and mul are differentiable, and gather_range's backward is its adjoint, so
+// the gradient is exact with no extra code. Every dim, sharded or not, takes
+// the same path, so one rank and many ranks compute the same float operations
+// (up to summation order). All decisions depend on global shapes, specs and
+// op args only.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "ops/common.h"
+#include "ops/stencil.h"
+
+namespace shardtensor::ops {
+namespace {
+
+enum class Mode { Nearest, NearestExact, Linear, Cubic };
+
+struct Taps {
+  int64_t n = 1;                          // taps per output index
+  std::vector<std::vector<int64_t>> idx;  // [tap][o], global source index
+  std::vector<std::vector<double>> w;     // [tap][o]
+};
+
+// Note [interpolation indices]: these replicate the CPU kernels of libtorch
+// 1.13 (aten/src/ATen/native/UpSample.h and cpu/UpSampleKernel.cpp): the scale
+// is computed in the input's scalar type (area_pixel_compute_scale: 1/scale
+// when a positive scale is given and align_corners is false, else in/out or
+// (in-1)/(out-1)); linear computes the source index in the accumulation type
+// (double) from that scale, cubic and nearest in the scalar type. Nearest is
+// discontinuous, so the index must be bit-exact; linear and cubic are
+// continuous in the source coordinate, so a rounding difference at an integer
+// source index changes the result by at most a rounding error.
+template <typename T>
+Taps compute_taps(Mode mode, int64_t in, int64_t out, bool align_corners,
+                  std::optional<double> scale_opt) {
+  auto compute_scales_value = [&]() -> T {
+    return (scale_opt.has_value() && *scale_opt > 0.) ? static_cast<T>(1.0 / *scale_opt)
+                                                      : (static_cast<T>(in) / out);
+  };
+  auto area_pixel_compute_scale = [&](bool ac) -> T {
+    if (ac) return out > 1 ? static_cast<T>(in - 1) / (out - 1) : static_cast<T>(0);
+    return compute_scales_value();
+  };
+  Taps t;
+  switch (mode) {
+    case Mode::Nearest:
+    case Mode::NearestExact:
+      t.n = 1;
+      break;
+    case Mode::Linear:
+      t.n = 2;
+      break;
+    case Mode::Cubic:
+      t.n = 4;
+      break;
+  }
+  t.idx.assign(t.n, std::vector<int64_t>(out));
+  t.w.assign(t.n, std::vector<double>(out));
+  for (int64_t o = 0; o < out; ++o) {
+    if (mode == Mode::Nearest) {
+      const T scale = area_pixel_compute_scale(false);
+      const T real = scale * static_cast<T>(o);
+      const int64_t i = static_cast<int64_t>(std::floor(real));
+      t.idx[0][o] = std::min(i, in - 1);
+      t.w[0][o] = 1.0;
+    } else if (mode == Mode::NearestExact) {
+      const T scale = area_pixel_compute_scale(false);
+      T real = scale * (static_cast<T>(o) + static_cast<T>(0.5)) - static_cast<T>(0.5);
+      if (real < 0) real = 0;
+      const int64_t i = static_cast<int64_t>(std::floor(real + static_cast<T>(0.5)));
+      t.idx[0][o] = std::min(i, in - 1);
+      t.w[0][o] = 1.0;
+    } else if (mode == Mode::Linear) {
+      if (in == out) {
+        t.idx[0][o] = t.idx[1][o] = o;
+        t.w[0][o] = 1.0;
+        t.w[1][o] = 0.0;
+        continue;
+      }
+      const T scale = area_pixel_compute_scale(align_corners);
+      double real;
+      if (align_corners) {
+        real = static_cast<double>(scale) * o;
+      } else {
+        real = static_cast<double>(scale) * (o + 0.5) - 0.5;
+        if (real < 0) real = 0;
+      }
+      const int64_t i0 = static_cast<int64_t>(real);
+      const int64_t i1 = i0 + ((i0 < in - 1) ? 1 : 0);
+      const T l1 = static_cast<T>(real - i0);
+      const T l0 = static_cast<T>(1.) - l1;
+      t.idx[0][o] = i0;
+      t.idx[1][o] = i1;
+      t.w[0][o] = l0;
+      t.w[1][o] = l1;
+    } else {
+      const T scale = area_pixel_compute_scale(align_corners);
+      T real;
+      if (align_corners) {
+        real = scale * static_cast<T>(o);
+      } else {
+        real = scale * (static_cast<T>(o) + static_cast<T>(0.5)) - static_cast<T>(0.5);
+      }
+      const int64_t i0 = static_cast<int64_t>(std::floor(real));
+      const T x1 = real - static_cast<T>(i0);
+      const T A = static_cast<T>(-0.75);
+      auto conv1 = [&](T x) { return ((A + 2) * x - (A + 3)) * x * x + 1; };
+      auto conv2 = [&](T x) { return ((A * x - 5 * A) * x + 8 * A) * x - 4 * A; };
+      const T x2 = static_cast<T>(1.0) - x1;
+      const T c[4] = {conv2(x1 + static_cast<T>(1.0)), conv1(x1), conv1(x2),
+                      conv2(x2 + static_cast<T>(1.0))};
+      for (int64_t j = 0; j < 4; ++j) {
+        t.idx[j][o] = std::max<int64_t>(std::min(i0 - 1 + j, in - 1), 0);
+        t.w[j][o] = c[j];
+      }
+    }
+  }
+  return t;
+}
+
+struct InterpOp {
+  Mode mode;
+  int64_t nd;      // spatial dims
+  bool has_align;  // linear modes take align_corners
+};
+
+std::optional<std::vector<int64_t>> opt_int_list(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  if (v.isIntList()) return v.toIntVector();
+  std::vector<int64_t> out;
+  for (const auto& e : v.toListRef()) {
+    out.push_back(e.isInt() ? e.toInt() : e.toSymInt().expect_int());
+  }
+  return out;
+}
+
+void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
+  auto args = pop_args(op, stack);
+  const auto& schema = op.schema();
+  const at::Tensor& x = args[0].toTensor();
+  const ShardSpec* s = spec_of(x);
+  if (!s) fail(op, args, "the input must be the ShardTensor");
+  const int64_t ndim = s->ndim();
+  if (ndim != p.nd + 2) {
+    fail(op, args, "expected a " + std::to_string(p.nd + 2) + "-D input (N, C, spatial...)");
+  }
+  const auto& shape = s->global_shape();
+
+  // Parse: output_size, align_corners, scales (per-dim floats or a list).
+  std::optional<std::vector<int64_t>> out_size;
+  bool align_corners = false;
+  std::vector<std::optional<double>> scales(p.nd);
+  bool is_vec = false;
+  std::optional<std::vector<double>> scale_factors;
+  int64_t next_scale = 0;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& name = schema.arguments()[i].name();
+    if (name == "output_size") {
+      out_size = opt_int_list(args[i]);
+    } else if (name == "align_corners") {
+      align_corners = args[i].toBool();
+    } else if (name == "scale_factors") {
+      is_vec = true;
+      if (!args[i].isNone()) scale_factors = args[i].toDoubleVector();
+    } else if (name.rfind("scales", 0) == 0) {
+      if (next_scale < p.nd && !args[i].isNone()) scales[next_scale] = args[i].toDouble();
+      ++next_scale;
+    } else {
+      fail(op, args, "unexpected argument '" + name + "'");
+    }
+  }
+  std::vector<int64_t> out_ext(p.nd);
+  if (is_vec) {
+    // upsample::compute_output_size
+    if (out_size.has_value() == scale_factors.has_value()) {
+      fail(op, args, "must specify exactly one of output_size and scale_factors");
+    }
+    if (out_size) {
+      if (static_cast<int64_t>(out_size->size()) != p.nd) fail(op, args, "bad output_size length");
+      out_ext = *out_size;
+    } else {
+      if (static_cast<int64_t>(scale_factors->size()) != p.nd) {
+        fail(op, args, "bad scale_factors length");
+      }
+      for (int64_t i = 0; i < p.nd; ++i) {
+        out_ext[i] = static_cast<int64_t>(static_cast<double>(shape[i + 2]) * (*scale_factors)[i]);
+        scales[i] = (*scale_factors)[i];
+      }
+    }
+  } else {
+    if (!out_size || static_cast<int64_t>(out_size->size()) != p.nd) {
+      fail(op, args, "output_size must have " + std::to_string(p.nd) + " entries");
+    }
+    out_ext = *out_size;
+  }
+  for (int64_t i = 0; i < p.nd; ++i) {
+    if (shape[i + 2] <= 0 || out_ext[i] <= 0) {
+      fail(op, args, "input and output spatial sizes must be greater than 0");
+    }
+  }
+  const std::vector<int64_t> spatial = [&] {
+    std::vector<int64_t> v;
+    for (int64_t i = 0; i < p.nd; ++i) v.push_back(i + 2);
+    return v;
+  }();
+
+  // Taps per spatial dim, in the precision libtorch uses for this dtype.
+  const bool dbl = x.scalar_type() == at::kDouble;
+  std::vector<Taps> taps;
+  for (int64_t i = 0; i < p.nd; ++i) {
+    const bool ac = p.has_align && align_corners;
+    taps.push_back(dbl ? compute_taps<double>(p.mode, shape[i + 2], out_ext[i], ac, scales[i])
+                       : compute_taps<float>(p.mode, shape[i + 2], out_ext[i], ac, scales[i]));
+  }
+
+  // Plans: output-first partition of each sharded spatial dim, and the input
+  // range each output block reads.
+  SpecPtr in_spec = std::make_shared<const ShardSpec>(without_partial(*s));
+  std::vector<stencil::DimPlan> plans;
+  for (int64_t i = 0; i < p.nd; ++i) {
+    const int64_t d = i + 2;
+    const int64_t m = in_spec->mesh_dim_of(d);
+    if (m < 0) continue;
+    stencil::DimPlan plan;
+    plan.dim = d;
+    plan.mesh_dim = m;
+    plan.in_sizes = in_spec->shard_sizes(m);
+    plan.out_sizes = stencil::output_sizes(plan.in_sizes, out_ext[i]);
+    int64_t o0 = 0;
+    for (int64_t n : plan.out_sizes) {
+      if (n == 0) {
+        plan.ranges.emplace_back(0, 0);
+        continue;
+      }
+      int64_t lo = shape[d], hi = 0;
+      for (int64_t j = 0; j < taps[i].n; ++j) {
+        for (int64_t o = o0; o < o0 + n; ++o) {
+          lo = std::min(lo, taps[i].idx[j][o]);
+          hi = std::max(hi, taps[i].idx[j][o] + 1);
+        }
+      }
+      plan.ranges.emplace_back(lo, hi);
+      o0 += n;
+    }
+    plans.push_back(std::move(plan));
+  }
+
+  std::vector<int64_t> out_shape(shape.begin(), shape.end());
+  for (int64_t i = 0; i < p.nd; ++i) out_shape[i + 2] = out_ext[i];
+  SpecPtr out_spec = stencil::output_spec(*in_spec, out_shape, plans);
+
+  at::Tensor local = to_layout(x, *in_spec, *in_spec);
+  at::Tensor g = stencil::gather_plans(local, in_spec->mesh(), plans, PadMode::Replicate);
+
+  // This rank's output block and input range along each spatial dim.
+  const auto coord = in_spec->mesh().coordinate();
+  for (int64_t i = 0; i < p.nd; ++i) {
+    const int64_t d = i + 2;
+    int64_t o_begin = 0, o_count = out_ext[i], lo = 0;
+    for (const auto& plan : plans) {
+      if (plan.dim != d) continue;
+      const int64_t c = coord[plan.mesh_dim];
+      for (int64_t k = 0; k < c; ++k) o_begin += plan.out_sizes[k];
+      o_count = plan.out_sizes[c];
+      lo = plan.ranges[c].first;
+    }
+    std::vector<int64_t> view(ndim, 1);
+    view[d] = o_count;
+    at::Tensor acc;
+    for (int64_t j = 0; j < taps[i].n; ++j) {
+      std::vector<int64_t> idx(taps[i].idx[j].begin() + o_begin,
+                               taps[i].idx[j].begin() + o_begin + o_count);
+      for (auto& v : idx) v -= lo;
+      at::Tensor it = at::tensor(idx, at::kLong);
+      at::Tensor picked = g.index_select(d, it);
+      if (taps[i].n == 1) {
+        acc = picked;
+        break;
+      }
+      std::vector<double> w(taps[i].w[j].begin() + o_begin,
+                            taps[i].w[j].begin() + o_begin + o_count);
+      at::Tensor wt = at::tensor(w, at::kDouble).to(g.scalar_type()).view(view);
+      at::Tensor term = picked * wt;
+      acc = acc.defined() ? acc + term : term;
+    }
+    g = acc;
+  }
+  stack->push_back(wrap(g.contiguous(), out_spec));
+}
+
+Rule interp(Mode m, int64_t nd, bool has_align) {
+  return [=](const c10::OperatorHandle& op, Stack* stack) {
+    interpolate_rule(op, stack, InterpOp{m, nd, has_align});
+  };
+}
+
+const RuleRegistrar r_n1({"upsample_nearest1d"}, interp(Mode::Nearest, 1, false));
+const RuleRegistrar r_n2({"upsample_nearest2d"}, interp(Mode::Nearest, 2, false));
+const RuleRegistrar r_n3({"upsample_nearest3d"}, interp(Mode::Nearest, 3, false));
+const RuleRegistrar r_e1({"_upsample_nearest_exact1d"}, interp(Mode::NearestExact, 1, false));
+const RuleRegistrar r_e2({"_upsample_nearest_exact2d"}, interp(Mode::NearestExact, 2, false));
+const RuleRegistrar r_e3({"_upsample_nearest_exact3d"}, interp(Mode::NearestExact, 3, false));
+const RuleRegistrar r_l1({"upsample_linear1d"}, interp(Mode::Linear, 1, true));
+const RuleRegistrar r_l2({"upsample_bilinear2d"}, interp(Mode::Linear, 2, true));
+const RuleRegistrar r_l3({"upsample_trilinear3d"}, interp(Mode::Linear, 3, true));
+const RuleRegistrar r_c2({"upsample_bicubic2d"}, interp(Mode::Cubic, 2, true));
+
+}  // namespace
+}  // namespace shardtensor::ops
