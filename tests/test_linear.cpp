@@ -497,3 +497,14 @@ TEST_F(LinAlg, ErrorsNameTheOpOnEveryRank) {
       },
       "aten::dot");
 }
+
+// einsum has no rule of its own: it decomposes (permute, reshape, bmm) and the
+// pieces come back to the view rules and to this family's bmm.
+TEST_F(LinAlg, EinsumDecomposes) {
+  auto a = rnd({5, 7, 4}, 110), b = rnd({5, 4, 3}, 111);
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::einsum("bij,bjk->bik", {in[0], in[1]});
+  };
+  EXPECT_TRUE(check(fn, {sh(a, {S0, S1}), plain(b)}));
+  EXPECT_TRUE(check(fn, {sh(a, {S2}), sh(b, {S1})}));
+}
