@@ -212,7 +212,16 @@ ShardTensor ShardTensor::redistribute(Placements placements,
 ShardTensor ShardTensor::grad() const {
   const at::Tensor& g = local().grad();
   if (!g.defined()) return ShardTensor();
-  return from_local_unchecked(g, spec_ptr());
+  const ShardSpec& s = spec();
+  if (!s.has_partial()) return from_local_unchecked(g, spec_ptr());
+  // Every summand of a Partial value receives the whole gradient (Note
+  // [replicated gradients]): the gradient is Replicate on those mesh dims.
+  Placements p = s.placements();
+  for (auto& pl : p) {
+    if (is_partial(pl)) pl = Replicate{};
+  }
+  return from_local_unchecked(
+      g, std::make_shared<const ShardSpec>(s.mesh(), p, s.global_shape(), s.all_shard_sizes()));
 }
 
 bool ShardTensor::requires_grad() const { return local().requires_grad(); }

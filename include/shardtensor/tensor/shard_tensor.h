@@ -66,7 +66,8 @@ class ShardTensor : public at::Tensor {
                            std::optional<ShardSizes> sizes = std::nullopt) const;
 
   /// Local. The gradient accumulated in local() as a ShardTensor with the same
-  /// spec, or an undefined tensor if there is none.
+  /// spec (Partial mesh dims become Replicate: every summand's gradient is the
+  /// whole gradient), or an undefined tensor if there is none.
   ShardTensor grad() const;
 
   /// Local. Whether local() requires grad (the wrapper itself carries no autograd state).
