@@ -1,0 +1,453 @@
+// Sharding rules for pooling: max_pool{1,2,3}d (and *_with_indices),
+// avg_pool{1,2,3}d, adaptive_avg_pool{1,2,3}d (and _adaptive_avg_pool{2,3}d),
+// adaptive_max_pool{1,2,3}d. Built on the halo arithmetic of ops/stencil.h.
+//
+// Note [pool rules]: when no spatial dim is sharded (batch/channel sharding,
+// or one rank), the op runs unchanged on the local piece: pooling is
+// independent along N and C. When spatial dims are sharded, the output is
+// partitioned first (stencil::output_sizes) and each rank gathers exactly the
+// input range its output block reads (stencil::gather_plans):
+//  * max_pool: halos and the part of the window past the global edge are
+//    filled with -inf (the value libtorch's implicit padding never beats),
+//    then the local pool runs with padding 0 on the sharded dims; with that
+//    range, floor and ceil mode both give exactly the block's extent. Indices
+//    are converted from the gathered window to global flat indices.
+//  * avg_pool: halos are zeros; the local op returns window *sums*
+//    (divisor_override=1) which are divided by a divisor computed
+//    arithmetically per global output index with libtorch's formula
+//    (Note [avg_pool divisor]). sum / divisor is the very float operation
+//    libtorch performs, so results match to the last bit up to summation order.
+//  * adaptive pools: the windows [floor(i*n/out), ceil((i+1)*n/out)) are not a
+//    sliding window, so each rank gathers [start(o0), end(o1-1)) and pools
+//    window by window along the sharded dims (Note [adaptive windows]).
+// All decisions depend on global shapes, specs and op args only.
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "ops/common.h"
+#include "ops/stencil.h"
+
+namespace shardtensor::ops {
+namespace {
+
+enum class Kind { Max, Avg, AdaptiveAvg, AdaptiveMax };
+
+struct PoolOp {
+  Kind kind;
+  int64_t nd;
+  bool with_indices;  // returns (values, indices)
+};
+
+std::vector<int64_t> int_list(const c10::IValue& v) {
+  if (v.isIntList()) return v.toIntVector();
+  std::vector<int64_t> out;
+  for (const auto& e : v.toListRef()) {
+    out.push_back(e.isInt() ? e.toInt() : e.toSymInt().expect_int());
+  }
+  return out;
+}
+
+int64_t div_floor(int64_t a, int64_t b) {
+  int64_t q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+
+int64_t div_ceil(int64_t a, int64_t b) { return -div_floor(-a, b); }
+
+// libtorch's pooling_output_shape (ATen/native/Pool.h).
+int64_t pool_out(int64_t n, int64_t k, int64_t pad, int64_t s, int64_t d, bool ceil_mode) {
+  int64_t out = div_floor(n + 2 * pad - d * (k - 1) - 1 + (ceil_mode ? s - 1 : 0), s) + 1;
+  if (ceil_mode && (out - 1) * s >= n + pad) --out;
+  return out;
+}
+
+// A per-dim parameter list as the pooling ops accept it: one value or nd values
+// (an empty stride means "= kernel").
+std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                            std::vector<int64_t> v, int64_t nd, const char* what,
+                            const std::vector<int64_t>& if_empty = {}) {
+  if (v.empty() && !if_empty.empty()) return if_empty;
+  if (v.size() == 1) return std::vector<int64_t>(nd, v[0]);
+  if (static_cast<int64_t>(v.size()) != nd) {
+    fail(op, args,
+         std::string(what) + " must be a single int or a tuple of " + std::to_string(nd) + " ints");
+  }
+  return v;
+}
+
+// Note [avg_pool divisor]: libtorch (avg_pool2d/3d CPU kernels) divides the
+// window sum by, per spatial dim, start = o*s - p, end = min(start + k, n + p),
+// pool = end - start (padding counted, the ceil_mode overhang not), and, for
+// count_include_pad=false, by the clamped extent min(end, n) - max(start, 0);
+// the divisor is the product over dims. This is the 1-D factor for outputs
+// [o0, o0 + cnt) of one dim.
+at::Tensor divisor_1d(int64_t o0, int64_t cnt, int64_t n, int64_t k, int64_t s, int64_t p,
+                      bool count_include_pad) {
+  std::vector<double> v(cnt);
+  for (int64_t i = 0; i < cnt; ++i) {
+    int64_t start = (o0 + i) * s - p;
+    int64_t end = std::min(start + k, n + p);
+    const int64_t pool = end - start;
+    start = std::max<int64_t>(start, 0);
+    end = std::min(end, n);
+    v[i] = static_cast<double>(count_include_pad ? pool : end - start);
+  }
+  return at::tensor(v, at::kDouble);
+}
+
+// Converts flat indices over the spatial extents `local_ext` (of a window whose
+// first element is at global coordinates `offset`) into flat indices over the
+// global spatial extents `global_ext`.
+at::Tensor globalize(const at::Tensor& idx, const std::vector<int64_t>& local_ext,
+                     const std::vector<int64_t>& offset, const std::vector<int64_t>& global_ext) {
+  at::Tensor rem = idx;
+  at::Tensor out = at::zeros_like(idx);
+  int64_t gstride = 1;
+  for (int64_t i = static_cast<int64_t>(local_ext.size()) - 1; i >= 0; --i) {
+    at::Tensor c = at::remainder(rem, local_ext[i]);
+    rem = at::div(rem, local_ext[i], "floor");
+    out = out + (c + offset[i]) * gstride;
+    gstride *= global_ext[i];
+  }
+  return out;
+}
+
+struct Setup {
+  at::Tensor local;                      // Partial resolved
+  ShardSpec spec;                        // of `local`
+  std::vector<int64_t> spatial;          // tensor dims
+  std::vector<int64_t> in_ext, out_ext;  // global, per spatial dim
+};
+
+Setup setup(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, const PoolOp& p) {
+  for (const auto& a : op.schema().arguments()) {
+    if (a.alias_info() && a.alias_info()->isWrite()) {
+      fail(op, args, "out= variants of pooling are not supported on ShardTensors");
+    }
+  }
+  const at::Tensor& x = args[0].toTensor();
+  const ShardSpec* s = spec_of(x);
+  if (!s) fail(op, args, "only the input may be a ShardTensor");
+  const int64_t ndim = static_cast<int64_t>(s->global_shape().size());
+  if (ndim != p.nd + 1 && ndim != p.nd + 2) {
+    fail(op, args,
+         "expected a " + std::to_string(p.nd + 1) + "-d or " + std::to_string(p.nd + 2) +
+             "-d input");
+  }
+  Setup st{at::Tensor(), without_partial(*s), {}, {}, {}};
+  st.local = s->has_partial() ? to_layout(x, st.spec, st.spec) : local_of(x);
+  for (int64_t i = 0; i < p.nd; ++i) {
+    const int64_t d = ndim - p.nd + i;
+    st.spatial.push_back(d);
+    st.in_ext.push_back(s->global_shape()[d]);
+    int64_t nshard = 0;
+    for (const auto& pl : s->placements()) nshard += shard_dim(pl) == d ? 1 : 0;
+    if (nshard > 1) fail(op, args, "a spatial dim sharded over several mesh dims is not supported");
+  }
+  return st;
+}
+
+bool any_spatial_sharded(const Setup& st) {
+  for (int64_t d : st.spatial) {
+    if (st.spec.mesh_dim_of(d) >= 0) return true;
+  }
+  return false;
+}
+
+std::vector<int64_t> out_shape(const Setup& st) {
+  std::vector<int64_t> shape = st.spec.global_shape();
+  for (size_t i = 0; i < st.spatial.size(); ++i) shape[st.spatial[i]] = st.out_ext[i];
+  return shape;
+}
+
+// No sharded spatial dim: the op runs as is on the local piece; its indices
+// (if any) are already global.
+void run_local(const c10::OperatorHandle& op, std::vector<c10::IValue> args, const Setup& st,
+               const PoolOp& p, Stack* stack) {
+  ShardSizes sizes = st.spec.all_shard_sizes();
+  SpecPtr out = make_spec(st.spec.mesh(), st.spec.placements(), out_shape(st), sizes);
+  if (st.local.numel() == 0) {
+    // libtorch rejects an empty channel dim; the local result is empty anyway.
+    const auto shape = out->local_shape();
+    stack->push_back(wrap(st.local.reshape(shape), out));
+    const bool two = p.with_indices;
+    if (two) stack->push_back(wrap(at::empty(shape, st.local.options().dtype(at::kLong)), out));
+    return;
+  }
+  Stack s = std::move(args);
+  s[0] = st.local;
+  op.callBoxed(&s);
+  for (auto& v : s) stack->push_back(wrap(v.toTensor(), out));
+}
+
+// An empty local output that stays connected to the gathered input, so that
+// backward runs the gather's adjoint (a collective) on this rank too.
+at::Tensor empty_connected(const at::Tensor& gathered, const std::vector<int64_t>& shape) {
+  TORCH_INTERNAL_ASSERT(gathered.numel() == 0);
+  return gathered.reshape(shape);
+}
+
+// ---------------------------------------------------------------- max / avg
+
+void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
+  auto args = pop_args(op, stack);
+  Setup st = setup(op, args, p);
+  const int64_t nd = p.nd;
+  const auto kernel = expand(op, args, int_list(args[1]), nd, "kernel_size");
+  const auto stride = expand(op, args, int_list(args[2]), nd, "stride", kernel);
+  const auto pad = expand(op, args, int_list(args[3]), nd, "padding");
+  std::vector<int64_t> dil(nd, 1);
+  bool ceil_mode = false, count_include_pad = true;
+  std::optional<int64_t> divisor_override;
+  if (p.kind == Kind::Max) {
+    dil = expand(op, args, int_list(args[4]), nd, "dilation");
+    ceil_mode = args[5].toBool();
+  } else {
+    ceil_mode = args[4].toBool();
+    count_include_pad = args[5].toBool();
+    if (args.size() > 6 && !args[6].isNone()) divisor_override = args[6].toInt();
+  }
+  for (int64_t i = 0; i < nd; ++i) {
+    if (kernel[i] <= 0 || stride[i] <= 0 || dil[i] <= 0 || pad[i] < 0 || pad[i] > kernel[i] / 2) {
+      fail(op, args, "invalid kernel_size/stride/dilation/padding");
+    }
+    st.out_ext.push_back(pool_out(st.in_ext[i], kernel[i], pad[i], stride[i], dil[i], ceil_mode));
+    if (st.out_ext.back() <= 0) fail(op, args, "output size is too small");
+  }
+  if (divisor_override && *divisor_override == 0) fail(op, args, "divisor must be not zero");
+  if (!any_spatial_sharded(st)) return run_local(op, std::move(args), st, p, stack);
+
+  auto plans = stencil::window_plans(st.spec, st.spatial, kernel, stride, dil, pad, st.out_ext);
+  const bool is_max = p.kind == Kind::Max;
+  at::Tensor g = stencil::gather_plans(st.local, st.spec.mesh(), plans, PadMode::Constant,
+                                       is_max ? -std::numeric_limits<double>::infinity() : 0.0);
+  SpecPtr out_spec = stencil::output_spec(st.spec, out_shape(st), plans);
+  const std::vector<int64_t> out_local = out_spec->local_shape();
+  int64_t out_numel = 1;
+  for (int64_t v : out_local) out_numel *= v;
+
+  // Per spatial dim: local padding (0 where sharded), offset of the gathered
+  // window and output block start (global).
+  std::vector<int64_t> lpad = pad, offset(nd, 0), o0(nd, 0), ocnt(st.out_ext);
+  const auto out_offsets = out_spec->local_offsets();
+  for (int64_t i = 0; i < nd; ++i) {
+    for (const auto& pl : plans) {
+      if (pl.dim != st.spatial[i]) continue;
+      lpad[i] = 0;
+      offset[i] = stencil::my_range(pl, st.spec.mesh()).first;
+      o0[i] = out_offsets[st.spatial[i]];
+      ocnt[i] = out_local[st.spatial[i]];
+    }
+  }
+
+  at::Tensor out, idx;
+  if (out_numel == 0) {
+    out = empty_connected(g, out_local);
+    if (p.with_indices) idx = at::empty(out_local, g.options().dtype(at::kLong));
+  } else if (is_max) {
+    if (nd == 1) {
+      if (p.with_indices) {
+        std::tie(out, idx) = at::max_pool1d_with_indices(g, kernel, stride, lpad, dil, ceil_mode);
+      } else {
+        out = at::max_pool1d(g, kernel, stride, lpad, dil, ceil_mode);
+      }
+    } else if (nd == 2) {
+      if (p.with_indices) {
+        std::tie(out, idx) = at::max_pool2d_with_indices(g, kernel, stride, lpad, dil, ceil_mode);
+      } else {
+        out = at::max_pool2d(g, kernel, stride, lpad, dil, ceil_mode);
+      }
+    } else {
+      if (p.with_indices) {
+        std::tie(out, idx) = at::max_pool3d_with_indices(g, kernel, stride, lpad, dil, ceil_mode);
+      } else {
+        out = at::max_pool3d(g, kernel, stride, lpad, dil, ceil_mode);
+      }
+    }
+    if (idx.defined()) {
+      std::vector<int64_t> lext;
+      for (int64_t d : st.spatial) lext.push_back(g.size(d));
+      idx = globalize(idx, lext, offset, st.in_ext);
+    }
+  } else {
+    // Window sums, then libtorch's divisor (Note [avg_pool divisor]).
+    const int64_t div1 = divisor_override ? *divisor_override : 1;
+    if (nd == 1) {
+      out = at::avg_pool2d(g.unsqueeze(-2), {1, kernel[0]}, {1, stride[0]}, {0, lpad[0]}, ceil_mode,
+                           true, div1)
+                .squeeze(-2);
+    } else if (nd == 2) {
+      out = at::avg_pool2d(g, kernel, stride, lpad, ceil_mode, true, div1);
+    } else {
+      out = at::avg_pool3d(g, kernel, stride, lpad, ceil_mode, true, div1);
+    }
+    if (!divisor_override) {
+      at::Tensor div = at::ones({}, at::kDouble);
+      for (int64_t i = 0; i < nd; ++i) {
+        std::vector<int64_t> shape(nd, 1);
+        shape[i] = ocnt[i];
+        div = div * divisor_1d(o0[i], ocnt[i], st.in_ext[i], kernel[i], stride[i], pad[i],
+                               count_include_pad)
+                        .reshape(shape);
+      }
+      out = out / div.to(out.scalar_type());
+    }
+  }
+  stack->push_back(wrap(out, out_spec));
+  if (p.with_indices) stack->push_back(wrap(idx, out_spec));
+}
+
+// ---------------------------------------------------------------- adaptive
+
+int64_t astart(int64_t i, int64_t n, int64_t out) { return div_floor(i * n, out); }
+int64_t aend(int64_t i, int64_t n, int64_t out) { return div_ceil((i + 1) * n, out); }
+
+// Note [adaptive windows]: output i of an adaptive pool reads
+// [floor(i*n/out), ceil((i+1)*n/out)); an output block [o0, o1) thus reads
+// [start(o0), end(o1-1)). These windows are no sliding window (their lengths
+// vary), so along the sharded dims the rank pools window by window: the
+// adaptive op itself on each window with output extent 1 there (and the global
+// output extent on the unsharded dims, whose windows are then the global
+// ones), so every value is computed exactly as libtorch computes it.
+void adaptive_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
+  auto args = pop_args(op, stack);
+  Setup st = setup(op, args, p);
+  const int64_t nd = p.nd;
+  st.out_ext = int_list(args[1]);
+  if (static_cast<int64_t>(st.out_ext.size()) != nd) {
+    fail(op, args, "output_size must have " + std::to_string(nd) + " elements");
+  }
+  for (int64_t i = 0; i < nd; ++i) {
+    if (st.out_ext[i] <= 0) fail(op, args, "output_size must be positive");
+    if (st.in_ext[i] <= 0) fail(op, args, "spatial dims of the input must be non-empty");
+  }
+  if (!any_spatial_sharded(st)) return run_local(op, std::move(args), st, p, stack);
+
+  std::vector<stencil::DimPlan> plans;
+  for (int64_t i = 0; i < nd; ++i) {
+    const int64_t d = st.spatial[i];
+    const int64_t m = st.spec.mesh_dim_of(d);
+    if (m < 0) continue;
+    stencil::DimPlan pl;
+    pl.dim = d;
+    pl.mesh_dim = m;
+    pl.in_sizes = st.spec.shard_sizes(m);
+    pl.out_sizes = stencil::output_sizes(pl.in_sizes, st.out_ext[i]);
+    int64_t o = 0;
+    for (int64_t cnt : pl.out_sizes) {
+      const int64_t lo = std::min(astart(o, st.in_ext[i], st.out_ext[i]), st.in_ext[i]);
+      pl.ranges.emplace_back(lo, cnt == 0 ? lo : aend(o + cnt - 1, st.in_ext[i], st.out_ext[i]));
+      o += cnt;
+    }
+    plans.push_back(std::move(pl));
+  }
+  at::Tensor g = stencil::gather_plans(st.local, st.spec.mesh(), plans, PadMode::Constant, 0.0);
+  SpecPtr out_spec = stencil::output_spec(st.spec, out_shape(st), plans);
+  const std::vector<int64_t> out_local = out_spec->local_shape();
+  const auto out_offsets = out_spec->local_offsets();
+  int64_t out_numel = 1;
+  for (int64_t v : out_local) out_numel *= v;
+  const bool is_max = p.kind == Kind::AdaptiveMax;
+
+  at::Tensor out, idx;
+  if (out_numel == 0) {
+    out = empty_connected(g, out_local);
+    if (is_max) idx = at::empty(out_local, g.options().dtype(at::kLong));
+  } else {
+    // Sharded spatial dims: index i into spatial, its gathered range start.
+    struct SD {
+      int64_t i, lo;
+    };
+    std::vector<SD> sds;
+    for (int64_t i = 0; i < nd; ++i) {
+      for (const auto& pl : plans) {
+        if (pl.dim == st.spatial[i])
+          sds.push_back({i, stencil::my_range(pl, st.spec.mesh()).first});
+      }
+    }
+    std::vector<int64_t> call_out(st.out_ext);
+    for (const auto& sd : sds) call_out[sd.i] = 1;
+    std::vector<int64_t> offset(nd, 0);
+    std::function<std::pair<at::Tensor, at::Tensor>(size_t, at::Tensor)> build =
+        [&](size_t level, at::Tensor slice) -> std::pair<at::Tensor, at::Tensor> {
+      if (level == sds.size()) {
+        at::Tensor v, ix;
+        if (is_max) {
+          if (nd == 1) {
+            std::tie(v, ix) = at::adaptive_max_pool1d(slice, call_out);
+          } else if (nd == 2) {
+            std::tie(v, ix) = at::adaptive_max_pool2d(slice, call_out);
+          } else {
+            std::tie(v, ix) = at::adaptive_max_pool3d(slice, call_out);
+          }
+          std::vector<int64_t> lext;
+          for (int64_t d : st.spatial) lext.push_back(slice.size(d));
+          ix = globalize(ix, lext, offset, st.in_ext);
+        } else if (nd == 1) {
+          v = at::adaptive_avg_pool1d(slice, call_out);
+        } else if (nd == 2) {
+          v = at::adaptive_avg_pool2d(slice, call_out);
+        } else {
+          v = at::adaptive_avg_pool3d(slice, call_out);
+        }
+        return {v, ix};
+      }
+      const SD& sd = sds[level];
+      const int64_t d = st.spatial[sd.i];
+      const int64_t n = st.in_ext[sd.i], on = st.out_ext[sd.i];
+      std::vector<at::Tensor> vs, ixs;
+      for (int64_t o = out_offsets[d]; o < out_offsets[d] + out_local[d]; ++o) {
+        const int64_t a = astart(o, n, on), b = aend(o, n, on);
+        offset[sd.i] = a;
+        auto r = build(level + 1, slice.narrow(d, a - sd.lo, b - a));
+        vs.push_back(r.first);
+        if (is_max) ixs.push_back(r.second);
+      }
+      return {at::cat(vs, d), is_max ? at::cat(ixs, d) : at::Tensor()};
+    };
+    std::tie(out, idx) = build(0, g);
+  }
+  stack->push_back(wrap(out, out_spec));
+  if (is_max) stack->push_back(wrap(idx, out_spec));
+}
+
+Rule sliding(Kind k, int64_t nd, bool with_indices) {
+  return [=](const c10::OperatorHandle& op, Stack* stack) {
+    sliding_rule(op, stack, PoolOp{k, nd, with_indices});
+  };
+}
+
+Rule adaptive(Kind k, int64_t nd) {
+  return [=](const c10::OperatorHandle& op, Stack* stack) {
+    adaptive_rule(op, stack, PoolOp{k, nd, k == Kind::AdaptiveMax});
+  };
+}
+
+// Note [pool entry points]: composite entry points (max_pool{1,2,3}d,
+// max_pool1d_with_indices, avg_pool1d, adaptive_avg_pool{1,2,3}d,
+// adaptive_max_pool1d) arrive before their decomposition, so each gets a rule;
+// the non-composite ops they call get the same rule for direct callers.
+const RuleRegistrar r_max1({"max_pool1d"}, sliding(Kind::Max, 1, false));
+const RuleRegistrar r_max2({"max_pool2d"}, sliding(Kind::Max, 2, false));
+const RuleRegistrar r_max3({"max_pool3d"}, sliding(Kind::Max, 3, false));
+const RuleRegistrar r_maxi1({"max_pool1d_with_indices"}, sliding(Kind::Max, 1, true));
+const RuleRegistrar r_maxi2({"max_pool2d_with_indices"}, sliding(Kind::Max, 2, true));
+const RuleRegistrar r_maxi3({"max_pool3d_with_indices"}, sliding(Kind::Max, 3, true));
+const RuleRegistrar r_avg1({"avg_pool1d"}, sliding(Kind::Avg, 1, false));
+const RuleRegistrar r_avg2({"avg_pool2d"}, sliding(Kind::Avg, 2, false));
+const RuleRegistrar r_avg3({"avg_pool3d"}, sliding(Kind::Avg, 3, false));
+const RuleRegistrar r_aavg1({"adaptive_avg_pool1d"}, adaptive(Kind::AdaptiveAvg, 1));
+const RuleRegistrar r_aavg2({"adaptive_avg_pool2d", "_adaptive_avg_pool2d"},
+                            adaptive(Kind::AdaptiveAvg, 2));
+const RuleRegistrar r_aavg3({"adaptive_avg_pool3d", "_adaptive_avg_pool3d"},
+                            adaptive(Kind::AdaptiveAvg, 3));
+const RuleRegistrar r_amax1({"adaptive_max_pool1d"}, adaptive(Kind::AdaptiveMax, 1));
+const RuleRegistrar r_amax2({"adaptive_max_pool2d"}, adaptive(Kind::AdaptiveMax, 2));
+const RuleRegistrar r_amax3({"adaptive_max_pool3d"}, adaptive(Kind::AdaptiveMax, 3));
+
+}  // namespace
+}  // namespace shardtensor::ops

@@ -1,0 +1,354 @@
+// Pooling rules (src/ops/pool.cpp) compared with plain libtorch on the full
+// tensors: forward output and input gradients (reference_check), and the
+// global indices of max_pool*_with_indices / adaptive_max_pool* exactly.
+//
+// Layouts are written for the 2x2 mesh (two spatial dims sharded) and trimmed
+// by fit_placements() on a 1-D mesh. Spatial extents are not divisible by 3 or
+// 4, so shards are uneven and windows cross shard boundaries; with 3-4 ranks,
+// shards (2-3 wide) are narrower than the largest windows (multi-hop halos).
+// The empty(...) inputs give coordinate 0 of every sharded mesh dim no data.
+//
+// Tolerance: rtol 1e-5. avg_pool divides a window sum by the divisor libtorch
+// uses (same float op); adaptive pools run libtorch's own kernel per window.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+
+namespace {
+
+constexpr double kRtol = 1e-5;
+constexpr double kAtol = 1e-6;
+
+at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kFloat);
+}
+
+using P = st::Placements;
+const st::Placement S0 = st::Shard{0}, S1 = st::Shard{1}, S2 = st::Shard{2}, S3 = st::Shard{3},
+                    S4 = st::Shard{4};
+const st::Placement R = st::Replicate{};
+
+class Pool : public ::testing::Test {
+ protected:
+  st::DeviceMesh mesh = test_mesh();
+
+  RefInput sh(const at::Tensor& full, const P& wanted) {
+    return RefInput{full, fit_placements(mesh, wanted), true};
+  }
+  RefInput empty(const at::Tensor& full, const P& wanted) {
+    auto p = fit_placements(mesh, wanted);
+    return RefInput{full, p, true, sizes_with_empty_first(mesh, p, full.sizes())};
+  }
+  ::testing::AssertionResult check(const RefFn& fn, const std::vector<RefInput>& in) {
+    return reference_check(fn, in, mesh, {}, kRtol, kAtol);
+  }
+  // Global indices equal libtorch's exactly.
+  ::testing::AssertionResult same_indices(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                                          const at::Tensor& full, const P& wanted,
+                                          bool empty_first = false) {
+    auto p = fit_placements(mesh, wanted);
+    std::optional<st::ShardSizes> sizes;
+    if (empty_first) sizes = sizes_with_empty_first(mesh, p, full.sizes());
+    auto sx = st::distribute_tensor(full, mesh, p, false, sizes);
+    at::Tensor got = gathered(fn(sx));
+    at::Tensor want = fn(full);
+    const bool ok = got.sizes() == want.sizes() && got.dtype() == want.dtype() && got.equal(want);
+    if (all_ranks(ok)) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure()
+           << "indices differ " << got.sizes() << " vs " << want.sizes();
+  }
+};
+
+std::string cfg(int64_t k, int64_t s, int64_t d, int64_t p, bool c) {
+  return "k=" + std::to_string(k) + " s=" + std::to_string(s) + " d=" + std::to_string(d) +
+         " p=" + std::to_string(p) + " ceil=" + std::to_string(c);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- max_pool
+
+TEST_F(Pool, MaxPool1dSweep) {
+  // L = 13: uneven at 2/3/4 ranks; effective windows up to 9 > shard width 3-4.
+  const auto x = rnd({2, 3, 13}, 1);
+  for (int64_t k = 1; k <= 5; ++k)
+    for (int64_t s = 1; s <= 3; ++s)
+      for (int64_t d = 1; d <= 2; ++d)
+        for (int64_t p = 0; p <= k / 2; ++p)
+          for (bool c : {false, true}) {
+            auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+              return at::max_pool1d(in[0], {k}, {s}, {p}, {d}, c);
+            };
+            EXPECT_TRUE(check(fn, {sh(x, {S2, S0})})) << cfg(k, s, d, p, c);
+            if (k == 3 && d == 2) {
+              EXPECT_TRUE(check(fn, {empty(x, {S2, S0})})) << cfg(k, s, d, p, c);
+            }
+            auto fi = [=](const at::Tensor& t) {
+              return std::get<1>(at::max_pool1d_with_indices(t, {k}, {s}, {p}, {d}, c));
+            };
+            EXPECT_TRUE(same_indices(fi, x, {S2, S0})) << cfg(k, s, d, p, c);
+          }
+}
+
+TEST_F(Pool, MaxPool2dSweep) {
+  // Both spatial dims sharded on the 2x2 mesh.
+  const auto x = rnd({2, 2, 11, 10}, 2);
+  for (int64_t k = 1; k <= 5; k += 2)
+    for (int64_t s = 1; s <= 3; ++s)
+      for (int64_t d = 1; d <= 2; ++d)
+        for (bool c : {false, true}) {
+          const int64_t p = k / 2;
+          auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+            return at::max_pool2d(in[0], {k, k - 1 > 0 ? k - 1 : 1}, {s, 1 + (s % 2)}, {p, 0},
+                                  {d, 1}, c);
+          };
+          EXPECT_TRUE(check(fn, {sh(x, {S2, S3})})) << cfg(k, s, d, p, c);
+          auto fi = [=](const at::Tensor& t) {
+            return std::get<1>(at::max_pool2d_with_indices(t, {k, k}, {s, s}, {p, p}, {d, d}, c));
+          };
+          EXPECT_TRUE(same_indices(fi, x, {S2, S3})) << cfg(k, s, d, p, c);
+          EXPECT_TRUE(same_indices(fi, x, {S3, S2}, true)) << cfg(k, s, d, p, c);
+        }
+}
+
+TEST_F(Pool, MaxPool2dLayouts) {
+  const auto x = rnd({3, 2, 9, 7}, 3);
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::max_pool2d(in[0], {3, 2}, {2, 2}, {1, 1}, {1, 1}, true);
+  };
+  auto fwi = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return std::get<0>(at::max_pool2d_with_indices(in[0], {3, 3}, {2, 1}, {1, 0}, {2, 1}, false));
+  };
+  for (const P& layout : {P{S0, S1}, P{S3, S0}, P{S2, S3}, P{S1, S3}, P{R, S2}}) {
+    EXPECT_TRUE(check(fn, {sh(x, layout)})) << st::to_string(layout);
+    EXPECT_TRUE(check(fn, {empty(x, layout)})) << st::to_string(layout);
+    EXPECT_TRUE(check(fwi, {empty(x, layout)})) << st::to_string(layout);
+  }
+  // Unbatched input and torch::nn module.
+  const auto u = rnd({2, 9, 7}, 4);
+  auto fu = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return torch::nn::functional::max_pool2d(
+        in[0], torch::nn::functional::MaxPool2dFuncOptions(3).stride(2).padding(1));
+  };
+  EXPECT_TRUE(check(fu, {sh(u, {S1, S2})}));
+}
+
+TEST_F(Pool, MaxPool3d) {
+  const auto x = rnd({1, 2, 7, 9, 6}, 5);
+  for (bool c : {false, true}) {
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::max_pool3d(in[0], {3, 3, 2}, {2, 2, 1}, {1, 1, 0}, {1, 2, 1}, c);
+    };
+    EXPECT_TRUE(check(fn, {sh(x, {S3, S4})}));
+    EXPECT_TRUE(check(fn, {empty(x, {S2, S3})}));
+    auto fi = [=](const at::Tensor& t) {
+      return std::get<1>(
+          at::max_pool3d_with_indices(t, {3, 3, 2}, {2, 2, 1}, {1, 1, 0}, {1, 2, 1}, c));
+    };
+    EXPECT_TRUE(same_indices(fi, x, {S3, S4}));
+    EXPECT_TRUE(same_indices(fi, x, {S4, S2}, true));
+  }
+}
+
+TEST_F(Pool, MaxPoolTiesPickFirst) {
+  // Many equal values: the gradient goes to the first max in window order.
+  const auto x = at::round(rnd({1, 2, 10, 9}, 6));
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::max_pool2d(in[0], {3, 3}, {1, 2}, {1, 1}, {1, 1}, false);
+  };
+  EXPECT_TRUE(check(fn, {sh(x, {S2, S3})}));
+  auto fi = [](const at::Tensor& t) {
+    return std::get<1>(at::max_pool2d_with_indices(t, {3, 3}, {1, 2}, {1, 1}, {1, 1}, false));
+  };
+  EXPECT_TRUE(same_indices(fi, x, {S2, S3}));
+}
+
+// ---------------------------------------------------------------- avg_pool
+
+TEST_F(Pool, AvgPool1dSweep) {
+  const auto x = rnd({2, 3, 13}, 7);
+  for (int64_t k = 1; k <= 5; ++k)
+    for (int64_t s = 1; s <= 3; ++s)
+      for (int64_t p = 0; p <= k / 2; ++p)
+        for (bool c : {false, true})
+          for (bool cip : {false, true}) {
+            auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+              return at::avg_pool1d(in[0], {k}, {s}, {p}, c, cip);
+            };
+            EXPECT_TRUE(check(fn, {sh(x, {S2, S0})})) << cfg(k, s, 1, p, c) << " cip=" << cip;
+            if (k == 4) {
+              EXPECT_TRUE(check(fn, {empty(x, {S2, S0})})) << cfg(k, s, 1, p, c);
+            }
+          }
+}
+
+TEST_F(Pool, AvgPool2dSweep) {
+  const auto x = rnd({2, 2, 11, 10}, 8);
+  for (int64_t k = 1; k <= 5; k += 2)
+    for (int64_t s = 1; s <= 3; ++s)
+      for (bool c : {false, true})
+        for (bool cip : {false, true}) {
+          const int64_t p = k / 2;
+          auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+            return at::avg_pool2d(in[0], {k, k + 1}, {s, 2}, {p, (k + 1) / 2}, c, cip);
+          };
+          EXPECT_TRUE(check(fn, {sh(x, {S2, S3})})) << cfg(k, s, 1, p, c) << " cip=" << cip;
+        }
+  for (int64_t div : {1, 3, 7}) {
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::avg_pool2d(in[0], {3, 4}, {2, 3}, {1, 2}, true, false, div);
+    };
+    EXPECT_TRUE(check(fn, {sh(x, {S3, S2})})) << "divisor_override=" << div;
+    EXPECT_TRUE(check(fn, {empty(x, {S2, S3})})) << "divisor_override=" << div;
+  }
+  for (const P& layout : {P{S0, S2}, P{S1, S3}, P{R, S3}}) {
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::avg_pool2d(in[0], {3, 3}, {2, 2}, {1, 1}, true, false);
+    };
+    EXPECT_TRUE(check(fn, {empty(x, layout)})) << st::to_string(layout);
+  }
+}
+
+TEST_F(Pool, AvgPool3d) {
+  const auto x = rnd({1, 2, 7, 9, 6}, 9);
+  for (bool c : {false, true})
+    for (bool cip : {false, true}) {
+      auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+        return at::avg_pool3d(in[0], {3, 2, 3}, {2, 2, 2}, {1, 1, 1}, c, cip);
+      };
+      EXPECT_TRUE(check(fn, {sh(x, {S3, S4})}));
+      EXPECT_TRUE(check(fn, {empty(x, {S2, S4})}));
+    }
+}
+
+// ---------------------------------------------------------------- adaptive
+
+TEST_F(Pool, AdaptiveAvg) {
+  const auto x1 = rnd({2, 3, 13}, 10);
+  for (int64_t o : {1, 4, 5, 13, 17}) {
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::adaptive_avg_pool1d(in[0], {o});
+    };
+    EXPECT_TRUE(check(fn, {sh(x1, {S2, S0})})) << "out=" << o;
+    EXPECT_TRUE(check(fn, {empty(x1, {S2, S0})})) << "out=" << o;
+  }
+  const auto x2 = rnd({2, 2, 11, 10}, 11);
+  for (auto o : {std::vector<int64_t>{3, 4}, {5, 7}, {11, 10}, {1, 1}}) {
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::adaptive_avg_pool2d(in[0], o);
+    };
+    EXPECT_TRUE(check(fn, {sh(x2, {S2, S3})}));
+    EXPECT_TRUE(check(fn, {empty(x2, {S3, S2})}));
+    EXPECT_TRUE(check(fn, {sh(x2, {S0, S3})}));
+  }
+  const auto x3 = rnd({1, 2, 7, 9, 6}, 12);
+  auto f3 = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::adaptive_avg_pool3d(in[0], {3, 4, 5});
+  };
+  EXPECT_TRUE(check(f3, {sh(x3, {S2, S4})}));
+  EXPECT_TRUE(check(f3, {empty(x3, {S3, S2})}));
+}
+
+TEST_F(Pool, AdaptiveMax) {
+  const auto x1 = rnd({2, 3, 13}, 13);
+  for (int64_t o : {1, 4, 5, 17}) {
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return std::get<0>(at::adaptive_max_pool1d(in[0], {o}));
+    };
+    EXPECT_TRUE(check(fn, {sh(x1, {S2, S0})})) << "out=" << o;
+    EXPECT_TRUE(check(fn, {empty(x1, {S2, S0})})) << "out=" << o;
+    auto fi = [=](const at::Tensor& t) { return std::get<1>(at::adaptive_max_pool1d(t, {o})); };
+    EXPECT_TRUE(same_indices(fi, x1, {S2, S0})) << "out=" << o;
+  }
+  const auto x2 = rnd({2, 2, 11, 10}, 14);
+  for (auto o : {std::vector<int64_t>{3, 4}, {5, 7}, {12, 3}}) {
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return std::get<0>(at::adaptive_max_pool2d(in[0], o));
+    };
+    EXPECT_TRUE(check(fn, {sh(x2, {S2, S3})}));
+    EXPECT_TRUE(check(fn, {empty(x2, {S3, S2})}));
+    auto fi = [=](const at::Tensor& t) { return std::get<1>(at::adaptive_max_pool2d(t, o)); };
+    EXPECT_TRUE(same_indices(fi, x2, {S2, S3}));
+    EXPECT_TRUE(same_indices(fi, x2, {S3, S2}, true));
+  }
+  const auto x3 = rnd({1, 2, 7, 9, 6}, 15);
+  auto f3 = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return std::get<0>(at::adaptive_max_pool3d(in[0], {3, 4, 5}));
+  };
+  EXPECT_TRUE(check(f3, {sh(x3, {S2, S4})}));
+  auto fi3 = [](const at::Tensor& t) { return std::get<1>(at::adaptive_max_pool3d(t, {3, 4, 5})); };
+  EXPECT_TRUE(same_indices(fi3, x3, {S3, S4}));
+}
+
+// ---------------------------------------------------------------- conv_transpose
+
+TEST_F(Pool, ConvTranspose1dSweep) {
+  // Weight [C_in, C_out/groups, k]; weight and bias gradients are compared too.
+  const auto x = rnd({2, 4, 11}, 20);
+  for (int64_t k = 1; k <= 4; ++k)
+    for (int64_t s = 1; s <= 3; ++s)
+      for (int64_t d = 1; d <= 2; ++d)
+        for (int64_t p = 0; p <= k / 2; ++p) {
+          const int64_t op = (s > 1) ? s - 1 : 0;
+          const int64_t groups = (k % 2) ? 2 : 1;
+          auto w = rnd({4, 3, k}, 21 + k);
+          auto b = rnd({3 * groups}, 22);
+          auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& pr) {
+            return at::conv_transpose1d(in[0], pr[0], pr[1], {s}, {p}, {op}, groups, {d});
+          };
+          EXPECT_TRUE(reference_check(fn, {sh(x, {S2, S0})}, mesh, {w, b}, kRtol, kAtol))
+              << cfg(k, s, d, p, false);
+          if (k == 3) {
+            EXPECT_TRUE(reference_check(fn, {empty(x, {S2, S0})}, mesh, {w, b}, kRtol, kAtol))
+                << cfg(k, s, d, p, false);
+          }
+        }
+}
+
+TEST_F(Pool, ConvTranspose2d3d) {
+  const auto x = rnd({2, 3, 7, 6}, 30);
+  auto w = rnd({3, 2, 3, 2}, 31);
+  auto b = rnd({2}, 32);
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& pr) {
+    return at::conv_transpose2d(in[0], pr[0], pr[1], {2, 3}, {1, 0}, {1, 2}, 1, {1, 2});
+  };
+  for (const P& layout : {P{S2, S3}, P{S3, S2}, P{S0, S3}, P{S2, R}}) {
+    EXPECT_TRUE(reference_check(fn, {sh(x, layout)}, mesh, {w, b}, kRtol, kAtol))
+        << st::to_string(layout);
+    EXPECT_TRUE(reference_check(fn, {empty(x, layout)}, mesh, {w, b}, kRtol, kAtol))
+        << st::to_string(layout);
+  }
+  // nn module without bias.
+  const auto x3 = rnd({1, 2, 5, 6, 4}, 33);
+  auto w3 = rnd({2, 3, 2, 3, 2}, 34);
+  auto f3 = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& pr) {
+    return at::conv_transpose3d(in[0], pr[0], {}, {2, 1, 2}, {0, 1, 1}, {1, 0, 0}, 1, {1, 1, 1});
+  };
+  EXPECT_TRUE(reference_check(f3, {sh(x3, {S2, S3})}, mesh, {w3}, kRtol, kAtol));
+  EXPECT_TRUE(reference_check(f3, {empty(x3, {S4, S3})}, mesh, {w3}, kRtol, kAtol));
+}
+
+// ---------------------------------------------------------------- errors
+
+TEST_F(Pool, ErrorsNameTheOpAndDoNotHang) {
+  const auto x = rnd({2, 2, 3, 3}, 16);
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}));
+  try {
+    (void)at::max_pool2d(sx, {5, 5}, {1, 1}, {0, 0}, {1, 1}, false);
+    ADD_FAILURE() << "no throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_pool2d"), std::string::npos) << e.what();
+  }
+  try {
+    (void)at::adaptive_avg_pool2d(sx, {-1, 2});
+    ADD_FAILURE() << "no throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("adaptive_avg_pool2d"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(all_ranks(true));
+}
