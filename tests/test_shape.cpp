@@ -228,6 +228,35 @@ TEST(ShapeView, ReshapeRepartitionsWhenPiecesDoNotDivide) {
   EXPECT_EQ(v.spec().shard_sizes(0), expect);
 }
 
+TEST(ShapeView, UnsafeViewAliasReshapeAsAndDtype) {
+  auto mesh = test_mesh();
+  auto x = seeded_randn({6, 4, 5});
+  EXPECT_TRUE(check_layouts(
+      [](const at::Tensor& t) {
+        return at::_unsafe_view(t * 1, {24, 5});
+      },
+      x, {{S0, S2}}, mesh));
+  EXPECT_TRUE(check_layouts(
+      [](const at::Tensor& t) {
+        return at::_reshape_alias(t, {24, 5}, {5, 1});
+      },
+      x, {{S0, S2}}, mesh));
+  EXPECT_TRUE(check_layouts(
+      [](const at::Tensor& t) {
+        return t.reshape_as(at::empty({6, 20}));
+      },
+      x, {{S1, S0}}, mesh));
+  // Reinterpreting the bits (no gradient).
+  for (const auto& w : std::vector<st::Placements>{{S0, S2}, {S2, S1}}) {
+    const auto p = fit_placements(mesh, w);
+    EXPECT_TRUE(reference_check(
+        [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return in[0].view(at::kInt).bitwise_xor(7).view(at::kFloat);
+        },
+        {RefInput{x, p, false}}, mesh));
+  }
+}
+
 TEST(ShapeView, UncleanViewThrowsEverywhere) {
   auto mesh = test_mesh();
   if (mesh.size(0) == 1) return;  // one coordinate: every view is clean (same on all ranks)

@@ -350,7 +350,18 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
   const auto shape = out->local_shape();
   switch (kind) {
     case ViewKind::View:
-      local = local.view(shape);
+      // Note [view strides]: the piece's strides decide, as the global
+      // tensor's do in libtorch. A piece with 0 or 1 element along a sharded
+      // dim passes checks that longer pieces fail, so for a view that libtorch
+      // would refuse, only some ranks may throw; programs that run in one
+      // process are unaffected.
+      try {
+        local = local.view(shape);
+      } catch (const c10::Error& e) {
+        fail(op, args,
+             std::string("the local piece's sizes and strides do not allow this view (") +
+                 e.what_without_backtrace() + "); use reshape");
+      }
       break;
     case ViewKind::Reshape:
       local = local.reshape(shape);
