@@ -228,6 +228,12 @@ TEST_F(Interp, Area2d) {
   sweep(torch::kArea, x, {{std::vector<int64_t>{4, 3}}, {std::vector<int64_t>{23, 9}}}, {{S2, S3}});
 }
 
+TEST_F(Interp, Area1d3d) {
+  sweep(torch::kArea, rnd({2, 3, 13}, 16),
+        {{std::vector<int64_t>{4}}, {std::nullopt, std::vector<double>{0.5}}}, {{S2}});
+  sweep(torch::kArea, rnd({1, 2, 5, 7, 4}, 17), {{std::vector<int64_t>{2, 3, 4}}}, {{S2, S3}});
+}
+
 TEST_F(Interp, VecOverloads) {
   const auto x = rnd({2, 2, 11, 7}, 11);
   std::vector<RefFn> fns = {

@@ -48,7 +48,10 @@ struct Taps {
 // (double) from that scale, cubic and nearest in the scalar type. Nearest is
 // discontinuous, so the index must be bit-exact; linear and cubic are
 // continuous in the source coordinate, so a rounding difference at an integer
-// source index changes the result by at most a rounding error.
+// source index changes the result by at most a rounding error. One known
+// libtorch 1.13 inconsistency: for nearest with out == 2 * in and a given
+// scale != 2, its forward uses floor(o / scale) but its backward kernel o / 2;
+// this rule follows the forward, and its gradient is the forward's exact adjoint.
 template <typename T>
 Taps compute_taps(Mode mode, int64_t in, int64_t out, bool align_corners,
                   std::optional<double> scale_opt) {
