@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/transport.h"
 #include "ops/common.h"
 
 namespace shardtensor::dispatch {
@@ -42,11 +43,11 @@ void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValu
   for (const auto& t : shards) fp += "|" + ops::spec_of(t)->to_string();
   const auto h = static_cast<int64_t>(std::hash<std::string>{}(fp) >> 2);
   const DeviceMesh& mesh = ops::spec_of(shards[0])->mesh();
-  std::vector<int64_t> all_dims(mesh.ndim());
-  for (int64_t m = 0; m < mesh.ndim(); ++m) all_dims[m] = m;
-  auto v = at::tensor({h, -h}, at::kLong);
-  auto r = comm::all_reduce_nograd(v, mesh, all_dims, ReduceOp::Max);
-  if (r[0].item<int64_t>() != -r[1].item<int64_t>()) {
+  // Uncounted (Note [traffic accounting]): CommStats are the same with and
+  // without SHARDTENSOR_DEBUG.
+  std::vector<int64_t> v{h, -h};
+  comm::transport::diagnostic_max_(v, mesh.comm());
+  if (v[0] != -v[1]) {
     ops::fail(op, args, "SHARDTENSOR_DEBUG: ranks disagree on the op or its layouts");
   }
 }
