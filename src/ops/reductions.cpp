@@ -11,9 +11,10 @@
 //  - when R is every dim, the result is a PLAIN tensor, identical on every
 //    rank and connected to autograd (so `x.mean().backward()` works);
 //  - when no mesh dim shards a dim of R (and no Partial must be summed), the
-//    op runs unchanged on the local tensor: exactly libtorch's numerics.
-// Partial inputs are summed first (they are not linear), except for sum and
-// mean, which keep Partial on the result.
+//    op runs unchanged on the local tensor, without communication: exactly
+//    libtorch's numerics (except var/std, Note [variance]).
+// Partial inputs are summed first (these ops are not linear), except for sum
+// and mean, which keep Partial on the result (or sum it into a plain one).
 //
 // Note [gradient carriers]: for reductions whose value is combined with
 // non-differentiable collectives (max, min, norms), the value is computed on
@@ -60,6 +61,8 @@ struct CarryGrad : public torch::autograd::Function<CarryGrad> {
   }
 };
 
+// Some rules skip a collective (a tie count) when no gradient is needed; grad
+// mode and requires_grad are the same on every rank for the same program.
 bool needs_grad(const at::Tensor& t) { return at::GradMode::is_enabled() && t.requires_grad(); }
 
 // Note [gradient carriers]. `make_carrier` is only evaluated when a gradient is needed.
