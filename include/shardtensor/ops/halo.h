@@ -1,0 +1,35 @@
+#pragma once
+/// \file Halo exchange on a ShardTensor: the building block of custom stencil
+/// layers (docs/custom_layers.md).
+
+#include <ATen/core/Tensor.h>
+#include <shardtensor/comm/primitives.h>
+
+#include <cstdint>
+
+namespace shardtensor {
+
+/// This rank's local piece of the ShardTensor `t`, extended along tensor dim
+/// `dim` by `left` elements before and `right` elements after it, taken from
+/// the neighbouring pieces (several of them when a halo is wider than a
+/// neighbour: multi-hop). Where the extended range crosses the global edge of
+/// the domain it is filled per `mode` (`value` for PadMode::Constant; Circular
+/// wraps to the far end of the global domain). Negative `left`/`right` trim.
+///
+/// **Collective** over the mesh dim that shards `dim` (every rank of that mesh
+/// dim must call it with the same arguments); when no mesh dim shards `dim`
+/// the call is **local** (a plain pad of the local piece). A Partial `t` is
+/// first summed (collective over its Partial mesh dims).
+///
+/// Returns a plain local tensor (not a ShardTensor), connected to autograd:
+/// its backward is the halo accumulate (every halo gradient is sent back to
+/// the rank that owns the element and summed there).
+///
+/// Throws c10::Error, on every rank and before any communication, if `t` is
+/// not a ShardTensor, `dim` is out of range, a halo is negative beyond the
+/// piece's own extent, or a PadMode::Reflect halo reaches past n - 1 elements
+/// (or the extent n < 2).
+at::Tensor halo_exchange(const at::Tensor& t, int64_t dim, int64_t left, int64_t right,
+                         PadMode mode = PadMode::Constant, double value = 0.0);
+
+}  // namespace shardtensor

@@ -1,0 +1,547 @@
+// Convolution and padding rules (src/ops/conv.cpp, src/ops/pad.cpp) and the
+// public halo helper (src/ops/halo.cpp), compared with plain libtorch on the
+// full tensors: output, input gradient, weight and bias gradients.
+//
+// Layouts are written for a 2x2 mesh (two spatial dims sharded) and trimmed by
+// fit_placements() on a 1-D mesh, so the same test covers 1, 2, 3 and 4 ranks
+// and the 2x2 mesh. Spatial extents are small and not divisible by 3 or 4
+// (uneven shards) and kernels reach up to 7 with dilation up to 3, so at 3 and
+// 4 ranks halos are wider than a neighbour's piece (multi-hop). The empty(...)
+// cases give coordinate 0 of every sharded mesh dim an empty piece.
+//
+// Tolerances: rtol 1e-5 / atol 1e-5. A weight gradient sums over the sharded
+// spatial dims (per-rank partial sums, then an all-reduce) and so
+// re-associates a float32 sum of up to a few hundred terms of magnitude ~10;
+// the absolute floor covers entries that cancel to ~0.
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+namespace F = torch::nn::functional;
+using namespace shardtensor::testing;
+
+namespace {
+
+constexpr double kRtol = 1e-5;
+constexpr double kAtol = 1e-5;
+
+at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kFloat);
+}
+
+using P = st::Placements;
+const st::Placement S0 = st::Shard{0}, S1 = st::Shard{1}, S2 = st::Shard{2}, S3 = st::Shard{3},
+                    S4 = st::Shard{4};
+const st::Placement R = st::Replicate{};
+
+class Conv : public ::testing::Test {
+ protected:
+  st::DeviceMesh mesh = test_mesh();
+
+  RefInput sh(const at::Tensor& full, const P& wanted, bool grad = true) {
+    return RefInput{full, fit_placements(mesh, wanted), grad};
+  }
+  RefInput empty(const at::Tensor& full, const P& wanted, bool grad = true) {
+    auto p = fit_placements(mesh, wanted);
+    return RefInput{full, p, grad, sizes_with_empty_first(mesh, p, full.sizes())};
+  }
+  ::testing::AssertionResult check(const RefFn& fn, const std::vector<RefInput>& in,
+                                   const std::vector<at::Tensor>& params = {}) {
+    return reference_check(fn, in, mesh, params, kRtol, kAtol);
+  }
+};
+
+std::string str(const std::vector<int64_t>& v) {
+  std::ostringstream os;
+  os << c10::IntArrayRef(v);
+  return os.str();
+}
+
+// Largest dilation <= want for which the dilated kernel fits the padded extent.
+int64_t fit_dilation(int64_t want, int64_t k, int64_t n, int64_t pad) {
+  int64_t d = want;
+  while (d > 1 && d * (k - 1) + 1 > n + 2 * pad) --d;
+  return d;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ conv2d
+
+TEST_F(Conv, Conv2dSweep) {
+  // kernel 1..7 x stride 1..3, with dilation, padding, groups and bias varied
+  // alongside; both spatial dims sharded on the 2x2 mesh, one on 1-D.
+  const int64_t H = 11, W = 10, C = 4;
+  auto x = rnd({2, C, H, W}, 1);
+  int case_no = 0;
+  for (int64_t k = 1; k <= 7; ++k) {
+    for (int64_t s = 1; s <= 3; ++s, ++case_no) {
+      const int64_t pad = (k + 2 * s) % 4;
+      const int64_t d = fit_dilation(1 + (k + s) % 3, k, std::min(H, W), pad);
+      if (d * (k - 1) + 1 > std::min(H, W) + 2 * pad) continue;
+      const int64_t groups = std::vector<int64_t>{1, 2, C}[case_no % 3];
+      const int64_t cout = groups == C ? C : 6;
+      const bool bias = case_no % 2 == 0;
+      auto w = rnd({cout, C / groups, k, k}, 100 + case_no);
+      auto b = rnd({cout}, 200 + case_no);
+      auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+        return at::conv2d(in[0], p[0], bias ? p[1] : at::Tensor(), {s, s}, {pad, pad}, {d, d},
+                          groups);
+      };
+      std::vector<at::Tensor> params{w};
+      if (bias) params.push_back(b);
+      const P pl = case_no % 2 ? P{S2, S3} : P{S3, S2};
+      std::ostringstream what;
+      what << "k=" << k << " s=" << s << " d=" << d << " pad=" << pad << " groups=" << groups
+           << " bias=" << bias << " " << st::to_string(pl);
+      EXPECT_TRUE(check(fn, {sh(x, pl)}, params)) << what.str();
+      if (case_no % 3 == 0) EXPECT_TRUE(check(fn, {empty(x, pl)}, params)) << what.str();
+    }
+  }
+}
+
+TEST_F(Conv, Conv2dAsymmetricParams) {
+  // Different kernel/stride/dilation/padding per spatial dim, batch-sharded
+  // variants, and a channel-sharded input (resolved to replicate first).
+  auto x = rnd({3, 3, 9, 13}, 2);
+  auto w = rnd({5, 3, 2, 5}, 3), b = rnd({5}, 4);
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::conv2d(in[0], p[0], p[1], {2, 1}, {1, 3}, {2, 1}, 1);
+  };
+  for (const P& p : {P{S2, S3}, P{S3, S0}, P{S0, S2}, P{S1, S3}, P{S0, R}}) {
+    EXPECT_TRUE(check(fn, {sh(x, p)}, {w, b})) << st::to_string(p);
+  }
+  EXPECT_TRUE(check(fn, {empty(x, {S3, S2})}, {w, b}));
+  EXPECT_TRUE(check(fn, {empty(x, {S0, S3})}, {w, b}));
+}
+
+TEST_F(Conv, SameAndValidPadding) {
+  auto x = rnd({2, 4, 10, 11}, 5);
+  int i = 0;
+  for (int64_t k : {1, 2, 3, 4, 5, 6}) {
+    for (int64_t d : {1, 2, 3}) {
+      if (d * (k - 1) + 1 > 10) continue;
+      for (const char* mode : {"same", "valid"}) {
+        ++i;
+        const int64_t groups = i % 3 == 0 ? 2 : 1;
+        auto w = rnd({4, 4 / groups, k, k + (i % 2)}, 300 + i), b = rnd({4}, 400 + i);
+        std::string m = mode;
+        auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+          return at::conv2d(in[0], p[0], p[1], {1, 1}, m, {d, d}, groups);
+        };
+        const P pl = i % 2 ? P{S2, S3} : P{S3, S2};
+        EXPECT_TRUE(check(fn, {sh(x, pl)}, {w, b}))
+            << mode << " k=" << k << " d=" << d << " " << st::to_string(pl);
+        if (i % 4 == 0) {
+          EXPECT_TRUE(check(fn, {empty(x, pl)}, {w, b})) << mode << " k=" << k << " d=" << d;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(Conv, MultiHopHalo) {
+  // Extent 5 over up to 4 ranks with a 7-wide dilated window: halos span
+  // several neighbours; also an unbatched input.
+  auto x = rnd({1, 2, 5, 6}, 6);
+  auto w = rnd({3, 2, 4, 3}, 7), b = rnd({3}, 8);
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::conv2d(in[0], p[0], p[1], {1, 1}, {3, 2}, {2, 3}, 1);
+  };
+  EXPECT_TRUE(check(fn, {sh(x, {S2, S3})}, {w, b}));
+  EXPECT_TRUE(check(fn, {empty(x, {S2, S3})}, {w, b}));
+  auto xu = rnd({2, 5, 6}, 9);
+  auto fnu = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::conv2d(in[0], p[0], p[1], {2, 1}, {3, 2}, {1, 3}, 1);
+  };
+  EXPECT_TRUE(check(fnu, {sh(xu, {S1, S2})}, {w, b}));
+  EXPECT_TRUE(check(fnu, {empty(xu, {S2, S1})}, {w, b}));
+}
+
+// --------------------------------------------------------- conv1d / conv3d
+
+TEST_F(Conv, Conv1dSweep) {
+  auto x = rnd({2, 4, 13}, 10);
+  int i = 0;
+  for (int64_t k = 1; k <= 7; ++k) {
+    for (int64_t s = 1; s <= 3; ++s, ++i) {
+      const int64_t pad = i % 4;
+      const int64_t d = fit_dilation(1 + i % 3, k, 13, pad);
+      const int64_t groups = std::vector<int64_t>{1, 2, 4}[i % 3];
+      auto w = rnd({4, 4 / groups, k}, 500 + i), b = rnd({4}, 600 + i);
+      const bool bias = i % 2 == 1;
+      auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+        return at::conv1d(in[0], p[0], bias ? p[1] : at::Tensor(), {s}, {pad}, {d}, groups);
+      };
+      std::vector<at::Tensor> params{w};
+      if (bias) params.push_back(b);
+      const P pl = i % 2 ? P{S2, S0} : P{S2, R};
+      EXPECT_TRUE(check(fn, {sh(x, pl)}, params)) << "k=" << k << " s=" << s << " d=" << d;
+      if (i % 5 == 0) EXPECT_TRUE(check(fn, {empty(x, pl)}, params)) << "k=" << k;
+    }
+  }
+  auto w = rnd({4, 4, 4}, 700), b = rnd({4}, 701);
+  for (const char* mode : {"same", "valid"}) {
+    std::string m = mode;
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+      return at::conv1d(in[0], p[0], p[1], {1}, m, {2}, 1);
+    };
+    EXPECT_TRUE(check(fn, {sh(x, {S2, S0})}, {w, b})) << mode;
+  }
+}
+
+TEST_F(Conv, Conv3dSweep) {
+  auto x = rnd({1, 2, 7, 6, 5}, 11);
+  int i = 0;
+  for (int64_t k : {1, 2, 3, 4}) {
+    for (int64_t s : {1, 2}) {
+      ++i;
+      const int64_t pad = i % 3, d = k > 2 ? 1 : 1 + i % 2;
+      auto w = rnd({3, 2, k, k, std::min<int64_t>(k, 3)}, 800 + i), b = rnd({3}, 900 + i);
+      auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+        return at::conv3d(in[0], p[0], p[1], {s, s, 1}, {pad, pad, 1}, {d, 1, d}, 1);
+      };
+      const P pl = i % 2 ? P{S2, S4} : P{S4, S3};
+      EXPECT_TRUE(check(fn, {sh(x, pl)}, {w, b})) << "k=" << k << " s=" << s;
+      if (i % 3 == 0) EXPECT_TRUE(check(fn, {empty(x, pl)}, {w, b})) << "k=" << k;
+    }
+  }
+  auto w = rnd({2, 1, 2, 3, 2}, 999), b = rnd({2}, 998);
+  auto same = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::conv3d(in[0], p[0], p[1], {1, 1, 1}, "same", {1, 2, 1}, 2);
+  };
+  EXPECT_TRUE(check(same, {sh(x, {S3, S2})}, {w, b}));
+}
+
+TEST_F(Conv, ConvolutionAndUnderscoreConvolution) {
+  auto x = rnd({2, 3, 9, 10}, 12);
+  auto w = rnd({4, 3, 3, 2}, 13), b = rnd({4}, 14);
+  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::convolution(in[0], p[0], p[1], {1, 2}, {1, 0}, {2, 1}, false, {0, 0}, 1);
+  };
+  auto fn2 = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::_convolution(in[0], p[0], p[1], {2, 1}, {2, 1}, {1, 1}, false, {0, 0}, 1, false,
+                            false, true, true);
+  };
+  for (const P& p : {P{S2, S3}, P{S3, S2}}) {
+    EXPECT_TRUE(check(fn, {sh(x, p)}, {w, b})) << st::to_string(p);
+    EXPECT_TRUE(check(fn2, {sh(x, p)}, {w, b})) << st::to_string(p);
+  }
+}
+
+// ------------------------------------------------------ nn::ConvNd modules
+
+TEST_F(Conv, ModulesWithEveryPaddingMode) {
+  using torch::nn::detail::conv_padding_mode_t;
+  std::vector<std::pair<std::string, conv_padding_mode_t>> modes = {
+      {"zeros", torch::kZeros},
+      {"reflect", torch::kReflect},
+      {"replicate", torch::kReplicate},
+      {"circular", torch::kCircular}};
+  int i = 0;
+  for (const auto& [name, mode] : modes) {
+    ++i;
+    {
+      auto x = rnd({2, 3, 11}, 20 + i);
+      auto opts = torch::nn::Conv1dOptions(3, 4, 3 + i % 2).padding(2).padding_mode(mode);
+      torch::nn::Conv1d conv(opts);
+      auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+        conv->weight = p[0];
+        conv->bias = p[1];
+        return conv->forward(in[0]);
+      };
+      auto w = conv->weight.detach().clone(), b = conv->bias.detach().clone();
+      EXPECT_TRUE(check(fn, {sh(x, {S2, S0})}, {w, b})) << "Conv1d " << name;
+      EXPECT_TRUE(check(fn, {empty(x, {S2, S0})}, {w, b})) << "Conv1d " << name;
+    }
+    {
+      auto x = rnd({1, 2, 9, 10}, 30 + i);
+      auto opts = torch::nn::Conv2dOptions(2, 4, {3, 4})
+                      .padding(torch::ExpandingArray<2>({1, 2}))
+                      .stride({1, 2})
+                      .padding_mode(mode);
+      torch::nn::Conv2d conv(opts);
+      auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+        conv->weight = p[0];
+        conv->bias = p[1];
+        return conv->forward(in[0]);
+      };
+      auto w = conv->weight.detach().clone(), b = conv->bias.detach().clone();
+      EXPECT_TRUE(check(fn, {sh(x, {S2, S3})}, {w, b})) << "Conv2d " << name;
+      EXPECT_TRUE(check(fn, {empty(x, {S3, S2})}, {w, b})) << "Conv2d " << name;
+    }
+    {
+      auto x = rnd({1, 2, 6, 7, 5}, 40 + i);
+      auto opts = torch::nn::Conv3dOptions(2, 2, 3).padding(1).groups(2).padding_mode(mode);
+      torch::nn::Conv3d conv(opts);
+      auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+        conv->weight = p[0];
+        conv->bias = p[1];
+        return conv->forward(in[0]);
+      };
+      auto w = conv->weight.detach().clone(), b = conv->bias.detach().clone();
+      EXPECT_TRUE(check(fn, {sh(x, {S3, S4})}, {w, b})) << "Conv3d " << name;
+    }
+  }
+}
+
+TEST_F(Conv, DistributedModuleGradients) {
+  // The user's path: distribute_module, a plain loss, loss.backward().
+  torch::manual_seed(3);
+  torch::nn::Conv2d ref(torch::nn::Conv2dOptions(3, 4, 3).padding(1));
+  torch::nn::Conv2d sharded(torch::nn::Conv2dOptions(3, 4, 3).padding(1));
+  {
+    torch::NoGradGuard g;
+    sharded->weight.copy_(ref->weight);
+    sharded->bias.copy_(ref->bias);
+  }
+  st::distribute_module(*sharded, mesh);
+  auto x = rnd({2, 3, 10, 9}, 15);
+  auto xr = x.clone().requires_grad_(true);
+  auto xs = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}), true);
+  auto lr = (ref(xr) * ref(xr)).mean();
+  auto ls = (sharded(xs) * sharded(xs)).mean();
+  EXPECT_FALSE(st::ShardTensor::is_shard_tensor(ls));
+  lr.backward();
+  ls.backward();
+  EXPECT_TRUE(all_close(ls, lr, kRtol, kAtol));
+  EXPECT_TRUE(all_close(sharded->weight.grad(), ref->weight.grad(), kRtol, kAtol));
+  EXPECT_TRUE(all_close(sharded->bias.grad(), ref->bias.grad(), kRtol, kAtol));
+  EXPECT_TRUE(all_close(gathered(st::ShardTensor(xs).grad()), xr.grad(), kRtol, kAtol));
+}
+
+// ------------------------------------------------------------------ padding
+
+TEST_F(Conv, PadEveryMode) {
+  auto x3 = rnd({2, 3, 11}, 50);
+  auto x4 = rnd({1, 2, 9, 10}, 51);
+  auto x5 = rnd({1, 2, 5, 7, 6}, 52);
+  struct Case {
+    at::Tensor x;
+    std::vector<int64_t> pad;
+    P p;
+  };
+  // Pads wider than a piece (multi-hop, circular across the domain) and crops.
+  std::vector<Case> cases = {
+      {x3, {2, 3}, {S2, S0}},
+      {x3, {5, 1}, {S2, R}},
+      {x4, {1, 2, 3, 1}, {S2, S3}},
+      {x4, {2, 0, 0, 4}, {S3, S2}},
+      {x5, {1, 1, 2, 1, 0, 2}, {S2, S4}},
+      {x5, {2, 2, 1, 3, 1, 1}, {S3, S2}},
+  };
+  for (const std::string mode : {"constant", "reflect", "replicate", "circular"}) {
+    for (const auto& c : cases) {
+      auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+        auto o = F::PadFuncOptions(c.pad);
+        if (mode == "reflect") o.mode(torch::kReflect);
+        if (mode == "replicate") o.mode(torch::kReplicate);
+        if (mode == "circular") o.mode(torch::kCircular);
+        if (mode == "constant") o.value(1.5);
+        return F::pad(in[0], o);
+      };
+      EXPECT_TRUE(check(fn, {sh(c.x, c.p)}))
+          << mode << " " << str(c.pad) << " " << st::to_string(c.p);
+      EXPECT_TRUE(check(fn, {empty(c.x, c.p)})) << mode << " " << str(c.pad);
+    }
+  }
+  // Negative pads (crops) in constant mode, and the named aten ops.
+  auto crop = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::constant_pad_nd(in[0], {-2, 3, 1, -3}, 0.5);
+  };
+  EXPECT_TRUE(check(crop, {sh(x4, {S2, S3})}));
+  EXPECT_TRUE(check(crop, {empty(x4, {S3, S2})}));
+  auto named = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::reflection_pad2d(in[0], {2, 1, 3, 2}) + at::replication_pad2d(in[0], {2, 1, 3, 2});
+  };
+  EXPECT_TRUE(check(named, {sh(x4, {S2, S3})}));
+  auto named1 = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::reflection_pad1d(in[0], {4, 2}) * at::replication_pad1d(in[0], {4, 2});
+  };
+  EXPECT_TRUE(check(named1, {sh(x3, {S2, S1})}));
+  auto named3 = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::reflection_pad3d(in[0], {1, 2, 2, 1, 1, 1}) +
+           at::replication_pad3d(in[0], {1, 2, 2, 1, 1, 1});
+  };
+  EXPECT_TRUE(check(named3, {sh(x5, {S2, S3})}));
+}
+
+// ------------------------------------------------------------ halo helper
+
+TEST_F(Conv, HaloExchangeHelper) {
+  auto x = rnd({3, 9, 10}, 60);
+  for (st::PadMode mode : {st::PadMode::Constant, st::PadMode::Reflect, st::PadMode::Replicate,
+                           st::PadMode::Circular}) {
+    for (int64_t dim : {1, 2}) {
+      const int64_t l = 2, r = 1;
+      // Reference: the full tensor padded along `dim`, then this rank's window.
+      std::vector<int64_t> pad(2 * (3 - dim), 0);
+      pad[pad.size() - 2] = l;
+      pad[pad.size() - 1] = r;
+      auto full = x.clone();
+      at::Tensor padded;
+      if (mode == st::PadMode::Constant) {
+        padded = at::constant_pad_nd(full, pad, 0.25);
+      } else {
+        const int64_t e = mode == st::PadMode::Reflect ? 0 : mode == st::PadMode::Replicate ? 1 : 2;
+        // (batched forms: a 4-entry pad on a 4-d tensor, a 2-entry pad on a 3-d one)
+        padded = dim == 1 ? at::_pad_enum(full.unsqueeze(0), pad, e, c10::nullopt).squeeze(0)
+                          : at::_pad_enum(full, pad, e, c10::nullopt);
+      }
+      auto pl = fit_placements(mesh, {S1, S2});
+      auto sx = st::distribute_tensor(x, mesh, pl, true);
+      at::Tensor halo = st::halo_exchange(sx, dim, l, r, mode, 0.25);
+      const auto& spec = st::ShardTensor(sx).spec();
+      auto expected = padded;
+      for (int64_t d : {1, 2}) {
+        const int64_t off = spec.local_offsets()[d], len = spec.local_shape()[d];
+        expected = d == dim ? expected.narrow(d, off, len + l + r) : expected.narrow(d, off, len);
+      }
+      EXPECT_TRUE(all_close(halo, expected.detach())) << "dim " << dim;
+    }
+  }
+  // An error names the helper, on every rank, and leaves nothing hanging.
+  EXPECT_THROW(st::halo_exchange(x, 1, 1, 1), c10::Error);
+  EXPECT_TRUE(all_ranks(true));
+}
+
+TEST_F(Conv, HaloExchangeHelperGradient) {
+  // <halo(x), y> == <x, halo^T(y)> against the plain pad: with a cotangent
+  // that is the local window of one global cotangent, the sharded input
+  // gradient equals the gradient of sum over ranks of <window_r(pad(x)), y_r>.
+  auto x = rnd({2, 11, 4}, 62);
+  auto pl = fit_placements(mesh, {S1, S2});
+  for (st::PadMode mode : {st::PadMode::Constant, st::PadMode::Circular, st::PadMode::Reflect}) {
+    auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) -> at::Tensor {
+      if (!st::ShardTensor::is_shard_tensor(in[0])) {
+        // Reference: interior of the 3-point stencil over the padded field.
+        at::Tensor p;
+        if (mode == st::PadMode::Constant) {
+          p = at::constant_pad_nd(in[0], {0, 0, 1, 2}, 0.0);
+        } else {
+          p = at::_pad_enum(in[0].unsqueeze(0), {0, 0, 1, 2}, mode == st::PadMode::Reflect ? 0 : 2,
+                            c10::nullopt)
+                  .squeeze(0);
+        }
+        const int64_t n = in[0].size(1);
+        return p.narrow(1, 0, n) + 2 * p.narrow(1, 1, n) - p.narrow(1, 3, n);
+      }
+      at::Tensor h = st::halo_exchange(in[0], 1, 1, 2, mode);
+      const auto& spec = st::ShardTensor(in[0]).spec();
+      const int64_t n = spec.local_shape()[1];
+      at::Tensor y = h.narrow(1, 0, n) + 2 * h.narrow(1, 1, n) - h.narrow(1, 3, n);
+      return st::ShardTensor::from_local(y, spec.mesh(), spec.placements(), spec.all_shard_sizes());
+    };
+    EXPECT_TRUE(check(fn, {sh(x, {S1, S2})}));
+    EXPECT_TRUE(check(fn, {empty(x, {S1, S2})}));
+  }
+}
+
+// -------------------------------------------------- traffic, memory, errors
+
+TEST_F(Conv, ForwardSendsExactlyTheHaloBytes) {
+  // Conv2d 3x3, padding 1, dim 2 sharded over mesh dim 0: each rank sends
+  // every neighbour the rows that neighbour's output block reads from it.
+  const int64_t N = 2, C = 3, H = 14, W = 6;
+  auto x = rnd({N, C, H, W}, 70);
+  auto w = rnd({4, C, 3, 3}, 71);
+  auto pl = fit_placements(mesh, {S2, R});
+  auto sx = st::distribute_tensor(x, mesh, pl, true);
+  const auto& spec = st::ShardTensor(sx).spec();
+  const auto& sizes = spec.shard_sizes(0);
+  const int64_t P = static_cast<int64_t>(sizes.size());
+  const int64_t me = mesh.coordinate()[0];
+  std::vector<int64_t> off(P + 1, 0);
+  for (int64_t c = 0; c < P; ++c) off[c + 1] = off[c] + sizes[c];
+  int64_t rows_sent = 0, rows_received = 0;
+  for (int64_t c = 0; c < P; ++c) {
+    if (c == me) continue;
+    auto overlap = [&](int64_t want_c, int64_t own_c) {
+      const int64_t lo = std::max(off[want_c] - 1, off[own_c]);
+      const int64_t hi = std::min(off[want_c + 1] + 1, off[own_c + 1]);
+      return std::max<int64_t>(0, hi - lo);
+    };
+    rows_sent += overlap(c, me);
+    rows_received += overlap(me, c);
+  }
+  const int64_t row_bytes = N * C * W * static_cast<int64_t>(sizeof(float));
+  st::reset_comm_stats();
+  auto out = at::conv2d(sx, w, {}, 1, 1);
+  auto s = st::comm_stats();
+  EXPECT_TRUE(all_ranks(s.bytes_sent == rows_sent * row_bytes &&
+                        s.bytes_received == rows_received * row_bytes))
+      << "sent " << s.bytes_sent << " expected " << rows_sent * row_bytes << ", received "
+      << s.bytes_received << " expected " << rows_received * row_bytes;
+  EXPECT_TRUE(all_close(gathered(out), at::conv2d(x, w, {}, 1, 1), kRtol, kAtol));
+}
+
+TEST_F(Conv, MemoryEfficientBackward) {
+  // Note [conv memory]: 6 x (Conv2d 3x3 padding 1 + ReLU) forward + backward;
+  // the sharded peak per rank must stay within 1.2x of the single-process peak / P.
+  const int64_t P = mesh.size();
+  torch::manual_seed(0);
+  torch::nn::Sequential net;
+  for (int i = 0; i < 6; ++i) {
+    net->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)));
+    net->push_back(torch::nn::ReLU());
+  }
+  auto x = rnd({1, 8, 512, 256}, 80);
+  int64_t single = 0, sharded = 0;
+  {
+    auto xr = x.clone().requires_grad_(true);
+    const int64_t base = st::memory_stats().current_bytes;
+    st::reset_peak_memory_stats();
+    net->forward(xr).sum().backward();
+    single = st::memory_stats().peak_bytes - base;
+    net->zero_grad();
+  }
+  st::distribute_module(*net, mesh);
+  {
+    auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2}), true);
+    const int64_t base = st::memory_stats().current_bytes;
+    st::reset_peak_memory_stats();
+    net->forward(sx).sum().backward();
+    sharded = st::memory_stats().peak_bytes - base;
+  }
+  const double ratio = static_cast<double>(sharded) / (static_cast<double>(single) / P);
+  if (mesh.rank() == 0) {
+    std::printf(
+        "[ conv memory ] P=%lld single-process peak %.1f MB, sharded peak %.1f MB per "
+        "rank, ratio to single/P = %.3f\n",
+        static_cast<long long>(P), single / 1e6, sharded / 1e6, ratio);
+  }
+  if (P == 4 && !is_mesh_2x2()) {
+    EXPECT_TRUE(all_ranks(ratio <= 1.2)) << "ratio " << ratio;
+  }
+}
+
+TEST_F(Conv, UnsupportedCasesThrowEverywhere) {
+  auto x = rnd({1, 2, 8, 8}, 90);
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}));
+  auto w = rnd({2, 2, 3, 3}, 91);
+  auto expect_throw = [&](const std::function<void()>& f, const std::string& needle) {
+    bool threw = false, named = false;
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      threw = true;
+      named = std::string(e.what()).find(needle) != std::string::npos;
+    }
+    EXPECT_TRUE(threw && named) << needle;
+    EXPECT_TRUE(all_ranks(threw && named)) << needle;  // a collective: nothing hangs
+  };
+  expect_throw(
+      [&] {
+        at::convolution(sx, w, {}, {1, 1}, {0, 0}, {1, 1}, true, {0, 0}, 1);
+      },
+      "transposed");
+  expect_throw([&] { at::conv2d(sx, rnd({2, 3, 3, 3}, 92)); }, "conv2d");
+  expect_throw([&] { at::conv2d(sx, w, {}, {2, 2}, "same"); }, "same");
+  expect_throw([&] { at::conv2d(sx, rnd({2, 2, 12, 3}, 93)); }, "conv2d");
+  expect_throw([&] { F::pad(sx, F::PadFuncOptions({0, 0, 8, 0}).mode(torch::kReflect)); }, "pad");
+}
