@@ -83,10 +83,12 @@ bool all_ranks(bool ok) {
       auto fin = torch::isfinite(b);
       auto e = torch::where(fin, err, torch::zeros_like(err));
       worst = e.max().item<double>();
-      std::ostringstream os;
-      os << "max |a-b| = " << (a - b).abs().masked_select(fin).max().item<double>()
-         << ", max |b| = " << b.abs().masked_select(fin).max().item<double>();
-      why = os.str();
+      if (fin.any().item<bool>()) {
+        std::ostringstream os;
+        os << "max |a-b| = " << (a - b).abs().masked_select(fin).max().item<double>()
+           << ", max |b| = " << b.abs().masked_select(fin).max().item<double>();
+        why = os.str();
+      }
     }
   }
   struct {
