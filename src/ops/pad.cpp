@@ -159,7 +159,20 @@ void pad_rule(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor local = to_layout(self, compute, compute);
   // Unsharded dims first (a pure local op), then the halo gather on sharded
   // ones: the gathered halos then already carry the unsharded padding.
-  at::Tensor x = local_pad(local, local_pads, mode, value);
+  at::Tensor x;
+  if (local.numel() == 0) {
+    // An empty piece: libtorch's pad kernels reject empty inputs, but the
+    // padded piece is just as empty. Build it by shape, still connected to
+    // `local` so this rank takes part in the backward halo exchange like the
+    // others (Note [collective discipline]).
+    std::vector<int64_t> shape = local.sizes().vec();
+    for (int64_t j = 0; j < npad; ++j) {
+      shape[self.dim() - 1 - j] += local_pads[2 * j] + local_pads[2 * j + 1];
+    }
+    x = local.new_zeros(shape) + local.sum() * 0;
+  } else {
+    x = local_pad(local, local_pads, mode, value);
+  }
   x = stencil::gather_plans(x, mesh, plans, to_pad_mode(mode), value);
   stack->push_back(wrap(x, out_spec));
 }
