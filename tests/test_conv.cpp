@@ -20,11 +20,12 @@
 
 #include "testing.h"
 
-// Status (see the note on issue 3): the DISABLED_ tests are not yet passing or
-// not yet verified: module padding_mode and F::pad fail (an exception on some
-// ranks leaves the others waiting), and the halo helper, traffic, memory and
-// error tests have not been run. They stay in the file as the specification of
-// the remaining work; run them with --gtest_also_run_disabled_tests.
+// Status (see the note on issue 3): the DISABLED_ tests do not pass yet.
+// ModulesWithEveryPaddingMode / PadEveryMode: a reflect pad of an empty piece
+// throws on that rank only. MemoryEfficientBackward: torch::nn::Sequential
+// rejects a ShardTensor argument (AnyModule wants exactly at::Tensor), so the
+// memory ratio has not been measured. They stay as the specification of the
+// remaining work; run them with --gtest_also_run_disabled_tests.
 
 namespace st = shardtensor;
 namespace F = torch::nn::functional;
@@ -383,7 +384,7 @@ TEST_F(Conv, DISABLED_PadEveryMode) {
 
 // ------------------------------------------------------------ halo helper
 
-TEST_F(Conv, DISABLED_HaloExchangeHelper) {
+TEST_F(Conv, HaloExchangeHelper) {
   auto x = rnd({3, 9, 10}, 60);
   for (st::PadMode mode : {st::PadMode::Constant, st::PadMode::Reflect, st::PadMode::Replicate,
                            st::PadMode::Circular}) {
@@ -420,7 +421,7 @@ TEST_F(Conv, DISABLED_HaloExchangeHelper) {
   EXPECT_TRUE(all_ranks(true));
 }
 
-TEST_F(Conv, DISABLED_HaloExchangeHelperGradient) {
+TEST_F(Conv, HaloExchangeHelperGradient) {
   // <halo(x), y> == <x, halo^T(y)> against the plain pad: with a cotangent
   // that is the local window of one global cotangent, the sharded input
   // gradient equals the gradient of sum over ranks of <window_r(pad(x)), y_r>.
@@ -454,7 +455,7 @@ TEST_F(Conv, DISABLED_HaloExchangeHelperGradient) {
 
 // -------------------------------------------------- traffic, memory, errors
 
-TEST_F(Conv, DISABLED_ForwardSendsExactlyTheHaloBytes) {
+TEST_F(Conv, ForwardSendsExactlyTheHaloBytes) {
   // Conv2d 3x3, padding 1, dim 2 sharded over mesh dim 0: each rank sends
   // every neighbour the rows that neighbour's output block reads from it.
   const int64_t N = 2, C = 3, H = 14, W = 6;
@@ -530,7 +531,7 @@ TEST_F(Conv, DISABLED_MemoryEfficientBackward) {
   }
 }
 
-TEST_F(Conv, DISABLED_UnsupportedCasesThrowEverywhere) {
+TEST_F(Conv, UnsupportedCasesThrowEverywhere) {
   auto x = rnd({1, 2, 8, 8}, 90);
   auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}));
   auto w = rnd({2, 2, 3, 3}, 91);
