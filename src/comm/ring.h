@@ -38,6 +38,10 @@ class RingShift {
   static RingShift start(const at::Tensor& send, c10::IntArrayRef recv_shape,
                          const DeviceMesh& mesh, int64_t mesh_dim, int tag);
 
+  /// Local, non-blocking. Lets MPI progress the transfers (call it between
+  /// pieces of the overlapped compute); true once both have completed.
+  bool progress() { return pending_.test(); }
+
   /// Local. Waits for both transfers and returns the received tensor. Throws
   /// c10::Error if MPI fails or the received size differs. Call once.
   at::Tensor finish();

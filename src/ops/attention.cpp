@@ -33,6 +33,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <sstream>
 
@@ -142,8 +143,13 @@ struct FwdState {
 };
 
 // Merges one K/V block (global keys [kstart, kstart + len)) into the online softmax.
+// `progress` runs after every chunk: it lets MPI move the ring's messages while
+// this rank computes (Note [ring attention]).
+using Progress = std::function<void()>;
+
 void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb,
-                   const at::Tensor& vb, int64_t n, int64_t kstart, FwdState& st) {
+                   const at::Tensor& vb, int64_t n, int64_t kstart, FwdState& st,
+                   const Progress& progress) {
   const int64_t len = kb.size(2);
   if (n == 0 || len == 0 || fully_masked(p, n, kstart)) return;
   const int64_t rows = q4.size(0) * q4.size(1) * q4.size(2);
@@ -159,6 +165,7 @@ void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb
     st.l.mul_(alpha).add_(s.sum(-1));
     st.acc.mul_(alpha.unsqueeze(-1)).add_(at::matmul(s, vb.narrow(2, c0, cl)));
     st.m = m_new;
+    progress();
   }
 }
 
@@ -166,7 +173,7 @@ void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb
 void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4,
                     const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& kb,
                     const at::Tensor& vb, int64_t n, int64_t kstart, at::Tensor& dq4,
-                    at::Tensor& dkv) {
+                    at::Tensor& dkv, const Progress& progress) {
   const int64_t len = kb.size(2);
   if (n == 0 || len == 0 || fully_masked(p, n, kstart)) return;
   const int64_t rows = q4.size(0) * q4.size(1) * q4.size(2);
@@ -183,6 +190,7 @@ void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& d
     pr = at::Tensor();
     dq4.add_(at::matmul(ds, kc), p.scale);
     dkv[0].narrow(2, c0, cl).add_(at::matmul(ds.transpose(-2, -1), q4), p.scale);
+    progress();
   }
 }
 
@@ -213,7 +221,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         next = comm::RingShift::start(cur, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
                                       comm::kRingTagBlocks);
       }
-      forward_block(p, q4, cur[0], cur[1], n, p.kv_offsets[src], st);
+      forward_block(p, q4, cur[0], cur[1], n, p.kv_offsets[src], st, [&] { next.progress(); });
       if (t + 1 < p.P) cur = next.finish();
     }
     at::Tensor out4 = st.acc.div_(st.l.unsqueeze(-1));
@@ -249,7 +257,10 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
                                       comm::kRingTagBlocks);
       }
       at::Tensor dkv = at::zeros(kv_shape(k, p.kv_sizes[src]), q.options());
-      backward_block(p, q4, do4, lse, delta, cur[0], cur[1], n, p.kv_offsets[src], dq4, dkv);
+      backward_block(p, q4, do4, lse, delta, cur[0], cur[1], n, p.kv_offsets[src], dq4, dkv, [&] {
+        next.progress();
+        if (t > 0) acc_in.progress();
+      });
       if (t > 0) dkv.add_(acc_in.finish());  // the accumulator of block src, from (c - 1)
       acc_in = comm::RingShift::start(dkv, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
                                       comm::kRingTagAccumulators);
