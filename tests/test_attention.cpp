@@ -18,6 +18,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -66,6 +67,7 @@ struct Case {
   int mask = 0;             // 0 none, 1 bool sharded, 2 float sharded, 3 bool plain key padding
   bool batch_shard = true;  // mesh dim 1 shards the batch (else Replicate)
   at::ScalarType dtype = at::kFloat;
+  st::CausalBalance balance = st::CausalBalance::ZigZag;
 };
 
 class Attention : public ::testing::Test {
@@ -115,7 +117,10 @@ class Attention : public ::testing::Test {
       }
       return reference(x[0], x[1], x[2], m, c.causal, c.scale);
     };
-    return reference_check(fn, in, mesh, {}, rtol, atol);
+    const auto old = st::set_causal_balance(c.balance);
+    auto r = reference_check(fn, in, mesh, {}, rtol, atol);
+    st::set_causal_balance(old);
+    return r;
   }
 };
 
@@ -137,6 +142,61 @@ TEST_F(Attention, Causal) {
   c.empty = true;
   EXPECT_TRUE(run(c));
 }
+// Both load-balancing strategies for causal self-attention (Note [causal balance]).
+TEST_F(Attention, CausalContiguousAndZigZag) {
+  for (auto b : {st::CausalBalance::Contiguous, st::CausalBalance::ZigZag}) {
+    Case c;
+    c.causal = true;
+    c.balance = b;
+    c.Sq = c.Sk = 23;
+    EXPECT_TRUE(run(c));
+    c.empty = true;
+    c.Hq = 4;
+    c.Hkv = 2;
+    EXPECT_TRUE(run(c));
+    c.mask = 1;
+    EXPECT_TRUE(run(c));
+    c.mask = 2;
+    c.empty = false;
+    EXPECT_TRUE(run(c));
+    c.mask = 3;
+    c.dtype = at::kDouble;
+    EXPECT_TRUE(run(c));
+  }
+}
+
+// Work per rank (score elements computed, forward + backward) in causal
+// self-attention: contiguous shards leave the last rank P times the first's
+// work; zig-zag gives every rank the same.
+TEST_F(Attention, CausalWorkBalance) {
+  P pl = fit_placements(mesh, {S2, R});
+  const int64_t p = mesh.size(0), S = 64 * p;
+  auto q = rnd({1, 1, S, 8}, 71);
+  auto sq = st::distribute_tensor(q, mesh, pl, true), sk = st::distribute_tensor(q, mesh, pl, true),
+       sv = st::distribute_tensor(q, mesh, pl, true);
+  std::vector<int64_t> work;
+  for (auto b : {st::CausalBalance::Contiguous, st::CausalBalance::ZigZag}) {
+    const auto old = st::set_causal_balance(b);
+    st::detail::attention_score_elements(true);
+    st::scaled_dot_product_attention(sq, sk, sv, {}, true).sum().backward();
+    int64_t mine = st::detail::attention_score_elements(true);
+    std::vector<int64_t> all(st::world_size());
+    MPI_Allgather(&mine, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, MPI_COMM_WORLD);
+    const int64_t mx = *std::max_element(all.begin(), all.end());
+    const int64_t mn = *std::min_element(all.begin(), all.end());
+    work.push_back(mx);
+    work.push_back(mn);
+    st::set_causal_balance(old);
+  }
+  if (st::world_rank() == 0) {
+    std::cout << "[causal work] P=" << p << " contiguous max/min " << work[0] << "/" << work[1]
+              << ", zig-zag max/min " << work[2] << "/" << work[3] << "\n";
+  }
+  EXPECT_TRUE(all_ranks(work[0] == p * work[1]));  // ring coordinate c computes c + 1 blocks
+  EXPECT_TRUE(all_ranks(work[2] == work[3]));      // zig-zag: every rank the same
+  EXPECT_TRUE(all_ranks(work[2] < work[0] || p == 1));
+}
+
 TEST_F(Attention, GroupedQuery) {
   Case c;
   c.Hq = 4;
@@ -197,6 +257,8 @@ TEST_F(Attention, SmallChunks) {
   Case c;
   c.Sq = c.Sk = 70;
   c.causal = true;
+  EXPECT_TRUE(run(c));
+  c.balance = st::CausalBalance::Contiguous;
   EXPECT_TRUE(run(c));
   c.causal = false;
   c.mask = 2;

@@ -21,6 +21,17 @@
 // compute) and starts sending it to (c + 1). After P steps each accumulator is
 // back at the block's owner, complete.
 //
+// Note [causal balance]: with a contiguous split and a causal mask, coordinate
+// c sees only keys up to its own block, so it computes about c + 1/2 blocks
+// (fully-masked blocks and chunks are skipped), and the ring's wall time is the
+// last coordinate's P - 1/2 blocks. Zig-zag: cut the sequence into 2P chunks;
+// coordinate c takes chunks c and 2P-1-c (an early and a late one) for its
+// queries and its keys/values (comm::gather_range, twice), so every
+// coordinate computes the same ~P/2 + 1/2 visible blocks; the output goes back
+// to q's split with comm::repartition. Both moves are differentiable, so the
+// backward pass follows. Blocks then hold two runs of positions (struct Run)
+// and every (query run, key run) pair is skipped or masked on its own.
+//
 // Memory: scores exist only for one chunk of one block at a time: rows =
 // B·Hq·(Sq/P), key columns cut so that rows x columns <= chunk_elements
 // (at least 16 columns), never (Sq/P) x Sk.
@@ -41,9 +52,23 @@
 #include "ops/common.h"
 
 namespace shardtensor {
+namespace {
+std::atomic<CausalBalance> g_causal_balance{CausalBalance::ZigZag};
+}
+CausalBalance set_causal_balance(CausalBalance balance) {
+  return g_causal_balance.exchange(balance);
+}
+CausalBalance causal_balance() { return g_causal_balance.load(); }
+
 namespace detail {
 namespace {
 std::atomic<int64_t> g_chunk_elements{int64_t(1) << 21};
+}
+namespace {
+std::atomic<int64_t> g_score_elements{0};
+}
+int64_t attention_score_elements(bool reset) {
+  return reset ? g_score_elements.exchange(0) : g_score_elements.load();
 }
 int64_t set_attention_chunk_elements(int64_t elements) {
   TORCH_CHECK(elements > 0, "set_attention_chunk_elements: expected a positive count, got ",
@@ -84,16 +109,23 @@ std::string describe(const at::Tensor& t) {
               ", k=", describe(k), ", v=", describe(v), ", attn_mask=", describe(mask), ")");
 }
 
+// A run of rows of a block: rows [local, local + len) hold the global sequence
+// positions [global, global + len). A contiguous shard is one run; a zig-zag
+// shard two (Note [causal balance]).
+struct Run {
+  int64_t local = 0, global = 0, len = 0;
+};
+
 // Everything the local block computation needs (identical on every rank
 // except `me` and the local tensors).
 struct RingPlan : torch::CustomClassHolder {
   DeviceMesh mesh;
-  int64_t ring_dim = -1;            // mesh dim sharding the sequence; -1: none
-  int64_t P = 1, me = 0;            // ring size, this coordinate
-  std::vector<int64_t> kv_sizes;    // key/value sequence extent per ring coordinate
-  std::vector<int64_t> kv_offsets;  // their global offsets
-  int64_t q_offset = 0;             // global index of this rank's first query
-  int64_t groups = 1;               // Hq / Hkv
+  int64_t ring_dim = -1;                  // mesh dim sharding the sequence; -1: none
+  int64_t P = 1, me = 0;                  // ring size, this coordinate
+  std::vector<int64_t> kv_sizes;          // key/value rows of each ring coordinate's block
+  std::vector<std::vector<Run>> kv_runs;  // their global positions
+  std::vector<Run> q_runs;                // global positions of this rank's queries
+  int64_t groups = 1;                     // Hq / Hkv
   double scale = 1.0;
   bool causal = false;
   // Local mask viewed as [b, hkv|1, g|1, n|1, Sk|1] (bool or q's dtype); undefined if none.
@@ -101,25 +133,28 @@ struct RingPlan : torch::CustomClassHolder {
   bool mask_full_keys = false;  // mask's key extent is Sk (sliced per chunk), else 1
 };
 
-// One chunk of scores, [B, Hkv, g*n, cl], with the mask and the causal mask
-// applied (-inf where hidden). `kstart` is the global index of the chunk's first key.
-at::Tensor chunk_scores(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kc, int64_t n,
-                        int64_t kstart) {
-  const int64_t cl = kc.size(2);
+// One chunk of scores, [B, Hkv, g*nq, cl], for the queries of run `qr` (q4 holds
+// only those rows) against keys at global positions [kstart, kstart + cl), with
+// the mask and the causal mask applied (-inf where hidden).
+at::Tensor chunk_scores(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kc,
+                        const Run& qr, int64_t kstart) {
+  const int64_t cl = kc.size(2), nq = qr.len;
   at::Tensor s = at::matmul(q4, kc.transpose(-2, -1));
   s.mul_(p.scale);
-  at::Tensor s5 = s.view({s.size(0), s.size(1), p.groups, n, cl});
+  detail::g_score_elements += s.numel();
+  at::Tensor s5 = s.view({s.size(0), s.size(1), p.groups, nq, cl});
   if (p.mask5.defined()) {
     at::Tensor mc = p.mask_full_keys ? p.mask5.narrow(-1, kstart, cl) : p.mask5;
+    if (mc.size(3) != 1) mc = mc.narrow(3, qr.local, nq);
     if (mc.scalar_type() == at::kBool) {
       s5.masked_fill_(mc.logical_not(), kNegInf);
     } else {
       s5.add_(mc);
     }
   }
-  if (p.causal && kstart + cl - 1 > p.q_offset) {  // not fully visible
+  if (p.causal && kstart + cl - 1 > qr.global) {  // not fully visible
     auto opts = at::TensorOptions().dtype(at::kLong);
-    at::Tensor qi = at::arange(p.q_offset, p.q_offset + n, opts).unsqueeze(1);
+    at::Tensor qi = at::arange(qr.global, qr.global + nq, opts).unsqueeze(1);
     at::Tensor kj = at::arange(kstart, kstart + cl, opts).unsqueeze(0);
     s5.masked_fill_(kj > qi, kNegInf);
   }
@@ -133,64 +168,98 @@ int64_t chunk_len(int64_t rows, int64_t len) {
   return std::max<int64_t>(1, std::min(c, len));
 }
 
-// True when every key of [kstart, kstart + len) is hidden from every local query.
-bool fully_masked(const RingPlan& p, int64_t n, int64_t kstart) {
-  return p.causal && kstart > p.q_offset + n - 1;
+// True when the key at global position `kstart` and every later one is hidden
+// from every query of run `qr`.
+bool fully_masked(const RingPlan& p, const Run& qr, int64_t kstart) {
+  return p.causal && kstart > qr.global + qr.len - 1;
 }
 
-struct FwdState {
-  at::Tensor m, l, acc;  // [B, Hkv, G], [B, Hkv, G], [B, Hkv, G, D]
-};
-
-// Merges one K/V block (global keys [kstart, kstart + len)) into the online softmax.
 // `progress` runs after every chunk: it lets MPI move the ring's messages while
 // this rank computes (Note [ring attention]).
 using Progress = std::function<void()>;
 
+// The rows of run `r` of a [B, Hkv, g*n, ...] tensor, as [B, Hkv, g, r.len, ...]
+// (a view) — or flattened back to [B, Hkv, g*r.len, ...] (a copy unless r spans n).
+at::Tensor rows5(const at::Tensor& t4, int64_t g, int64_t n, const Run& r) {
+  std::vector<int64_t> shape{t4.size(0), t4.size(1), g, n};
+  for (int64_t d = 3; d < t4.dim(); ++d) shape.push_back(t4.size(d));
+  return t4.view(shape).narrow(3, r.local, r.len);
+}
+at::Tensor rows4(const at::Tensor& t4, int64_t g, int64_t n, const Run& r) {
+  if (r.local == 0 && r.len == n) return t4;
+  at::Tensor t5 = rows5(t4, g, n, r);
+  std::vector<int64_t> shape{t4.size(0), t4.size(1), g * r.len};
+  for (int64_t d = 3; d < t4.dim(); ++d) shape.push_back(t4.size(d));
+  return t5.reshape(shape);
+}
+
+struct FwdState {
+  at::Tensor m, l, acc;  // [B, Hkv, g*n], [B, Hkv, g*n], [B, Hkv, g*n, D]
+};
+
+// Merges one K/V block (`src`'s rows) into the online softmax.
 void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb,
-                   const at::Tensor& vb, int64_t n, int64_t kstart, FwdState& st,
+                   const at::Tensor& vb, int64_t n, int64_t src, FwdState& st,
                    const Progress& progress) {
-  const int64_t len = kb.size(2);
-  if (n == 0 || len == 0 || fully_masked(p, n, kstart)) return;
-  const int64_t rows = q4.size(0) * q4.size(1) * q4.size(2);
-  const int64_t step = chunk_len(rows, len);
-  for (int64_t c0 = 0; c0 < len; c0 += step) {
-    const int64_t cl = std::min(step, len - c0);
-    if (fully_masked(p, n, kstart + c0)) break;  // later chunks are further in the future
-    at::Tensor s = chunk_scores(p, q4, kb.narrow(2, c0, cl), n, kstart + c0);
-    at::Tensor m_new = at::maximum(st.m, s.amax(-1));
-    at::Tensor m_safe = m_new.masked_fill(m_new.isneginf(), 0.0);
-    s.sub_(m_safe.unsqueeze(-1)).exp_();
-    at::Tensor alpha = (st.m - m_safe).exp_();
-    st.l.mul_(alpha).add_(s.sum(-1));
-    st.acc.mul_(alpha.unsqueeze(-1)).add_(at::matmul(s, vb.narrow(2, c0, cl)));
-    st.m = m_new;
-    progress();
+  const int64_t g = p.groups;
+  for (const Run& qr : p.q_runs) {
+    if (qr.len == 0) continue;
+    at::Tensor qq = rows4(q4, g, n, qr);
+    at::Tensor m = rows5(st.m, g, n, qr), l = rows5(st.l, g, n, qr);
+    at::Tensor acc = rows5(st.acc, g, n, qr);
+    const int64_t rows = qq.size(0) * qq.size(1) * qq.size(2);
+    for (const Run& kr : p.kv_runs[src]) {
+      if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
+      const int64_t step = chunk_len(rows, kr.len);
+      for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
+        const int64_t cl = std::min(step, kr.len - c0);
+        if (fully_masked(p, qr, kr.global + c0)) break;  // later keys are further ahead
+        at::Tensor s = chunk_scores(p, qq, kb.narrow(2, kr.local + c0, cl), qr, kr.global + c0);
+        at::Tensor s5 = s.view({s.size(0), s.size(1), g, qr.len, cl});
+        at::Tensor m_new = at::maximum(m, s5.amax(-1));
+        at::Tensor m_safe = m_new.masked_fill(m_new.isneginf(), 0.0);
+        s5.sub_(m_safe.unsqueeze(-1)).exp_();
+        at::Tensor alpha = (m - m_safe).exp_();
+        l.mul_(alpha).add_(s5.sum(-1));
+        at::Tensor pv = at::matmul(s, vb.narrow(2, kr.local + c0, cl));
+        acc.mul_(alpha.unsqueeze(-1)).add_(pv.view(acc.sizes()));
+        m.copy_(m_new);
+        progress();
+      }
+    }
   }
 }
 
-// Adds one K/V block's contribution to dq4 and to dkv ([2, B, Hkv, len, D]).
+// Adds one K/V block's (`src`'s) contribution to dq4 and to dkv ([2, B, Hkv, len, D]).
 void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4,
                     const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& kb,
-                    const at::Tensor& vb, int64_t n, int64_t kstart, at::Tensor& dq4,
-                    at::Tensor& dkv, const Progress& progress) {
-  const int64_t len = kb.size(2);
-  if (n == 0 || len == 0 || fully_masked(p, n, kstart)) return;
-  const int64_t rows = q4.size(0) * q4.size(1) * q4.size(2);
-  const int64_t step = chunk_len(rows, len);
-  for (int64_t c0 = 0; c0 < len; c0 += step) {
-    const int64_t cl = std::min(step, len - c0);
-    if (fully_masked(p, n, kstart + c0)) break;
-    at::Tensor kc = kb.narrow(2, c0, cl), vc = vb.narrow(2, c0, cl);
-    at::Tensor pr = chunk_scores(p, q4, kc, n, kstart + c0);
-    pr.sub_(lse.unsqueeze(-1)).exp_();  // probabilities
-    dkv[1].narrow(2, c0, cl).add_(at::matmul(pr.transpose(-2, -1), do4));
-    at::Tensor ds = at::matmul(do4, vc.transpose(-2, -1));
-    ds.sub_(delta.unsqueeze(-1)).mul_(pr);
-    pr = at::Tensor();
-    dq4.add_(at::matmul(ds, kc), p.scale);
-    dkv[0].narrow(2, c0, cl).add_(at::matmul(ds.transpose(-2, -1), q4), p.scale);
-    progress();
+                    const at::Tensor& vb, int64_t n, int64_t src, at::Tensor& dq4, at::Tensor& dkv,
+                    const Progress& progress) {
+  const int64_t g = p.groups;
+  for (const Run& qr : p.q_runs) {
+    if (qr.len == 0) continue;
+    at::Tensor qq = rows4(q4, g, n, qr), dd = rows4(do4, g, n, qr);
+    at::Tensor ll = rows4(lse, g, n, qr), de = rows4(delta, g, n, qr);
+    at::Tensor dq = rows5(dq4, g, n, qr);
+    const int64_t rows = qq.size(0) * qq.size(1) * qq.size(2);
+    for (const Run& kr : p.kv_runs[src]) {
+      if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
+      const int64_t step = chunk_len(rows, kr.len);
+      for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
+        const int64_t cl = std::min(step, kr.len - c0);
+        if (fully_masked(p, qr, kr.global + c0)) break;
+        at::Tensor kc = kb.narrow(2, kr.local + c0, cl), vc = vb.narrow(2, kr.local + c0, cl);
+        at::Tensor pr = chunk_scores(p, qq, kc, qr, kr.global + c0);
+        pr.sub_(ll.unsqueeze(-1)).exp_();  // probabilities
+        dkv[1].narrow(2, kr.local + c0, cl).add_(at::matmul(pr.transpose(-2, -1), dd));
+        at::Tensor ds = at::matmul(dd, vc.transpose(-2, -1));
+        ds.sub_(de.unsqueeze(-1)).mul_(pr);
+        pr = at::Tensor();
+        dq.add_(at::matmul(ds, kc).view(dq.sizes()), p.scale);
+        dkv[0].narrow(2, kr.local + c0, cl).add_(at::matmul(ds.transpose(-2, -1), qq), p.scale);
+        progress();
+      }
+    }
   }
 }
 
@@ -221,7 +290,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         next = comm::RingShift::start(cur, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
                                       comm::kRingTagBlocks);
       }
-      forward_block(p, q4, cur[0], cur[1], n, p.kv_offsets[src], st, [&] { next.progress(); });
+      forward_block(p, q4, cur[0], cur[1], n, src, st, [&] { next.progress(); });
       if (t + 1 < p.P) cur = next.finish();
     }
     at::Tensor out4 = st.acc.div_(st.l.unsqueeze(-1));
@@ -257,7 +326,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
                                       comm::kRingTagBlocks);
       }
       at::Tensor dkv = at::zeros(kv_shape(k, p.kv_sizes[src]), q.options());
-      backward_block(p, q4, do4, lse, delta, cur[0], cur[1], n, p.kv_offsets[src], dq4, dkv, [&] {
+      backward_block(p, q4, do4, lse, delta, cur[0], cur[1], n, src, dq4, dkv, [&] {
         next.progress();
         if (t > 0) acc_in.progress();
       });
@@ -438,20 +507,61 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   plan->groups = s.Hq / s.Hkv;
   plan->scale = scale;
   plan->causal = causal;
+  at::Tensor ql = local_of(q), kl = local_of(k), vl = local_of(v);
+  std::vector<std::vector<comm::Segment>> zz_segments;  // zig-zag rows per coordinate
   if (plan->ring_dim >= 0) {
-    plan->P = mesh.size(plan->ring_dim);
-    plan->me = mesh.coordinate()[plan->ring_dim];
-    plan->kv_sizes = sk.shard_sizes(plan->ring_dim);
-    plan->q_offset = offsets_of(sq.shard_sizes(plan->ring_dim))[plan->me];
+    const int64_t P = mesh.size(plan->ring_dim), me = mesh.coordinate()[plan->ring_dim];
+    plan->P = P;
+    plan->me = me;
+    const auto& q_sizes = sq.shard_sizes(plan->ring_dim);
+    const auto& kv_sizes = sk.shard_sizes(plan->ring_dim);
+    if (causal && P > 1 && s.Sq == s.Sk && causal_balance() == CausalBalance::ZigZag) {
+      // Note [causal balance]: 2P chunks; coordinate c computes on chunks c and 2P-1-c.
+      const auto chunks = balanced_sizes(s.Sq, 2 * P);
+      const auto off = offsets_of(chunks);
+      std::vector<std::pair<int64_t, int64_t>> first(P), second(P);
+      for (int64_t c = 0; c < P; ++c) {
+        const int64_t c2 = 2 * P - 1 - c;
+        first[c] = {off[c], off[c] + chunks[c]};
+        second[c] = {off[c2], off[c2] + chunks[c2]};
+        zz_segments.push_back({{off[c], chunks[c]}, {off[c2], chunks[c2]}});
+        plan->kv_sizes.push_back(chunks[c] + chunks[c2]);
+        plan->kv_runs.push_back({{0, off[c], chunks[c]}, {chunks[c], off[c2], chunks[c2]}});
+      }
+      plan->q_runs = plan->kv_runs[me];
+      auto to_zigzag = [&](const at::Tensor& t, int64_t dim, const std::vector<int64_t>& sizes) {
+        return at::cat({comm::gather_range(t, mesh, plan->ring_dim, dim, sizes, first),
+                        comm::gather_range(t, mesh, plan->ring_dim, dim, sizes, second)},
+                       dim);
+      };
+      ql = to_zigzag(ql, 2, q_sizes);
+      kl = to_zigzag(kl, 2, kv_sizes);
+      vl = to_zigzag(vl, 2, kv_sizes);
+      if (mask_local.defined() && mask_local.dim() >= 2 && mask_local.size(-2) != 1 && s.Sq != 1) {
+        at::NoGradGuard no_grad;
+        mask_local = to_zigzag(mask_local, mask_local.dim() - 2, q_sizes);
+      }
+    } else {
+      plan->kv_sizes = kv_sizes;
+      const auto kv_off = offsets_of(kv_sizes);
+      for (int64_t c = 0; c < P; ++c) plan->kv_runs.push_back({{0, kv_off[c], kv_sizes[c]}});
+      plan->q_runs = {{0, offsets_of(q_sizes)[me], q_sizes[me]}};
+    }
   } else {
     plan->kv_sizes = {s.Sk};
+    plan->kv_runs = {{{0, 0, s.Sk}}};
+    plan->q_runs = {{0, 0, ql.size(2)}};
   }
-  plan->kv_offsets = offsets_of(plan->kv_sizes);
   if (mask_local.defined()) {
     plan->mask5 = mask5_of(mask_local, s, q.scalar_type());
     plan->mask_full_keys = mask_local.size(-1) == s.Sk;
   }
-  at::Tensor out = RingAttentionFn::apply(local_of(q), local_of(k), local_of(v), plan);
+  at::Tensor out = RingAttentionFn::apply(ql, kl, vl, plan);
+  if (!zz_segments.empty()) {
+    // Back to q's own split.
+    out = comm::repartition(out, mesh, plan->ring_dim, 2, zz_segments,
+                            sq.shard_sizes(plan->ring_dim));
+  }
   return wrap(out, spec_ptr_of(q));
 }
 

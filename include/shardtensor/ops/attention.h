@@ -34,6 +34,7 @@ namespace shardtensor {
 /// have identical specs; the sequence splits of q and of k/v may be anything
 /// (uneven, empty pieces). The result is a ShardTensor laid out like q.
 /// Without a sequence-sharding mesh dim the computation is local per piece.
+/// Causal self-attention balances the ring's work per causal_balance().
 ///
 /// **Mask** (optional): bool (true = attend, as libtorch) or floating
 /// (added to the scores), never differentiated (a mask that requires grad is
@@ -64,11 +65,34 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
                                         bool is_causal = false,
                                         std::optional<double> scale = std::nullopt);
 
+/// How sharded causal self-attention (is_causal, Sq == Sk, a ring of P > 1)
+/// spreads the work (docs/attention.md, "Causal masking and load imbalance").
+enum class CausalBalance {
+  /// Compute on the shards as they are, skipping fully-masked blocks: the last
+  /// coordinate of the ring computes about P - 1/2 blocks, the first about 1/2.
+  Contiguous,
+  /// Zig-zag: the sequence is cut into 2P chunks and coordinate c computes the
+  /// queries and keys of chunks c and 2P-1-c (moved there and back inside the
+  /// call, differentiably), so every coordinate computes about P/2 + 1/2
+  /// blocks. Costs one extra exchange of q, k, v and out (and of their
+  /// gradients in backward), about half of each block.
+  ZigZag,
+};
+
+/// Local, process-wide. Sets the strategy (default CausalBalance::ZigZag);
+/// returns the previous one. Every rank must use the same setting.
+CausalBalance set_causal_balance(CausalBalance balance);
+/// Local. The current strategy.
+CausalBalance causal_balance();
+
 namespace detail {
 /// Local. Upper bound on the elements of one score chunk of ring attention
 /// (rows x key columns; the key chunk is at least 16 columns). Default 2^21
 /// (8 MiB in float32). For tests and tuning; returns the previous value.
 int64_t set_attention_chunk_elements(int64_t elements);
+/// Local. Score elements ring attention computed on this rank (forward and
+/// backward) since the last call with reset = true; for tests of the causal balance.
+int64_t attention_score_elements(bool reset = false);
 }  // namespace detail
 
 }  // namespace shardtensor
