@@ -56,7 +56,7 @@ namespace shardtensor {
 /// placements or batch splits, k and v with different specs, a sharded head or
 /// feature dim, Partial inputs, non-4-D inputs, mismatched B/D, Hq % Hkv != 0,
 /// different or non-floating dtypes, a bad mask shape, dtype or layout, a mask
-/// that requires grad, or a non-finite / non-positive scale.
+/// that requires grad, or a non-finite scale.
 ///
 /// libtorch 1.13's aten::_scaled_dot_product_attention on ShardTensors comes
 /// here too (dropout_p must be 0 and need_attn_weights false).
