@@ -362,6 +362,77 @@ TEST_F(Norm, LargeMeanStability) {
   }
 }
 
+// ---------------------------------------------------------------- communication
+
+// Eval-mode batch norm, layer norm over unsharded dims and group norm with
+// only the batch sharded run locally: no forward communication. Training
+// batch norm over sharded dims sends two all-reduces of the channel count.
+TEST_F(Norm, CommunicationVolume) {
+  at::Tensor x = rnd({4, 6, 5, 7}, 500);
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, S2}));
+  torch::nn::BatchNorm2d bn(6);
+  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({7}));
+  auto sb = st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, R}));
+  torch::nn::GroupNorm gn(3, 6);
+  bn->eval();
+  st::reset_comm_stats();
+  bn->forward(sx);
+  ln->forward(sx);
+  gn->forward(sb);
+  const int64_t local_bytes = st::comm_stats().bytes_sent;
+  bn->train();
+  st::reset_comm_stats();
+  bn->forward(sx);
+  const int64_t train_msgs = st::comm_stats().messages;
+  EXPECT_TRUE(all_ranks(local_bytes == 0)) << local_bytes << " bytes sent by local paths";
+  // Two all-reduces (shift; deviation sums) when more than one rank takes part.
+  EXPECT_TRUE(all_ranks(mesh.size() == 1 || train_msgs > 0));
+}
+
+// ---------------------------------------------------------------- memory
+
+// Note [norm backward]: what a chain of normalizations keeps between forward
+// and backward (outputs and saved tensors) is, per rank, the single-process
+// amount divided by P: no extra full-size copies. Extents divide by 2, 3, 4.
+TEST_F(Norm, RetainedMemory) {
+  const int64_t np = mesh.size();
+  const std::vector<int64_t> shape{2, 8, 48, 36};
+  torch::manual_seed(0);
+  torch::nn::GroupNorm gn(4, 8);
+  torch::nn::BatchNorm2d bn(8);
+  auto chain = [&](const at::Tensor& x) {
+    at::Tensor y = x;
+    for (int i = 0; i < 2; ++i) y = bn->forward(gn->forward(y));
+    return y;
+  };
+  const at::Tensor x = rnd(shape, 400);
+  for (const P& layout : std::vector<P>{{S2, S3}, {S3, S2}}) {
+    int64_t single = 0, sharded = 0;
+    {
+      at::Tensor xr = x.clone().requires_grad_(true);
+      const int64_t base = st::memory_stats().current_bytes;
+      at::Tensor y = chain(xr);
+      single = st::memory_stats().current_bytes - base;
+      y.sum().backward();
+    }
+    {
+      at::Tensor sx = st::distribute_tensor(x, mesh, fit_placements(mesh, layout), true);
+      const int64_t base = st::memory_stats().current_bytes;
+      at::Tensor y = chain(sx);
+      sharded = st::memory_stats().current_bytes - base;
+      y.sum().backward();
+    }
+    const double ratio = static_cast<double>(sharded) / (static_cast<double>(single) / np);
+    if (mesh.rank() == 0) {
+      std::printf(
+          "[ norm memory ] P=%lld retained after forward: single %.2f MB, sharded %.2f MB "
+          "per rank, ratio to single/P = %.3f\n",
+          static_cast<long long>(np), single / 1e6, sharded / 1e6, ratio);
+    }
+    EXPECT_TRUE(all_ranks(ratio <= 1.1)) << "ratio " << ratio;
+  }
+}
+
 // ---------------------------------------------------------------- errors
 
 TEST_F(Norm, Errors) {
