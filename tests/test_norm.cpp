@@ -92,7 +92,6 @@ class Norm : public ::testing::Test {
         sh->eval();
       }
       at::Tensor x = rnd(shape, 100 + step, 2.0, 0.5 * step);
-      at::Tensor cot = rnd(shape, 200 + step);
       RefInput in = input(x, layout, empty);
       at::Tensor xr = x.clone().requires_grad_(true);
       at::Tensor xs = st::distribute_tensor(x, mesh, *in.placements, true, in.sizes);
@@ -100,6 +99,7 @@ class Norm : public ::testing::Test {
       for (auto& p : sparams) p.mutable_grad() = at::Tensor();
       at::Tensor yr = ref->forward(xr);
       at::Tensor ys = sh->forward(xs);
+      at::Tensor cot = rnd(yr.sizes(), 200 + step);
       (yr * cot).sum().backward();
       (ys * cot).sum().backward();
       const std::string at_step = where + (eval ? " (eval)" : " step " + std::to_string(step));
@@ -320,6 +320,26 @@ TEST_F(Norm, LayerNormModule) {
         train_compare("LayerNorm({6})", torch::nn::LayerNorm(one), torch::nn::LayerNorm(one),
                       {5, 7, 6}, layout, empty, 1);
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- in a network
+
+// A U-Net block: conv -> GroupNorm -> SiLU -> conv -> BatchNorm -> SiLU, trained
+// for two steps on spatially (and batch x space) sharded input.
+TEST_F(Norm, ConvNormBlock) {
+  auto make = [] {
+    torch::manual_seed(7);
+    torch::nn::Sequential s(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)),
+                            torch::nn::GroupNorm(4, 8), torch::nn::SiLU(),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)),
+                            torch::nn::BatchNorm2d(8), torch::nn::SiLU());
+    return s;
+  };
+  for (const P& layout : std::vector<P>{{S2, S3}, {S0, S2}}) {
+    for (bool empty : {false, true}) {
+      train_compare("conv-GN-SiLU-conv-BN-SiLU", make(), make(), {2, 3, 12, 10}, layout, empty, 2);
     }
   }
 }
