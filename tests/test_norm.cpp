@@ -135,8 +135,9 @@ class Norm : public ::testing::Test {
   }
 };
 
-// Batch x space, two spatial dims, space x batch (2x2 mesh); on a 1-D mesh: Shard(0), (2), (3).
-const std::vector<P> kLayouts4d = {{S0, S2}, {S2, S3}, {S3, S0}};
+// Batch x space, two spatial dims, space x batch, replicated x space (2x2 mesh); on a 1-D
+// mesh: Shard(0), Shard(2), Shard(3), Replicate (the local path).
+const std::vector<P> kLayouts4d = {{S0, S2}, {S2, S3}, {S3, S0}, {R, S2}};
 
 }  // namespace
 
