@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <ctime>
 #include <iomanip>
 #include <iostream>
@@ -418,6 +419,14 @@ JsonRecord common_fields(const Options& o, const Problem& p, const Instance& sha
   if (o.workload.rfind("unet", 0) == 0) r.str("norm", p.norm).num("depth", p.depth);
   if (o.workload != "attention") r.num("base_channels", p.base_channels);
   r.num("warmup", o.warmup).num("steps", o.steps).num("cores", hardware_cores());
+  // The machine's 1-minute load average when the record is written: timings
+  // taken while others use the cores are noisy, and this says so.
+  double load = std::nan("");
+  if (std::FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &load) != 1) load = std::nan("");
+    std::fclose(f);
+  }
+  r.num("loadavg_1min", load);
   return r;
 }
 
