@@ -464,7 +464,10 @@ int cmd_run(const Options& o) {
   if (o.baseline) {
     for (const auto& b : o.baseline_threads) {
       const int n = b == "match" ? std::min(world * o.threads, hardware_cores()) : std::stoi(b);
-      bases.push_back({n, b == "match" ? "match" : "fixed", {}});
+      // 'match' at P x threads = 1 (or equal to a listed count) would repeat a baseline.
+      bool dup = false;
+      for (const auto& e : bases) dup = dup || e.threads == n;
+      if (!dup) bases.push_back({n, b == "match" ? "match" : "fixed", {}});
     }
     on_root_others_sleep([&] {
       for (auto& b : bases) {
