@@ -646,7 +646,10 @@ int cmd_maxsize(const Options& o) {
   p.shape.assign(D, std::max<int64_t>(lo, q));
   torch::manual_seed(o.seed);
   const Instance shape_of = wl.make(p);
-  JsonRecord r = common_fields(o, p, shape_of, mesh_shape, world);
+  Options probe_options = o;  // every probe: one warm-up step and one measured step
+  probe_options.warmup = 1;
+  probe_options.steps = 1;
+  JsonRecord r = common_fields(probe_options, p, shape_of, mesh_shape, world);
   std::string probe_json = "[";
   for (size_t i = 0; i < probes.size(); ++i) {
     probe_json += (i ? "," : "") + std::string("[") + std::to_string(probes[i].size) + "," +
