@@ -213,6 +213,22 @@ build/bench/shardtensor_bench help
 
 Sizes, rank counts, steps and the memory cap are environment variables of
 `bench/run.sh` (see its header), e.g. `make bench CAP_MIB=512 NPS="1 2 4"`.
+`make bench` runs some sixty configurations up to 8 oversubscribed ranks and
+a memory search that holds up to P x CAP_MIB of tensor memory (8 GiB at P = 8
+with the default 1 GiB cap); it takes far longer than `make bench-quick`. Run
+it on an otherwise idle machine: the `load` column records how busy it was.
+
+## Scenarios (bench/run.sh)
+
+| results file | what |
+|---|---|
+| `quick.json` | `make bench-quick`: unet2d train 128x128 at P = 1, 2, 4 (baselines: 1 thread and matched threads), unet2d infer and conv_stack train at P = 2, a 48 MiB/rank memory-cap search at P = 1, 2 |
+| `fixed.json` | (1) fixed global size (unet2d 256x256, conv_stack 512x512, unet3d 32^3), train and infer, P = 1, 2, 4, 8 |
+| `weak.json` | (2) weak scaling: unet2d and conv_stack train with a fixed 64x256 piece per rank (global 64P x 256) |
+| `strong.json` | (3) strong scaling on 2 cores: P = 2 x 1 thread vs one process with 1 and with 2 threads |
+| `maxsize.json` | (4) largest trainable unet2d sample under 1 GiB of tensor memory per rank, P = 1, 2, 4, 8 |
+| `overhead.json` | (5) P = 1: the ShardTensor path vs plain libtorch, 1 thread each (speedup < 1 is the overhead) |
+| `attention.json` | sequence-sharded attention, S = 2^10 .. 2^15 at P = 1, 2 (only when built) |
 
 ## What is measured
 
