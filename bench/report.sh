@@ -213,7 +213,7 @@ build/bench/shardtensor_bench help
 
 Sizes, rank counts, steps and the memory cap are environment variables of
 `bench/run.sh` (see its header), e.g. `make bench CAP_MIB=512 NPS="1 2 4"`.
-`make bench` runs some sixty configurations up to 8 oversubscribed ranks and
+`make bench` runs 46 configurations (70 with attention) up to 8 oversubscribed ranks, and
 a memory search that holds up to P x CAP_MIB of tensor memory (8 GiB at P = 8
 with the default 1 GiB cap); it takes far longer than `make bench-quick`. Run
 it on an otherwise idle machine: the `load` column records how busy it was.
