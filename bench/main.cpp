@@ -255,6 +255,7 @@ struct Measurement {
   int64_t peak_bytes = 0;           // sharded: max over ranks
   int64_t peak_bytes_min = 0;       // sharded: min over ranks
   int64_t bytes_sent_per_step = 0;  // max over ranks
+  int64_t messages_per_step = 0;    // max over ranks
   double comm_fraction = 0;         // mean over ranks
   double comm_fraction_max = 0;
   double loss = std::nan("");  // mean(out^2) at the first step, before any update
@@ -331,14 +332,16 @@ Measurement measure(const Options& o, const Problem& problem, const st::DeviceMe
   m.step_s = local;
   m.peak_bytes = m.peak_bytes_min = ms.peak_bytes;
   m.bytes_sent_per_step = cs.bytes_sent / steps;
+  m.messages_per_step = cs.messages / steps;
   const double frac = local_total > 0 ? cs.comm_seconds / local_total : 0.0;
   m.comm_fraction = m.comm_fraction_max = frac;
   if (mesh) {
     MPI_Allreduce(MPI_IN_PLACE, m.step_s.data(), steps, MPI_DOUBLE, MPI_MAX, world);
-    int64_t v[2] = {m.peak_bytes, m.bytes_sent_per_step};
-    MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, world);
+    int64_t v[3] = {m.peak_bytes, m.bytes_sent_per_step, m.messages_per_step};
+    MPI_Allreduce(MPI_IN_PLACE, v, 3, MPI_INT64_T, MPI_MAX, world);
     m.peak_bytes = v[0];
     m.bytes_sent_per_step = v[1];
+    m.messages_per_step = v[2];
     MPI_Allreduce(MPI_IN_PLACE, &m.peak_bytes_min, 1, MPI_INT64_T, MPI_MIN, world);
     double f[2] = {frac, frac};
     MPI_Allreduce(MPI_IN_PLACE, &f[0], 1, MPI_DOUBLE, MPI_SUM, world);
@@ -490,6 +493,7 @@ int cmd_run(const Options& o) {
         .num("step_s_median", step)
         .num("step_s_min", *std::min_element(sh.step_s.begin(), sh.step_s.end()))
         .num("bytes_sent_per_rank", sh.bytes_sent_per_step)
+        .num("messages_per_rank", sh.messages_per_step)
         .num("comm_fraction", sh.comm_fraction)
         .num("comm_fraction_max", sh.comm_fraction_max)
         .num("loss", sh.loss);
