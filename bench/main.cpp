@@ -96,6 +96,7 @@ Flags (defaults in brackets):
   --no-baseline            skip the baseline
   --warmup N  --steps N    warm-up and timed steps [2, 5]
   --out FILE               append JSON records to this JSON array file
+  --name NAME              same as --out <source tree>/bench/results/NAME.json
   --scenario LABEL         label stored in the records [custom]
   --cap-mib X              maxsize: per-rank tensor-memory cap in MiB [1024]
   --start-size N           maxsize: first resolution probed [auto]
@@ -175,6 +176,8 @@ Options parse(int argc, char** argv) {
       o.steps = std::stoi(val());
     else if (f == "--out")
       o.out = val();
+    else if (f == "--name")
+      o.out = std::string(SHARDTENSOR_BENCH_RESULTS_DIR) + "/" + val() + ".json";
     else if (f == "--scenario")
       o.scenario = val();
     else if (f == "--cap-mib")
