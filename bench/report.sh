@@ -187,7 +187,8 @@ awk -F'\t' -v dir="$TMP/maxsize" '
 for f in "$TMP/maxsize"/*.dat; do sort -n -o "$f" "$f"; done
 plot maxsize "largest trainable points / same at P = 1" \
   "Largest trainable sample under a per-rank tensor-memory cap" \
-  "set yrange [0:*]" x
+  "set logscale y 2
+set yrange [0.8:12]" x
 
 # ---- the document ---------------------------------------------------------------------
 {
