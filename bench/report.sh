@@ -23,7 +23,7 @@ trap '[ -n "${KEEP_TMP:-}" ] || rm -rf "$TMP"' EXIT
 # 7 shape 8 norm 9 peak 10 base_peak 11 mem_ratio 12 step 13 base_step 14 base_threads
 # 15 base_rule 16 speedup 17 efficiency 18 sent 19 comm_fraction 20 loss_rel_diff
 # 21 cap_bytes 22 max_size 23 max_points 24 failing_size 25 date 26 loadavg 27 kind(run|maxsize)
-# 28 mesh
+# 28 mesh 29 cores
 FLAT=$TMP/flat.tsv
 : >"$FLAT"
 shopt -s nullglob
@@ -48,7 +48,7 @@ for f in "${FILES[@]}"; do
       printf "%s", file
       n = split("scenario workload mode ranks threads_per_rank spatial_shape norm peak_bytes_per_rank baseline_peak_bytes memory_ratio step_s_median baseline_step_s_median baseline_threads baseline_threads_rule speedup efficiency bytes_sent_per_rank comm_fraction loss_rel_diff cap_bytes max_size max_points failing_size date loadavg_1min", keys, " ")
       for (j = 1; j <= n; ++j) { v = jget($0, keys[j]); printf "\t%s", (v == "" ? "-" : v) }
-      printf "\t%s\t%s\n", kind, jget($0, "mesh")
+      printf "\t%s\t%s\t%s\n", kind, jget($0, "mesh"), jget($0, "cores")
     }' "$f" >>"$FLAT"
 done
 
@@ -70,7 +70,11 @@ run_table() {  # $1 = file name (without .json)
         $3, $4, $5, $28, $6, $7, m($9), m($10), f($11, 2), f($12, 4), bt, f($16, 2), f($17, 2), \
         m($18), ($19 == "-" ? "-" : sprintf("%.1f", 100 * $19)), ($20 == "-" ? "-" : sprintf("%.1e", $20)), f($26, 1), $25
     }
-    END { }' "$FLAT"
+    $1 == file && $27 == "run" && $26 != "-" && $29 != "" && $26 + 0 > $29 + 0 { busy++ }
+    END {
+      if (busy > 0)
+        printf "\n_%d of %d records were taken while the 1-minute load exceeded the core count: other work shared the cores and their timings (step times, speedups, comm %%) are noisy; memory and traffic are not affected._\n", busy, n
+    }' "$FLAT"
 }
 
 maxsize_table() {
@@ -248,7 +252,8 @@ it on an otherwise idle machine: the `load` column records how busy it was.
 - **peak MiB/rank**: peak live tensor memory (the library's tracking allocator,
   `memory_stats()`), max over ranks; parameters, inputs, activations, gradients
   and optimizer state. **memory ratio** = peak per rank / (baseline peak / P):
-  1 means memory falls exactly as 1/P; replicated parameters and halos push it above 1.
+  1 means memory falls exactly as 1/P; replicated parameters, halos and any
+  extra copies a sharding rule makes push it above 1.
 - **speedup** = baseline step / sharded step; **efficiency** = speedup x
   baseline threads / (P x threads per rank).
 - **sent MiB/rank/step**: `comm_stats().bytes_sent` per timed step, max over ranks.
