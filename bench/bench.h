@@ -26,11 +26,11 @@ struct Problem {
   int64_t out_channels = 1;
   int64_t base_channels = 16;
   int64_t depth = 3;
-  int64_t layers = 6;         // conv_stack
-  int64_t heads = 4;          // attention
-  int64_t head_dim = 32;      // attention
-  std::string norm = "none";  // unet: none | group | batch
-  bool causal = false;        // attention
+  int64_t layers = 6;          // conv_stack
+  int64_t heads = 4;           // attention
+  int64_t head_dim = 32;       // attention
+  std::string norm = "group";  // unet: none | group | batch
+  bool causal = false;         // attention
 };
 
 struct Input {

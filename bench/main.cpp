@@ -88,7 +88,7 @@ Flags (defaults in brackets):
   --shape A,B[,C]          global spatial shape (attention: S) [workload default]
   --batch N  --in-channels N  --out-channels N  --base-channels N  --depth N
   --layers N (conv_stack)  --heads N  --head-dim N  --causal (attention)
-  --norm none|group|batch  U-Net normalization [none]
+  --norm none|group|batch  U-Net normalization [group]
   --mesh AxB               device mesh shape; mesh dim i shards spatial dim i [P]
   --threads N              intra-op threads per rank [1]
   --baseline-threads LIST  comma list of thread counts for the single-process

@@ -2,7 +2,7 @@
 // [B, H, S, D] sharded along the sequence (dim 2). Built only once the
 // attention rule's header exists. The plain-tensor baseline is the textbook
 // softmax(q k^T * scale) v (libtorch 1.13 has no scaled_dot_product_attention).
-#if __has_include(<shardtensor/ops/attention.h>)
+#if __has_include(<shardtensor/ops/attention.h>) && SHARDTENSOR_BENCH_ATTENTION
 #include <shardtensor/ops/attention.h>
 #include <shardtensor/tensor/shard_tensor.h>
 
