@@ -233,7 +233,7 @@ it on an otherwise idle machine: the `load` column records how busy it was.
 | `strong.json` | (3) strong scaling on 2 cores: P = 2 x 1 thread vs one process with 1 and with 2 threads |
 | `maxsize.json` | (4) largest trainable unet2d sample under 1 GiB of tensor memory per rank, P = 1, 2, 4, 8 |
 | `overhead.json` | (5) P = 1: the ShardTensor path vs plain libtorch, 1 thread each (speedup < 1 is the overhead) |
-| `attention.json` | sequence-sharded attention, S = 2^10 .. 2^15 at P = 1, 2 (only when built) |
+| `attention.json` | sequence-sharded (ring) attention, 1 head of 64, S = 2^10 .. 2^15 at P = 1, 2, train and infer; the baseline (textbook softmax(q k^T / sqrt(d)) v, which holds the S x S scores) only up to S = 2^13 |
 
 ## What is measured
 
