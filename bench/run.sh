@@ -139,14 +139,17 @@ scenario_attention() {
     return 0
   fi
   fresh attention
-  local l np mode base
+  local l np mode base steps
   for l in $ATTN_LOG2; do
     for np in 1 2; do
       for mode in infer train; do
         base=(--baseline-threads "$BASELINE_THREADS")
         [ "$l" -le "$ATTN_BASELINE_MAX_LOG2" ] || base=(--no-baseline)
+        # Past 2^13 a step takes minutes on one core: one warm-up and one timed step.
+        steps=(--steps 3 --warmup 1)
+        [ "$l" -le 13 ] || steps=(--steps 1 --warmup 1)
         bench "$np" attention run --scenario attention --workload attention --mode $mode \
-          --shape $((1 << l)) --heads 1 --head-dim 64 --steps 3 --warmup 1 "${base[@]}"
+          --shape $((1 << l)) --heads 1 --head-dim 64 "${steps[@]}" "${base[@]}"
       done
     done
   done
