@@ -4,7 +4,8 @@
 #   make test   install missing Debian packages, build, run every test (ctest)
 #
 # Also: make demo-vit (examples/vit_train on 4 ranks).
-# Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean.
+# Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean,
+# bench-quick, bench, bench-report (see bench/run.sh and docs/benchmarks.md).
 # Overridable: DEMO, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
 # CMAKE_ARGS, MPIRUN_FLAGS, SKIP_DEPS=1 (do not touch the system's packages).
 
@@ -56,13 +57,19 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: help demo demo-vit test deps configure build install format format-check clean
+.PHONY: help demo demo-vit test deps configure build install format format-check clean \
+        bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
+        bench-overhead bench-attention bench-report bench-deps
 
 help:
 	@echo "make demo     build and run examples/$(DEMO) on $(NP) ranks"
 	@echo "make demo-vit build and run examples/vit_train (vision transformer, ring attention) on 4 ranks"
 	@echo "make test     build and run all tests (ctest)"
 	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
+	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
+	@echo "make bench         every benchmark scenario -> bench/results/*.json"
+	@echo "make bench-fixed | bench-weak | bench-strong | bench-maxsize | bench-overhead | bench-attention"
+	@echo "make bench-report  docs/benchmarks.md + docs/img/bench_*.png from bench/results/*.json (gnuplot)"
 
 # Builds only the demo (and the library), not the tests.
 demo: configure
@@ -130,3 +137,27 @@ format-check:
 clean:
 	@test -n "$(BUILD_DIR)" && test "$(BUILD_ABS)" != "$(REPO_ROOT)" && test "$(BUILD_ABS)" != /
 	rm -rf -- $(BUILD_ABS)
+
+# ---- benchmarks (bench/run.sh: scenarios; bench/report.sh: docs/benchmarks.md) ----
+# Scenario knobs pass through the environment, e.g. make bench CAP_MIB=512 NPS="1 2 4".
+BENCH_ENV := BENCH_BIN=$(BUILD_ABS)/bench/shardtensor_bench MPIRUN=$(MPIRUN) MPIRUN_FLAGS="$(MPIRUN_FLAGS)"
+BENCH_SCENARIOS := fixed weak strong maxsize overhead attention
+
+bench-build: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_bench
+
+bench-quick: bench-build
+	$(BENCH_ENV) $(REPO_ROOT)/bench/run.sh quick
+
+bench: bench-build
+	$(BENCH_ENV) $(REPO_ROOT)/bench/run.sh all
+
+$(addprefix bench-,$(BENCH_SCENARIOS)): bench-%: bench-build
+	$(BENCH_ENV) $(REPO_ROOT)/bench/run.sh $*
+
+# gnuplot-nox only for the report, through the deps mechanism (not a dependency of test/build).
+bench-deps:
+	$(MAKE) --no-print-directory deps DEB_PACKAGES=gnuplot-nox
+
+bench-report: bench-deps
+	$(REPO_ROOT)/bench/report.sh

@@ -445,6 +445,29 @@ TEST(Stats, CommStatsCounters) {
   EXPECT_EQ(s.messages, 0);
 }
 
+// comm_seconds: a timing (not asserted beyond its sign), zero after reset,
+// and growing only through transport calls that reach another rank.
+TEST(Stats, CommSecondsTimesTransportCalls) {
+  auto mesh = st::DeviceMesh::create({-1});
+  st::reset_comm_stats();
+  EXPECT_EQ(st::comm_stats().comm_seconds, 0.0);
+  st::detail::record_comm(1, 1, 1);  // byte counters do not touch the timer
+  EXPECT_EQ(st::comm_stats().comm_seconds, 0.0);
+  st::detail::record_comm_time(1500000000);
+  EXPECT_DOUBLE_EQ(st::comm_stats().comm_seconds, 1.5);
+  st::reset_comm_stats();
+  EXPECT_EQ(st::comm_stats().comm_seconds, 0.0);
+  at::Tensor x = st::comm::all_reduce(torch::ones({1000}), mesh, {0});
+  EXPECT_EQ(x[0].item<float>(), static_cast<float>(mesh.size()));
+  const double t = st::comm_stats().comm_seconds;
+  if (mesh.size() > 1) {
+    EXPECT_GT(t, 0.0);  // one MPI_Allreduce was timed
+  } else {
+    EXPECT_EQ(t, 0.0);  // a communicator of one moves nothing and is not timed
+  }
+  st::reset_comm_stats();
+}
+
 TEST(Stats, MemoryStatsTrackTensorAllocations) {
   constexpr int64_t kMiB = 1 << 20;
   const auto before = st::memory_stats();

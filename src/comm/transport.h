@@ -55,6 +55,10 @@
 ///    receives its piece.
 ///  - Diagnostics (diagnostic_max_) are not counted, so the counters are the
 ///    same with and without SHARDTENSOR_DEBUG.
+///  - Time: every data-moving MPI call (and posting plus waiting for an
+///    exchange) adds its wall time to CommStats::comm_seconds. Unlike the
+///    byte counts this is a measurement, includes waiting for slower ranks,
+///    and is meant for benchmarks (bench/), never for test assertions.
 
 #include <ATen/core/Tensor.h>
 #include <mpi.h>

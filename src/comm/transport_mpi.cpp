@@ -6,6 +6,7 @@
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/stats.h>
 
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <numeric>
@@ -14,6 +15,23 @@
 namespace shardtensor::comm::transport {
 
 namespace {
+
+/// Adds the wall time of its scope to CommStats::comm_seconds. Wraps every
+/// MPI call that moves data or waits for it (always on; two clock reads).
+class CommTimer {
+ public:
+  CommTimer() : start_(std::chrono::steady_clock::now()) {}
+  ~CommTimer() {
+    detail::record_comm_time(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 std::chrono::steady_clock::now() - start_)
+                                 .count());
+  }
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
 
 /// Converts a byte or element count to the int that MPI-3 calls take.
 int to_count(int64_t v, const char* what) {
@@ -138,6 +156,7 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
     if (size > 1 && t.numel() > 0) {
       auto [type, mpi_op] = reduction_type(at::kFloat, op);
       auto* data = static_cast<float*>(ptr(wide));
+      CommTimer timer;
       for (int64_t done = 0; done < wide.numel(); done += INT_MAX) {
         const int n = static_cast<int>(std::min<int64_t>(INT_MAX, wide.numel() - done));
         SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, n, type, mpi_op, comm));
@@ -152,6 +171,7 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
     // Counts are elements: chunk so that no single call exceeds INT_MAX.
     auto* data = static_cast<char*>(ptr(t));
     const int64_t elem = t.element_size();
+    CommTimer timer;
     for (int64_t done = 0; done < t.numel(); done += INT_MAX) {
       const int n = static_cast<int>(std::min<int64_t>(INT_MAX, t.numel() - done));
       SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done * elem, n, type, mpi_op, comm));
@@ -183,8 +203,11 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
     }
     return;
   }
-  SHARDTENSOR_MPI_CHECK(MPI_Allgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv), counts.data(),
-                                       displs.data(), MPI_BYTE, comm));
+  {
+    CommTimer timer;
+    SHARDTENSOR_MPI_CHECK(MPI_Allgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv),
+                                         counts.data(), displs.data(), MPI_BYTE, comm));
+  }
   detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
 }
 
@@ -229,8 +252,11 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     }
     return;
   }
-  SHARDTENSOR_MPI_CHECK(MPI_Alltoallv(ptr(send), sc.data(), sd.data(), MPI_BYTE, ptr(recv),
-                                      rc.data(), rd.data(), MPI_BYTE, comm));
+  {
+    CommTimer timer;
+    SHARDTENSOR_MPI_CHECK(MPI_Alltoallv(ptr(send), sc.data(), sd.data(), MPI_BYTE, ptr(recv),
+                                        rc.data(), rd.data(), MPI_BYTE, comm));
+  }
   detail::record_comm(sent, received, messages);
 }
 
@@ -244,7 +270,10 @@ void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
   if (size == 1 || n == 0) {
     return;
   }
-  SHARDTENSOR_MPI_CHECK(MPI_Bcast(ptr(t), to_count(n, "broadcast size"), MPI_BYTE, root, comm));
+  {
+    CommTimer timer;
+    SHARDTENSOR_MPI_CHECK(MPI_Bcast(ptr(t), to_count(n, "broadcast size"), MPI_BYTE, root, comm));
+  }
   if (rank == root) {
     detail::record_comm(static_cast<int64_t>(size - 1) * n, 0, size - 1);
   } else {
@@ -286,6 +315,7 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     }
     return;
   }
+  CommTimer timer;
   SHARDTENSOR_MPI_CHECK(MPI_Scatterv(rank == root ? ptr(send) : nullptr,
                                      rank == root ? counts.data() : nullptr,
                                      rank == root ? displs.data() : nullptr, MPI_BYTE, ptr(recv),
@@ -322,6 +352,7 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
   }
   std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
   (void)prefix_displs(recv_numel, "reduce_scatter offset (elements)");
+  CommTimer timer;
   if (needs_upcast(send.scalar_type())) {
     at::Tensor wide_send = send.to(at::kFloat).contiguous();
     at::Tensor wide_recv = at::empty(recv.sizes(), recv.options().dtype(at::kFloat));
@@ -410,6 +441,7 @@ void PendingExchange::finish() {
     statuses = std::move(statuses_);  // test() saw every request complete
   } else {
     statuses.resize(requests_.size());
+    CommTimer timer;
     rc = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), statuses.data());
   }
   completed_ = false;
@@ -439,6 +471,7 @@ bool PendingExchange::test() {
   }
   std::vector<MPI_Status> statuses(requests_.size());
   int flag = 0;
+  CommTimer timer;
   const int rc =
       MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, statuses.data());
   if (rc == MPI_ERR_IN_STATUS) {
@@ -467,6 +500,7 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
       (void)to_count(nbytes(pb.buffer), "exchange message");
     }
   }
+  CommTimer timer;
   PendingExchange ex;
   int64_t sent = 0, received = 0, messages = 0;
   ex.requests_.reserve(sends.size() + recvs.size());

@@ -30,6 +30,7 @@ namespace {
 std::atomic<int64_t> g_bytes_sent{0};
 std::atomic<int64_t> g_bytes_received{0};
 std::atomic<int64_t> g_messages{0};
+std::atomic<int64_t> g_comm_nanoseconds{0};
 std::atomic<int64_t> g_current_bytes{0};
 std::atomic<int64_t> g_peak_bytes{0};
 
@@ -109,6 +110,7 @@ CommStats comm_stats() {
   s.bytes_sent = g_bytes_sent.load(std::memory_order_relaxed);
   s.bytes_received = g_bytes_received.load(std::memory_order_relaxed);
   s.messages = g_messages.load(std::memory_order_relaxed);
+  s.comm_seconds = static_cast<double>(g_comm_nanoseconds.load(std::memory_order_relaxed)) * 1e-9;
   return s;
 }
 
@@ -116,6 +118,7 @@ void reset_comm_stats() {
   g_bytes_sent.store(0, std::memory_order_relaxed);
   g_bytes_received.store(0, std::memory_order_relaxed);
   g_messages.store(0, std::memory_order_relaxed);
+  g_comm_nanoseconds.store(0, std::memory_order_relaxed);
 }
 
 MemoryStats memory_stats() {
@@ -134,6 +137,9 @@ void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages) {
   g_bytes_sent.fetch_add(bytes_sent, std::memory_order_relaxed);
   g_bytes_received.fetch_add(bytes_received, std::memory_order_relaxed);
   g_messages.fetch_add(messages, std::memory_order_relaxed);
+}
+void record_comm_time(int64_t nanoseconds) {
+  g_comm_nanoseconds.fetch_add(nanoseconds, std::memory_order_relaxed);
 }
 }  // namespace detail
 

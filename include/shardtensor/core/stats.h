@@ -13,6 +13,12 @@ struct CommStats {
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
   int64_t messages = 0;
+  /// Wall-clock seconds this rank spent inside the transport's MPI calls
+  /// (blocking collectives, and posting plus waiting for point-to-point
+  /// exchanges). Unlike the byte counters this is a timing, not deterministic;
+  /// it includes time spent waiting for slower ranks. Always on (one
+  /// steady_clock read before and after each call).
+  double comm_seconds = 0.0;
 };
 
 /// Local. Counters since the last reset_comm_stats().
@@ -35,6 +41,8 @@ void reset_peak_memory_stats();
 namespace detail {
 /// Local. Adds to the communication counters (used by comm/ only).
 void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages);
+/// Local. Adds to comm_seconds (used by comm/ only).
+void record_comm_time(int64_t nanoseconds);
 }  // namespace detail
 
 }  // namespace shardtensor

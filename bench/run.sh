@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# Benchmark driver: launches shardtensor_bench under mpirun for each scenario
+# and collects the JSON records in bench/results/<scenario>.json (each
+# scenario's file is started afresh when that scenario runs).
+#
+#   bench/run.sh quick                     # `make bench-quick`: bench/results/quick.json
+#   bench/run.sh fixed|weak|strong|maxsize|overhead|attention
+#   bench/run.sh all                       # `make bench`: every scenario above but quick
+#
+# Environment (defaults in brackets):
+#   BENCH_BIN [build/bench/shardtensor_bench]   RESULTS [bench/results]
+#   MPIRUN [mpirun]  MPIRUN_FLAGS [--oversubscribe --bind-to none]
+#   NPS ["1 2 4 8"]  STEPS [5]  WARMUP [2]  BASELINE_THREADS [1,match]
+#   FIXED_SHAPE_2D [256,256]  FIXED_SHAPE_3D [32,32,32]  FIXED_SHAPE_CONV [512,512]
+#   WEAK_ROWS_PER_RANK [64]  WEAK_COLS [256]   (unet2d weak scaling: global [64*P, 256])
+#   CAP_MIB [1024]  MAXSIZE_WORKLOADS [unet2d]  NORM [group]
+#   ATTN_LOG2 ["10 11 12 13 14 15"]  ATTN_BASELINE_MAX_LOG2 [13]
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+BENCH_BIN=${BENCH_BIN:-build/bench/shardtensor_bench}
+RESULTS=${RESULTS:-bench/results}
+MPIRUN=${MPIRUN:-mpirun}
+read -r -a MPIRUN_ARGS <<<"${MPIRUN_FLAGS:---oversubscribe --bind-to none}"
+NPS=${NPS:-1 2 4 8}
+STEPS=${STEPS:-5}
+WARMUP=${WARMUP:-2}
+BASELINE_THREADS=${BASELINE_THREADS:-1,match}
+FIXED_SHAPE_2D=${FIXED_SHAPE_2D:-256,256}
+FIXED_SHAPE_3D=${FIXED_SHAPE_3D:-32,32,32}
+FIXED_SHAPE_CONV=${FIXED_SHAPE_CONV:-512,512}
+WEAK_ROWS_PER_RANK=${WEAK_ROWS_PER_RANK:-64}
+WEAK_COLS=${WEAK_COLS:-256}
+CAP_MIB=${CAP_MIB:-1024}
+MAXSIZE_WORKLOADS=${MAXSIZE_WORKLOADS:-unet2d}
+NORM=${NORM:-group}
+ATTN_LOG2=${ATTN_LOG2:-10 11 12 13 14 15}
+ATTN_BASELINE_MAX_LOG2=${ATTN_BASELINE_MAX_LOG2:-13}
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+if [ "$(id -u)" = 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+
+[ -x "$BENCH_BIN" ] || { echo "run.sh: $BENCH_BIN not built (make bench-quick builds it)" >&2; exit 1; }
+mkdir -p "$RESULTS"
+FAILED=0
+
+# bench NP OUT_NAME ARGS...: one mpirun; a failure is reported and counted, the rest go on.
+bench() {
+  local np=$1 name=$2
+  shift 2
+  echo "+ $MPIRUN -np $np $BENCH_BIN $*"
+  if ! "$MPIRUN" "${MPIRUN_ARGS[@]}" -np "$np" "$BENCH_BIN" "$@" --out "$RESULTS/$name.json"; then
+    echo "run.sh: FAILED: -np $np $*" >&2
+    FAILED=$((FAILED + 1))
+  fi
+}
+
+fresh() { rm -f "$RESULTS/$1.json"; }
+
+norm_flag() { case "$1" in unet*) echo "--norm $NORM" ;; esac; }
+
+# (1) fixed global size at P = 1, 2, 4, 8 (oversubscribed beyond the cores).
+scenario_fixed() {
+  fresh fixed
+  local w shape mode np
+  for w in unet2d conv_stack unet3d; do
+    case $w in unet2d) shape=$FIXED_SHAPE_2D ;; unet3d) shape=$FIXED_SHAPE_3D ;; *) shape=$FIXED_SHAPE_CONV ;; esac
+    for mode in train infer; do
+      for np in $NPS; do
+        # shellcheck disable=SC2046
+        bench "$np" fixed run --scenario fixed --workload $w $(norm_flag $w) --mode $mode \
+          --shape "$shape" --steps "$STEPS" --warmup "$WARMUP" --baseline-threads "$BASELINE_THREADS"
+      done
+    done
+  done
+}
+
+# (2) weak scaling: the per-rank piece fixed ([WEAK_ROWS_PER_RANK, WEAK_COLS]), P = 1, 2, 4, 8.
+scenario_weak() {
+  fresh weak
+  local np w
+  for w in unet2d conv_stack; do
+    for np in $NPS; do
+      # shellcheck disable=SC2046
+      bench "$np" weak run --scenario weak --workload $w $(norm_flag $w) --mode train \
+        --shape "$((WEAK_ROWS_PER_RANK * np)),$WEAK_COLS" --steps "$STEPS" --warmup "$WARMUP" \
+        --baseline-threads "$BASELINE_THREADS"
+    done
+  done
+}
+
+# (3) strong scaling on 2 cores: P = 2 x 1 thread vs one process with 1 and 2 threads.
+scenario_strong() {
+  fresh strong
+  local w shape mode
+  for w in unet2d conv_stack; do
+    case $w in unet2d) shape=$FIXED_SHAPE_2D ;; *) shape=$FIXED_SHAPE_CONV ;; esac
+    for mode in train infer; do
+      # shellcheck disable=SC2046
+      bench 2 strong run --scenario strong --workload $w $(norm_flag $w) --mode $mode \
+        --shape "$shape" --threads 1 --steps "$STEPS" --warmup "$WARMUP" --baseline-threads 1,2
+    done
+  done
+}
+
+# (4) the largest trainable resolution under a per-rank tensor-memory cap.
+scenario_maxsize() {
+  fresh maxsize
+  local w np
+  for w in $MAXSIZE_WORKLOADS; do
+    for np in $NPS; do
+      # shellcheck disable=SC2046
+      bench "$np" maxsize maxsize --scenario maxsize --workload $w $(norm_flag $w) --cap-mib "$CAP_MIB"
+    done
+  done
+}
+
+# (5) overhead at P = 1: the ShardTensor path vs plain libtorch, same input, 1 thread each.
+scenario_overhead() {
+  fresh overhead
+  local w shape mode
+  for w in unet2d conv_stack unet3d; do
+    case $w in unet2d) shape=$FIXED_SHAPE_2D ;; unet3d) shape=$FIXED_SHAPE_3D ;; *) shape=$FIXED_SHAPE_CONV ;; esac
+    for mode in train infer; do
+      # shellcheck disable=SC2046
+      bench 1 overhead run --scenario overhead --workload $w $(norm_flag $w) --mode $mode \
+        --shape "$shape" --steps "$STEPS" --warmup "$WARMUP" --baseline-threads 1
+    done
+  done
+}
+
+# Attention (only when the binary has it): S = 2^10 .. 2^15 on 1 and 2 ranks.
+scenario_attention() {
+  if ! "$BENCH_BIN" list 2>/dev/null | grep -q '^attention'; then
+    echo "run.sh: attention not built (no <shardtensor/ops/attention.h>); skipped"
+    return 0
+  fi
+  fresh attention
+  local l np mode base steps
+  for l in $ATTN_LOG2; do
+    for np in 1 2; do
+      for mode in infer train; do
+        base=(--baseline-threads "$BASELINE_THREADS")
+        [ "$l" -le "$ATTN_BASELINE_MAX_LOG2" ] || base=(--no-baseline)
+        # Past 2^13 a step takes minutes on one core: one warm-up and one timed step.
+        steps=(--steps 3 --warmup 1)
+        [ "$l" -le 13 ] || steps=(--steps 1 --warmup 1)
+        bench "$np" attention run --scenario attention --workload attention --mode $mode \
+          --shape $((1 << l)) --heads 1 --head-dim 64 "${steps[@]}" "${base[@]}"
+      done
+    done
+  done
+}
+
+# A small, honest subset (< 10 minutes on 2 cores): unet2d training at 2 and 4
+# ranks with the 1-thread baseline (and 'match' threads), its P = 1 overhead,
+# inference at 2 ranks, a conv stack at 2 ranks, and a small memory-cap search.
+scenario_quick() {
+  fresh quick
+  local np
+  for np in 1 2 4; do
+    bench "$np" quick run --scenario quick --workload unet2d --norm "$NORM" --mode train \
+      --shape 128,128 --steps 3 --warmup 1 --baseline-threads 1,match
+  done
+  bench 2 quick run --scenario quick --workload unet2d --norm "$NORM" --mode infer \
+    --shape 128,128 --steps 3 --warmup 1 --baseline-threads 1,match
+  bench 2 quick run --scenario quick --workload conv_stack --mode train \
+    --shape 256,256 --steps 3 --warmup 1 --baseline-threads 1,match
+  for np in 1 2; do
+    bench "$np" quick maxsize --scenario quick --workload unet2d --norm "$NORM" --cap-mib 48
+  done
+}
+
+[ $# -ge 1 ] || set -- quick
+for s in "$@"; do
+  case $s in
+    quick | fixed | weak | strong | maxsize | overhead | attention) "scenario_$s" ;;
+    all) for t in overhead strong fixed weak maxsize attention; do "scenario_$t"; done ;;
+    *)
+      echo "run.sh: unknown scenario '$s' (quick fixed weak strong maxsize overhead attention all)" >&2
+      exit 2
+      ;;
+  esac
+done
+if [ "$FAILED" -gt 0 ]; then
+  echo "run.sh: $FAILED run(s) failed" >&2
+  exit 1
+fi
+echo "run.sh: results in $RESULTS/"
