@@ -29,8 +29,10 @@
 // rank's partial gradient into the parameter's slot of a flat bucket and
 // passes nothing on to autograd. Everything else reaches .grad() through
 // autograd as before: contributions of plain (replicated) uses are already the
-// full gradient on every rank, uses over a subset of mesh dims, another mesh,
-// or through a view are all-reduced by use_replicated itself. So
+// full gradient on every rank; uses over a subset of mesh dims or on another
+// mesh are all-reduced by use_replicated itself. A use through a view of a
+// registered leaf (linear's w.t()) marks the leaf and re-takes the view
+// (as_strided), so autograd maps the view's gradient back onto the leaf. So
 // grad = (full contributions, via autograd) + sum over ranks (bucket slots),
 // which is the single-process gradient whatever mix of uses a parameter has:
 // nothing is summed twice and nothing is left unsummed.

@@ -44,8 +44,10 @@ struct DistributeOptions {
 /// plain, replicated compute, e.g. a weight penalty on plain tensors) are
 /// already the full gradient on every rank and go to grad() directly,
 /// unreduced; only the partial contributions are summed, so mixing both is
-/// correct. A use through a view of a parameter (`w.view(...) * sharded`) is
-/// reduced immediately by its own all-reduce (correct, not bucketed).
+/// correct. A use through a view of a parameter (linear's `w.t()`) is routed
+/// to the parameter's bucket too (the view is re-taken after the marking).
+/// Uses over a subset of the mesh dims, or on another mesh, are all-reduced
+/// by their own collective (correct, not bucketed).
 /// Parameters without a gradient in a backward contribute zeros (their grad()
 /// stays undefined if it was). Requirements: every rank runs the same
 /// backward graph (as every sharded op already requires); backward() (not
