@@ -21,21 +21,8 @@
 namespace shardtensor::ops {
 namespace {
 
-std::vector<int64_t> int_list(const c10::IValue& v) {
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const auto& e : v.toListRef()) {
-    out.push_back(e.isInt() ? e.toInt() : e.toSymInt().expect_int());
-  }
-  return out;
-}
-
-int64_t div_floor(int64_t a, int64_t b) {
-  int64_t q = a / b;
-  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
-  return q;
-}
-
+using stencil::div_floor;
+using stencil::int_list;
 std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                             std::vector<int64_t> v, int64_t nd, const char* what) {
   if (v.size() == 1) return std::vector<int64_t>(nd, v[0]);

@@ -41,23 +41,9 @@ struct PoolOp {
   bool with_indices;  // returns (values, indices)
 };
 
-std::vector<int64_t> int_list(const c10::IValue& v) {
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const auto& e : v.toListRef()) {
-    out.push_back(e.isInt() ? e.toInt() : e.toSymInt().expect_int());
-  }
-  return out;
-}
-
-int64_t div_floor(int64_t a, int64_t b) {
-  int64_t q = a / b;
-  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
-  return q;
-}
-
-int64_t div_ceil(int64_t a, int64_t b) { return -div_floor(-a, b); }
-
+using stencil::div_ceil;
+using stencil::div_floor;
+using stencil::int_list;
 // libtorch's pooling_output_shape (ATen/native/Pool.h).
 int64_t pool_out(int64_t n, int64_t k, int64_t pad, int64_t s, int64_t d, bool ceil_mode) {
   int64_t out = div_floor(n + 2 * pad - d * (k - 1) - 1 + (ceil_mode ? s - 1 : 0), s) + 1;
