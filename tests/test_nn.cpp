@@ -257,3 +257,62 @@ TEST(GradientBuckets, OptimizersUnchanged) {
     }
   }
 }
+
+TEST(GradientBuckets, AutogradGradWithInputsThrowsInsteadOfWrongGradients) {
+  // torch::autograd::grad(outputs, inputs) does not run the accumulators, so
+  // the bucketed partial gradients could not be delivered: an error on every rank.
+  auto mesh = test_mesh();
+  torch::manual_seed(4);
+  Deep net(2);
+  st::distribute_module(net, mesh);
+  auto x = at::randn({4, 9, 6});
+  auto p = fit_placements(mesh, {st::Shard{1}, st::Shard{0}});
+  auto sx = st::distribute_tensor(x, mesh, p);
+  bool threw = false;
+  try {
+    auto loss = net.forward(sx).pow(2).mean();
+    torch::autograd::grad({loss}, {net.fcs[0]->weight});
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("distribute_module") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  // The reducer is reset: an ordinary backward afterwards is correct.
+  torch::manual_seed(4);
+  Deep ref(2);
+  ref.forward(x).pow(2).mean().backward();
+  net.zero_grad();
+  net.forward(sx).pow(2).mean().backward();
+  for (const auto& prm : net.named_parameters()) {
+    if (!ref.named_parameters()[prm.key()].grad().defined()) continue;
+    EXPECT_TRUE(all_close(prm.value().grad(), ref.named_parameters()[prm.key()].grad()))
+        << prm.key();
+  }
+}
+
+TEST(GradientBuckets, ReplicatedOrPartlyShardedInputs) {
+  // Input replicated over every mesh dim (no sharded use at all: the
+  // gradients are full on every rank and must not be summed), or on a 2x2 mesh
+  // replicated over mesh dim 0 and sharded over mesh dim 1 (uses over a subset
+  // of the mesh dims: all-reduced by use_replicated over that subset only).
+  auto mesh = test_mesh();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto x = at::randn({4, 9, 6}, gen);
+  torch::manual_seed(1);
+  Deep ref(3);
+  ref.forward(x).pow(2).mean().backward();
+  std::vector<st::Placements> layouts = {st::Placements(mesh.ndim(), st::Replicate{})};
+  if (mesh.ndim() == 2) layouts.push_back({st::Replicate{}, st::Shard{1}});
+  for (const auto& p : layouts) {
+    torch::manual_seed(1);
+    Deep net(3);
+    st::distribute_module(net, mesh);
+    net.forward(st::distribute_tensor(x, mesh, p)).pow(2).mean().backward();
+    for (const auto& prm : net.named_parameters()) {
+      const auto& g = ref.named_parameters()[prm.key()].grad();
+      EXPECT_TRUE(all_ranks(prm.value().grad().defined() == g.defined())) << prm.key();
+      if (g.defined()) {
+        EXPECT_TRUE(all_close(prm.value().grad(), g)) << prm.key() << " " << st::to_string(p);
+      }
+    }
+  }
+}
