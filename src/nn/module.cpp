@@ -52,7 +52,8 @@
 //    mesh communicator, strictly in bucket order, so every rank starts the
 //    same reductions in the same order even if hooks fire in another order;
 //    later hooks MPI_Test the started ones to drive progress while the rest of
-//    backward computes.
+//    backward computes. (A parameter without a gradient therefore holds back
+//    its bucket and all later ones until the end: no overlap, still correct.)
 //  - Engine::get_default_engine().queue_callback(), called from the first
 //    hook or slot write of a backward, runs at the end of that backward (before
 //    backward() returns, on the calling thread). It starts the remaining
