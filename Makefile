@@ -3,6 +3,7 @@
 #   make demo   install missing Debian packages, build, run the demo on $(NP) MPI ranks
 #   make test   install missing Debian packages, build, run every test (ctest)
 #
+# Also: make demo-vit (examples/vit_train on 4 ranks).
 # Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean.
 # Overridable: DEMO, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
 # CMAKE_ARGS, MPIRUN_FLAGS, SKIP_DEPS=1 (do not touch the system's packages).
@@ -55,10 +56,11 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: help demo test deps configure build install format format-check clean
+.PHONY: help demo demo-vit test deps configure build install format format-check clean
 
 help:
 	@echo "make demo     build and run examples/$(DEMO) on $(NP) ranks"
+	@echo "make demo-vit build and run examples/vit_train (vision transformer, ring attention) on 4 ranks"
 	@echo "make test     build and run all tests (ctest)"
 	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
 
@@ -66,6 +68,11 @@ help:
 demo: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target $(DEMO)
 	$(MPIRUN) $(MPIRUN_FLAGS) -np $(NP) $(BUILD_ABS)/examples/$(DEMO)
+
+# The vision-transformer example (ring attention on a sharded 2-D field), always on 4 ranks.
+demo-vit: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target vit_train
+	$(MPIRUN) $(MPIRUN_FLAGS) -np 4 $(BUILD_ABS)/examples/vit_train
 
 test: build
 	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error \

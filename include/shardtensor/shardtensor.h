@@ -10,6 +10,7 @@
 #include <shardtensor/core/stats.h>
 #include <shardtensor/mesh/device_mesh.h>
 #include <shardtensor/nn/module.h>
+#include <shardtensor/ops/attention.h>
 #include <shardtensor/ops/halo.h>
 #include <shardtensor/spec/placement.h>
 #include <shardtensor/spec/shard_spec.h>

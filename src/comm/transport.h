@@ -147,6 +147,12 @@ class PendingExchange {
   void finish();
   /// Local. True between start_exchange() and finish().
   bool pending() const { return !requests_.empty(); }
+  /// Local, non-blocking (MPI_Testall). Lets MPI progress the transfers, so
+  /// that they advance while the caller computes (many MPI libraries move
+  /// large messages only inside MPI calls), and returns true once all have
+  /// completed. finish() must still be called; after a true test() it does
+  /// not wait. Throws c10::Error if MPI fails.
+  bool test();
 
  private:
   friend PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
@@ -157,6 +163,8 @@ class PendingExchange {
   std::vector<MPI_Request> requests_;    // receives first, then sends
   std::vector<int64_t> expected_bytes_;  // per receive
   std::vector<at::Tensor> buffers_;      // keep-alive
+  std::vector<MPI_Status> statuses_;     // kept by a test() that saw completion
+  bool completed_ = false;
 };
 
 /// Point-to-point over `comm`: posts MPI_Irecv for every entry of `recvs`, then

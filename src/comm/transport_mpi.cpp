@@ -359,8 +359,11 @@ void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm) {
 PendingExchange::PendingExchange(PendingExchange&& other) noexcept
     : requests_(std::move(other.requests_)),
       expected_bytes_(std::move(other.expected_bytes_)),
-      buffers_(std::move(other.buffers_)) {
+      buffers_(std::move(other.buffers_)),
+      statuses_(std::move(other.statuses_)),
+      completed_(other.completed_) {
   other.requests_.clear();
+  other.completed_ = false;
 }
 
 PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
@@ -369,7 +372,10 @@ PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
     requests_ = std::move(other.requests_);
     expected_bytes_ = std::move(other.expected_bytes_);
     buffers_ = std::move(other.buffers_);
+    statuses_ = std::move(other.statuses_);
+    completed_ = other.completed_;
     other.requests_.clear();
+    other.completed_ = false;
   }
   return *this;
 }
@@ -398,8 +404,16 @@ void PendingExchange::finish() {
   if (requests_.empty()) {
     return;
   }
-  std::vector<MPI_Status> statuses(requests_.size());
-  const int rc = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), statuses.data());
+  std::vector<MPI_Status> statuses;
+  int rc = MPI_SUCCESS;
+  if (completed_) {
+    statuses = std::move(statuses_);  // test() saw every request complete
+  } else {
+    statuses.resize(requests_.size());
+    rc = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), statuses.data());
+  }
+  completed_ = false;
+  statuses_.clear();
   std::vector<int64_t> expected = std::move(expected_bytes_);
   requests_.clear();
   expected_bytes_.clear();
@@ -417,6 +431,27 @@ void PendingExchange::finish() {
                 " bytes from rank ", statuses[i].MPI_SOURCE, " but expected ", expected[i],
                 " (ranks disagree on the exchange; SHARDTENSOR_DEBUG=1 checks arguments)");
   }
+}
+
+bool PendingExchange::test() {
+  if (requests_.empty() || completed_) {
+    return true;
+  }
+  std::vector<MPI_Status> statuses(requests_.size());
+  int flag = 0;
+  const int rc =
+      MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, statuses.data());
+  if (rc == MPI_ERR_IN_STATUS) {
+    for (const auto& st : statuses) {
+      SHARDTENSOR_MPI_CHECK(st.MPI_ERROR);
+    }
+  }
+  SHARDTENSOR_MPI_CHECK(rc);
+  if (flag) {
+    statuses_ = std::move(statuses);
+    completed_ = true;
+  }
+  return flag != 0;
 }
 
 PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,

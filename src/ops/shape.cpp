@@ -8,6 +8,7 @@
 // (in-place ops on them reach the source).
 #include <ATen/ATen.h>
 #include <ATen/InferSize.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/WrapDimUtils.h>
 
 #include <numeric>
@@ -355,8 +356,18 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
       // dim passes checks that longer pieces fail, so for a view that libtorch
       // would refuse, only some ranks may throw; programs that run in one
       // process are unaffected.
+      //
+      // A ShardTensor wrapper always reports contiguous strides, so
+      // `x.contiguous()` on it is a no-op that never reaches the piece (e.g.
+      // MultiheadAttention's `k.contiguous().view(..)` after a chunk). A piece
+      // whose strides refuse the view is therefore copied to contiguous memory
+      // first (a view where the strides allow it, as before), which is what
+      // x.contiguous().view() does in libtorch; only when even that fails is it
+      // an error.
       try {
-        local = local.view(shape);
+        const auto strides =
+            at::detail::computeStride(local.sizes(), local.strides(), c10::IntArrayRef(shape));
+        local = strides ? local.view(shape) : local.contiguous().view(shape);
       } catch (const c10::Error& e) {
         fail(op, args,
              std::string("the local piece's sizes and strides do not allow this view (") +

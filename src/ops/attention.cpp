@@ -1,0 +1,614 @@
+// Scaled dot-product attention; ring attention on sequence-sharded inputs
+// (include/shardtensor/ops/attention.h, docs/attention.md).
+//
+// Note [ring attention]: the sequence (dim 2) of q, k, v is split over one mesh
+// dim of P coordinates (the ring). Coordinate c holds queries and keys/values
+// of its own block. The forward pass runs P steps; at step t it computes its
+// queries against the K/V block of coordinate (c - t) mod P while the
+// non-blocking transfer of that block to (c + 1) and of the next block from
+// (c - 1) is in flight (comm::RingShift, split-phase). Blocks are merged with
+// an online softmax: a running row max m, a running sum l of exp(s - m) and an
+// accumulator acc of exp(s - m) v, rescaled by exp(m_old - m_new) whenever the
+// max grows; at the end out = acc / l and lse = m + log l is saved.
+//
+// The backward pass (RingAttentionFn::backward) recomputes each score block
+// from the saved q, k, v and lse (p = exp(s - lse)), with
+// delta = rowsum(dO * out): dv += pᵀ dO, ds = p (dO vᵀ - delta),
+// dq += scale ds k, dk += scale dsᵀ q. K/V circulate as in the forward pass; the
+// dK/dV accumulator of a block travels one step behind it: at step t a rank adds
+// its contribution for block (c - t) to the accumulator that arrived from
+// (c - 1) (started at step t - 1, so the transfer overlapped this step's
+// compute) and starts sending it to (c + 1). After P steps each accumulator is
+// back at the block's owner, complete.
+//
+// Note [causal balance]: with a contiguous split and a causal mask, coordinate
+// c sees only keys up to its own block, so it computes about c + 1/2 blocks
+// (fully-masked blocks and chunks are skipped), and the ring's wall time is the
+// last coordinate's P - 1/2 blocks. Zig-zag: cut the sequence into 2P chunks;
+// coordinate c takes chunks c and 2P-1-c (an early and a late one) for its
+// queries and its keys/values (comm::gather_range, twice), so every
+// coordinate computes the same ~P/2 + 1/2 visible blocks; the output goes back
+// to q's split with comm::repartition. Both moves are differentiable, so the
+// backward pass follows. Blocks then hold two runs of positions (struct Run)
+// and every (query run, key run) pair is skipped or masked on its own.
+//
+// Memory: scores exist only for one chunk of one block at a time: rows =
+// B·Hq·(Sq/P), key columns cut so that rows x columns <= chunk_elements
+// (at least 16 columns), never (Sq/P) x Sk.
+//
+// Grouped-query heads: q [B, Hq, n, D] is viewed as [B, Hkv, g·n, D] (g =
+// Hq/Hkv, query head h = kv head h/g), so one matmul against k [B, Hkv, m, D]
+// serves every query head of a group, and dK/dV sum over the group for free.
+#include <shardtensor/ops/attention.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <sstream>
+
+#include "comm/ring.h"
+#include "ops/common.h"
+
+namespace shardtensor {
+namespace {
+std::atomic<CausalBalance> g_causal_balance{CausalBalance::ZigZag};
+}
+CausalBalance set_causal_balance(CausalBalance balance) {
+  return g_causal_balance.exchange(balance);
+}
+CausalBalance causal_balance() { return g_causal_balance.load(); }
+
+namespace detail {
+namespace {
+std::atomic<int64_t> g_chunk_elements{int64_t(1) << 21};
+}
+namespace {
+std::atomic<int64_t> g_score_elements{0};
+}
+int64_t attention_score_elements(bool reset) {
+  return reset ? g_score_elements.exchange(0) : g_score_elements.load();
+}
+int64_t set_attention_chunk_elements(int64_t elements) {
+  TORCH_CHECK(elements > 0, "set_attention_chunk_elements: expected a positive count, got ",
+              elements);
+  return g_chunk_elements.exchange(elements);
+}
+}  // namespace detail
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using namespace ops;
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+std::string shape_str(c10::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::ostringstream os;
+  if (const ShardSpec* s = spec_of(t)) {
+    os << "ShardTensor(global=" << c10::IntArrayRef(s->global_shape())
+       << ", placements=" << to_string(s->placements()) << ")";
+  } else {
+    os << "Tensor" << t.sizes();
+  }
+  return os.str();
+}
+
+[[noreturn]] void fail_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& mask, const std::string& why) {
+  TORCH_CHECK(false, "shardtensor::scaled_dot_product_attention: ", why, " (q=", describe(q),
+              ", k=", describe(k), ", v=", describe(v), ", attn_mask=", describe(mask), ")");
+}
+
+// A run of rows of a block: rows [local, local + len) hold the global sequence
+// positions [global, global + len). A contiguous shard is one run; a zig-zag
+// shard two (Note [causal balance]).
+struct Run {
+  int64_t local = 0, global = 0, len = 0;
+};
+
+// Everything the local block computation needs (identical on every rank
+// except `me` and the local tensors).
+struct RingPlan : torch::CustomClassHolder {
+  DeviceMesh mesh;
+  int64_t ring_dim = -1;                  // mesh dim sharding the sequence; -1: none
+  int64_t P = 1, me = 0;                  // ring size, this coordinate
+  std::vector<int64_t> kv_sizes;          // key/value rows of each ring coordinate's block
+  std::vector<std::vector<Run>> kv_runs;  // their global positions
+  std::vector<Run> q_runs;                // global positions of this rank's queries
+  int64_t groups = 1;                     // Hq / Hkv
+  double scale = 1.0;
+  bool causal = false;
+  // Local mask viewed as [b, hkv|1, g|1, n|1, Sk|1] (bool or q's dtype); undefined if none.
+  at::Tensor mask5;
+  bool mask_full_keys = false;  // mask's key extent is Sk (sliced per chunk), else 1
+};
+
+// One chunk of scores, [B, Hkv, g*nq, cl], for the queries of run `qr` (q4 holds
+// only those rows) against keys at global positions [kstart, kstart + cl), with
+// the mask and the causal mask applied (-inf where hidden).
+at::Tensor chunk_scores(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kc,
+                        const Run& qr, int64_t kstart) {
+  const int64_t cl = kc.size(2), nq = qr.len;
+  at::Tensor s = at::matmul(q4, kc.transpose(-2, -1));
+  s.mul_(p.scale);
+  detail::g_score_elements += s.numel();
+  at::Tensor s5 = s.view({s.size(0), s.size(1), p.groups, nq, cl});
+  if (p.mask5.defined()) {
+    at::Tensor mc = p.mask_full_keys ? p.mask5.narrow(-1, kstart, cl) : p.mask5;
+    if (mc.size(3) != 1) mc = mc.narrow(3, qr.local, nq);
+    if (mc.scalar_type() == at::kBool) {
+      s5.masked_fill_(mc.logical_not(), kNegInf);
+    } else {
+      s5.add_(mc);
+    }
+  }
+  if (p.causal && kstart + cl - 1 > qr.global) {  // not fully visible
+    auto opts = at::TensorOptions().dtype(at::kLong);
+    at::Tensor qi = at::arange(qr.global, qr.global + nq, opts).unsqueeze(1);
+    at::Tensor kj = at::arange(kstart, kstart + cl, opts).unsqueeze(0);
+    s5.masked_fill_(kj > qi, kNegInf);
+  }
+  return s;
+}
+
+// Key chunk length for `rows` score rows.
+int64_t chunk_len(int64_t rows, int64_t len) {
+  const int64_t budget = detail::g_chunk_elements.load();
+  const int64_t c = std::max<int64_t>(16, budget / std::max<int64_t>(rows, 1));
+  return std::max<int64_t>(1, std::min(c, len));
+}
+
+// True when the key at global position `kstart` and every later one is hidden
+// from every query of run `qr`.
+bool fully_masked(const RingPlan& p, const Run& qr, int64_t kstart) {
+  return p.causal && kstart > qr.global + qr.len - 1;
+}
+
+// `progress` runs after every chunk: it lets MPI move the ring's messages while
+// this rank computes (Note [ring attention]).
+using Progress = std::function<void()>;
+
+// The rows of run `r` of a [B, Hkv, g*n, ...] tensor, as [B, Hkv, g, r.len, ...]
+// (a view) — or flattened back to [B, Hkv, g*r.len, ...] (a copy unless r spans n).
+at::Tensor rows5(const at::Tensor& t4, int64_t g, int64_t n, const Run& r) {
+  std::vector<int64_t> shape{t4.size(0), t4.size(1), g, n};
+  for (int64_t d = 3; d < t4.dim(); ++d) shape.push_back(t4.size(d));
+  return t4.view(shape).narrow(3, r.local, r.len);
+}
+at::Tensor rows4(const at::Tensor& t4, int64_t g, int64_t n, const Run& r) {
+  if (r.local == 0 && r.len == n) return t4;
+  at::Tensor t5 = rows5(t4, g, n, r);
+  std::vector<int64_t> shape{t4.size(0), t4.size(1), g * r.len};
+  for (int64_t d = 3; d < t4.dim(); ++d) shape.push_back(t4.size(d));
+  return t5.reshape(shape);
+}
+
+struct FwdState {
+  at::Tensor m, l, acc;  // [B, Hkv, g*n], [B, Hkv, g*n], [B, Hkv, g*n, D]
+};
+
+// Merges one K/V block (`src`'s rows) into the online softmax.
+void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb,
+                   const at::Tensor& vb, int64_t n, int64_t src, FwdState& st,
+                   const Progress& progress) {
+  const int64_t g = p.groups;
+  for (const Run& qr : p.q_runs) {
+    if (qr.len == 0) continue;
+    at::Tensor qq = rows4(q4, g, n, qr);
+    at::Tensor m = rows5(st.m, g, n, qr), l = rows5(st.l, g, n, qr);
+    at::Tensor acc = rows5(st.acc, g, n, qr);
+    const int64_t rows = qq.size(0) * qq.size(1) * qq.size(2);
+    for (const Run& kr : p.kv_runs[src]) {
+      if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
+      const int64_t step = chunk_len(rows, kr.len);
+      for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
+        const int64_t cl = std::min(step, kr.len - c0);
+        if (fully_masked(p, qr, kr.global + c0)) break;  // later keys are further ahead
+        at::Tensor s = chunk_scores(p, qq, kb.narrow(2, kr.local + c0, cl), qr, kr.global + c0);
+        at::Tensor s5 = s.view({s.size(0), s.size(1), g, qr.len, cl});
+        at::Tensor m_new = at::maximum(m, s5.amax(-1));
+        at::Tensor m_safe = m_new.masked_fill(m_new.isneginf(), 0.0);
+        s5.sub_(m_safe.unsqueeze(-1)).exp_();
+        at::Tensor alpha = (m - m_safe).exp_();
+        l.mul_(alpha).add_(s5.sum(-1));
+        at::Tensor pv = at::matmul(s, vb.narrow(2, kr.local + c0, cl));
+        acc.mul_(alpha.unsqueeze(-1)).add_(pv.view(acc.sizes()));
+        m.copy_(m_new);
+        progress();
+      }
+    }
+  }
+}
+
+// Adds one K/V block's (`src`'s) contribution to dq4 and to dkv ([2, B, Hkv, len, D]).
+void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4,
+                    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& kb,
+                    const at::Tensor& vb, int64_t n, int64_t src, at::Tensor& dq4, at::Tensor& dkv,
+                    const Progress& progress) {
+  const int64_t g = p.groups;
+  for (const Run& qr : p.q_runs) {
+    if (qr.len == 0) continue;
+    at::Tensor qq = rows4(q4, g, n, qr), dd = rows4(do4, g, n, qr);
+    at::Tensor ll = rows4(lse, g, n, qr), de = rows4(delta, g, n, qr);
+    at::Tensor dq = rows5(dq4, g, n, qr);
+    const int64_t rows = qq.size(0) * qq.size(1) * qq.size(2);
+    for (const Run& kr : p.kv_runs[src]) {
+      if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
+      const int64_t step = chunk_len(rows, kr.len);
+      for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
+        const int64_t cl = std::min(step, kr.len - c0);
+        if (fully_masked(p, qr, kr.global + c0)) break;
+        at::Tensor kc = kb.narrow(2, kr.local + c0, cl), vc = vb.narrow(2, kr.local + c0, cl);
+        at::Tensor pr = chunk_scores(p, qq, kc, qr, kr.global + c0);
+        pr.sub_(ll.unsqueeze(-1)).exp_();  // probabilities
+        dkv[1].narrow(2, kr.local + c0, cl).add_(at::matmul(pr.transpose(-2, -1), dd));
+        at::Tensor ds = at::matmul(dd, vc.transpose(-2, -1));
+        ds.sub_(de.unsqueeze(-1)).mul_(pr);
+        pr = at::Tensor();
+        dq.add_(at::matmul(ds, kc).view(dq.sizes()), p.scale);
+        dkv[0].narrow(2, kr.local + c0, cl).add_(at::matmul(ds.transpose(-2, -1), qq), p.scale);
+        progress();
+      }
+    }
+  }
+}
+
+std::vector<int64_t> kv_shape(const at::Tensor& k, int64_t len) {
+  return {2, k.size(0), k.size(1), len, k.size(3)};
+}
+
+// Note [ring attention]. Inputs are local tensors: q [B, Hq, n, D], k and v
+// [B, Hkv, m, D] (this rank's blocks); the result is this rank's output block.
+struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, c10::intrusive_ptr<RingPlan> plan) {
+    const RingPlan& p = *plan;
+    const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
+    const int64_t Hkv = k.size(1);
+    at::Tensor q4 = q.contiguous().view({B, Hkv, p.groups * n, D});
+    FwdState st;
+    st.m = at::full({B, Hkv, p.groups * n}, kNegInf, q.options());
+    st.l = at::zeros({B, Hkv, p.groups * n}, q.options());
+    st.acc = at::zeros({B, Hkv, p.groups * n, D}, q.options());
+
+    at::Tensor cur = at::stack({k, v}).contiguous();
+    for (int64_t t = 0; t < p.P; ++t) {
+      const int64_t src = (p.me - t + p.P) % p.P;
+      comm::RingShift next;
+      if (t + 1 < p.P) {
+        const int64_t nsrc = (p.me - t - 1 + 2 * p.P) % p.P;
+        next = comm::RingShift::start(cur, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
+                                      comm::kRingTagBlocks);
+      }
+      forward_block(p, q4, cur[0], cur[1], n, src, st, [&] { next.progress(); });
+      if (t + 1 < p.P) cur = next.finish();
+    }
+    at::Tensor out4 = st.acc.div_(st.l.unsqueeze(-1));
+    at::Tensor lse = st.m.masked_fill(st.m.isneginf(), 0.0).add_(st.l.log());
+    at::Tensor out = out4.view({B, Hq, n, D});
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    auto holder = ctx->saved_data.at("plan").toCapsule();
+    const RingPlan& p = *static_cast<RingPlan*>(holder.get());
+    const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
+    const int64_t Hkv = k.size(1), G = p.groups * n;
+    at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    at::NoGradGuard no_grad;
+    at::Tensor q4 = q.contiguous().view({B, Hkv, G, D});
+    at::Tensor do4 = dout.contiguous().view({B, Hkv, G, D});
+    at::Tensor delta = (dout * out).sum(-1).view({B, Hkv, G});
+    at::Tensor dq4 = at::zeros({B, Hkv, G, D}, q.options());
+
+    at::Tensor cur = at::stack({k, v}).contiguous();
+    comm::RingShift acc_in;
+    for (int64_t t = 0; t < p.P; ++t) {
+      const int64_t src = (p.me - t + p.P) % p.P;
+      const int64_t nsrc = (p.me - t - 1 + 2 * p.P) % p.P;
+      comm::RingShift next;
+      if (t + 1 < p.P) {
+        next = comm::RingShift::start(cur, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
+                                      comm::kRingTagBlocks);
+      }
+      at::Tensor dkv = at::zeros(kv_shape(k, p.kv_sizes[src]), q.options());
+      backward_block(p, q4, do4, lse, delta, cur[0], cur[1], n, src, dq4, dkv, [&] {
+        next.progress();
+        if (t > 0) acc_in.progress();
+      });
+      if (t > 0) dkv.add_(acc_in.finish());  // the accumulator of block src, from (c - 1)
+      acc_in = comm::RingShift::start(dkv, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
+                                      comm::kRingTagAccumulators);
+      if (t + 1 < p.P) cur = next.finish();
+    }
+    at::Tensor dkv = acc_in.finish();  // this rank's block, complete
+    return {dq4.view({B, Hq, n, D}), dkv[0], dkv[1], at::Tensor()};
+  }
+};
+
+// ---- validation --------------------------------------------------------------------------
+
+struct Shapes {
+  int64_t B, Hq, Hkv, Sq, Sk, D;
+};
+
+Shapes check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& mask, std::optional<double> scale) {
+  if (!q.defined() || !k.defined() || !v.defined())
+    fail_call(q, k, v, mask, "q, k, v must be defined");
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) {
+    fail_call(q, k, v, mask, "q, k and v must be 4-D ([B, H, S, D])");
+  }
+  if (k.sizes() != v.sizes()) {
+    fail_call(q, k, v, mask,
+              "k and v must have the same shape (" + shape_str(k.sizes()) + " vs " +
+                  shape_str(v.sizes()) + ")");
+  }
+  if (q.size(0) != k.size(0) || q.size(3) != k.size(3)) {
+    fail_call(q, k, v, mask, "q and k/v differ in batch size or head dim");
+  }
+  if (k.size(1) == 0 || q.size(1) % k.size(1) != 0) {
+    fail_call(q, k, v, mask,
+              "the number of query heads (" + std::to_string(q.size(1)) +
+                  ") must be a multiple of the number of key/value heads (" +
+                  std::to_string(k.size(1)) + ")");
+  }
+  if (!at::isFloatingType(q.scalar_type()) || q.scalar_type() != k.scalar_type() ||
+      q.scalar_type() != v.scalar_type()) {
+    fail_call(q, k, v, mask, "q, k and v must share one floating dtype");
+  }
+  if (scale && !std::isfinite(*scale)) {
+    fail_call(q, k, v, mask, "the scale must be finite");
+  }
+  Shapes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  if (mask.defined()) {
+    if (mask.scalar_type() != at::kBool && !at::isFloatingType(mask.scalar_type())) {
+      fail_call(q, k, v, mask, "the mask must be bool or floating");
+    }
+    if (mask.requires_grad()) {
+      fail_call(q, k, v, mask, "the mask is not differentiated; pass it detached");
+    }
+    const std::vector<int64_t> full{s.B, s.Hq, s.Sq, s.Sk};
+    bool ok = mask.dim() <= 4;
+    for (int64_t i = 0; ok && i < mask.dim(); ++i) {
+      const int64_t e = mask.size(mask.dim() - 1 - i), f = full[3 - i];
+      ok = e == 1 || e == f;
+    }
+    if (!ok) {
+      fail_call(q, k, v, mask,
+                "the mask of shape " + shape_str(mask.sizes()) +
+                    " does not broadcast to the scores [B, Hq, Sq, Sk] = " + shape_str(full) +
+                    " (at most 4 dims, each the full extent or 1)");
+    }
+  }
+  return s;
+}
+
+// The mask's local piece as [b, hkv|1, g|1, n|1, Sk|1].
+at::Tensor mask5_of(at::Tensor m, const Shapes& s, c10::ScalarType dtype) {
+  while (m.dim() < 4) m = m.unsqueeze(0);
+  if (m.scalar_type() != at::kBool && m.scalar_type() != dtype) m = m.to(dtype);
+  const int64_t g = s.Hq / s.Hkv;
+  if (m.size(1) == s.Hq && s.Hq > 1) {
+    return m.reshape({m.size(0), s.Hkv, g, m.size(2), m.size(3)});
+  }
+  return m.unsqueeze(1);
+}
+
+// ---- the plain path -------------------------------------------------------------------------
+
+at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& mask, bool causal, double scale) {
+  const int64_t g = q.size(1) / k.size(1);
+  at::Tensor kk = g > 1 ? k.repeat_interleave(g, 1) : k;
+  at::Tensor vv = g > 1 ? v.repeat_interleave(g, 1) : v;
+  at::Tensor s = at::matmul(q, kk.transpose(-2, -1)) * scale;
+  if (mask.defined()) {
+    s = mask.scalar_type() == at::kBool ? s.masked_fill(mask.logical_not(), kNegInf)
+                                        : s + mask.to(s.scalar_type());
+  }
+  if (causal) {
+    at::Tensor hidden = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).triu(1);
+    s = s.masked_fill(hidden, kNegInf);
+  }
+  return at::matmul(at::softmax(s, -1), vv);
+}
+
+// ---- the sharded path -----------------------------------------------------------------------
+
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& mask, bool causal, double scale, const Shapes& s) {
+  const ShardSpec& sq = *spec_of(q);
+  const ShardSpec& sk = *spec_of(k);
+  const ShardSpec& sv = *spec_of(v);
+  const DeviceMesh& mesh = sq.mesh();
+  if (sk.mesh() != mesh || sv.mesh() != mesh) {
+    fail_call(q, k, v, mask, "q, k and v live on different meshes");
+  }
+  if (sk != sv) {
+    fail_call(
+        q, k, v, mask,
+        "k and v must have the same layout (" + sk.to_string() + " vs " + sv.to_string() + ")");
+  }
+  if (sq.placements() != sk.placements()) {
+    fail_call(q, k, v, mask,
+              "q and k/v must have the same placements (" + to_string(sq.placements()) + " vs " +
+                  to_string(sk.placements()) +
+                  "): shard the sequence (dim 2) of all three on "
+                  "the same mesh dim");
+  }
+  auto plan = c10::make_intrusive<RingPlan>();
+  plan->mesh = mesh;
+  int64_t batch_dim = -1;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const Placement& pl = sq.placements()[m];
+    if (is_partial(pl)) {
+      fail_call(q, k, v, mask, "Partial inputs are not accepted; redistribute them first");
+    }
+    if (!is_shard(pl)) continue;
+    const int64_t d = shard_dim(pl) < 0 ? shard_dim(pl) + 4 : shard_dim(pl);
+    if (d == 2) {
+      plan->ring_dim = m;
+    } else if (d == 0) {
+      batch_dim = m;
+      if (sq.shard_sizes(m) != sk.shard_sizes(m)) {
+        fail_call(q, k, v, mask, "q and k/v must have the same batch split");
+      }
+    } else {
+      fail_call(
+          q, k, v, mask,
+          "only the batch (0) and sequence (2) dims may be sharded, not dim " + std::to_string(d));
+    }
+  }
+  // The scores' layout [B, Hq, Sq, Sk]: the mask must be laid out as its operand.
+  Placements score_pl(mesh.ndim(), Replicate{});
+  ShardSizes score_sizes(mesh.ndim());
+  if (batch_dim >= 0) {
+    score_pl[batch_dim] = Shard{0};
+    score_sizes[batch_dim] = sq.shard_sizes(batch_dim);
+  }
+  if (plan->ring_dim >= 0) {
+    score_pl[plan->ring_dim] = Shard{2};
+    score_sizes[plan->ring_dim] = sq.shard_sizes(plan->ring_dim);
+  }
+  const ShardSpec score_spec(mesh, score_pl, {s.B, s.Hq, s.Sq, s.Sk}, score_sizes);
+  at::Tensor mask_local;
+  if (mask.defined()) {
+    const ShardSpec target = operand_spec(score_spec, mask.sizes());
+    if (const ShardSpec* ms = spec_of(mask)) {
+      if (ms->mesh() != mesh) fail_call(q, k, v, mask, "the mask lives on another mesh");
+      if (*ms != target) {
+        fail_call(q, k, v, mask,
+                  "the mask must be a plain tensor or sharded with the queries: expected "
+                  "the layout " +
+                      target.to_string() + ", got " + ms->to_string());
+      }
+      mask_local = local_of(mask);
+    } else {
+      mask_local = detail::local_slice(mask, target);
+    }
+  }
+
+  // ---- no communication above this line; every check ran on every rank alike ----
+  plan->groups = s.Hq / s.Hkv;
+  plan->scale = scale;
+  plan->causal = causal;
+  at::Tensor ql = local_of(q), kl = local_of(k), vl = local_of(v);
+  std::vector<std::vector<comm::Segment>> zz_segments;  // zig-zag rows per coordinate
+  if (plan->ring_dim >= 0) {
+    const int64_t P = mesh.size(plan->ring_dim), me = mesh.coordinate()[plan->ring_dim];
+    plan->P = P;
+    plan->me = me;
+    const auto& q_sizes = sq.shard_sizes(plan->ring_dim);
+    const auto& kv_sizes = sk.shard_sizes(plan->ring_dim);
+    if (causal && P > 1 && s.Sq == s.Sk && causal_balance() == CausalBalance::ZigZag) {
+      // Note [causal balance]: 2P chunks; coordinate c computes on chunks c and 2P-1-c.
+      const auto chunks = balanced_sizes(s.Sq, 2 * P);
+      const auto off = offsets_of(chunks);
+      std::vector<std::pair<int64_t, int64_t>> first(P), second(P);
+      for (int64_t c = 0; c < P; ++c) {
+        const int64_t c2 = 2 * P - 1 - c;
+        first[c] = {off[c], off[c] + chunks[c]};
+        second[c] = {off[c2], off[c2] + chunks[c2]};
+        zz_segments.push_back({{off[c], chunks[c]}, {off[c2], chunks[c2]}});
+        plan->kv_sizes.push_back(chunks[c] + chunks[c2]);
+        plan->kv_runs.push_back({{0, off[c], chunks[c]}, {chunks[c], off[c2], chunks[c2]}});
+      }
+      plan->q_runs = plan->kv_runs[me];
+      auto to_zigzag = [&](const at::Tensor& t, int64_t dim, const std::vector<int64_t>& sizes) {
+        return at::cat({comm::gather_range(t, mesh, plan->ring_dim, dim, sizes, first),
+                        comm::gather_range(t, mesh, plan->ring_dim, dim, sizes, second)},
+                       dim);
+      };
+      ql = to_zigzag(ql, 2, q_sizes);
+      kl = to_zigzag(kl, 2, kv_sizes);
+      vl = to_zigzag(vl, 2, kv_sizes);
+      if (mask_local.defined() && mask_local.dim() >= 2 && mask_local.size(-2) != 1 && s.Sq != 1) {
+        at::NoGradGuard no_grad;
+        mask_local = to_zigzag(mask_local, mask_local.dim() - 2, q_sizes);
+      }
+    } else {
+      plan->kv_sizes = kv_sizes;
+      const auto kv_off = offsets_of(kv_sizes);
+      for (int64_t c = 0; c < P; ++c) plan->kv_runs.push_back({{0, kv_off[c], kv_sizes[c]}});
+      plan->q_runs = {{0, offsets_of(q_sizes)[me], q_sizes[me]}};
+    }
+  } else {
+    plan->kv_sizes = {s.Sk};
+    plan->kv_runs = {{{0, 0, s.Sk}}};
+    plan->q_runs = {{0, 0, ql.size(2)}};
+  }
+  if (mask_local.defined()) {
+    plan->mask5 = mask5_of(mask_local, s, q.scalar_type());
+    plan->mask_full_keys = mask_local.size(-1) == s.Sk;
+  }
+  at::Tensor out = RingAttentionFn::apply(ql, kl, vl, plan);
+  if (!zz_segments.empty()) {
+    // Back to q's own split.
+    out = comm::repartition(out, mesh, plan->ring_dim, 2, zz_segments,
+                            sq.shard_sizes(plan->ring_dim));
+  }
+  return wrap(out, spec_ptr_of(q));
+}
+
+}  // namespace
+
+at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& attn_mask,
+                                        bool is_causal, std::optional<double> scale) {
+  const Shapes s = check_shapes(q, k, v, attn_mask, scale);
+  const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+  const int n_sharded = (spec_of(q) != nullptr) + (spec_of(k) != nullptr) + (spec_of(v) != nullptr);
+  if (n_sharded == 0) {
+    if (spec_of(attn_mask)) {
+      fail_call(q, k, v, attn_mask, "a ShardTensor mask needs ShardTensor q, k, v");
+    }
+    return plain_attention(q, k, v, attn_mask, is_causal, sc);
+  }
+  if (n_sharded != 3) {
+    fail_call(q, k, v, attn_mask, "q, k and v must be all ShardTensors or all plain tensors");
+  }
+  return ring_attention(q, k, v, attn_mask, is_causal, sc, s);
+}
+
+namespace {
+
+// aten::_scaled_dot_product_attention(query, key, value, attn_mask?, dropout_p,
+// need_attn_weights, is_causal) -> (Tensor, Tensor) on ShardTensors: ring attention.
+void sdpa_rule(const c10::OperatorHandle& op, ops::Stack* stack) {
+  auto args = pop_args(op, stack);
+  const double dropout_p = args[4].toDouble();
+  const bool need_weights = args[5].toBool();
+  if (dropout_p != 0.0) {
+    fail(op, args, "dropout inside sharded attention is not supported (dropout_p must be 0)");
+  }
+  if (need_weights) {
+    fail(op, args,
+         "need_attn_weights=true would materialize the Sq x Sk attention weights; sharded "
+         "attention never does");
+  }
+  at::Tensor mask = args[3].isTensor() ? args[3].toTensor() : at::Tensor();
+  at::Tensor out = scaled_dot_product_attention(args[0].toTensor(), args[1].toTensor(),
+                                                args[2].toTensor(), mask, args[6].toBool());
+  stack->push_back(out);
+  stack->push_back(at::Tensor());
+}
+
+const RuleRegistrar sdpa_ops({"_scaled_dot_product_attention"}, sdpa_rule);
+
+}  // namespace
+}  // namespace shardtensor

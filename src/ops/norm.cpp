@@ -1,0 +1,487 @@
+// Normalizations: batch_norm, instance_norm, group_norm, layer_norm.
+//
+// In libtorch 1.13 torch::nn::BatchNorm{1,2,3}d, F::batch_norm and
+// torch::batch_norm all reach the dispatcher as aten::batch_norm (the module
+// and the functional both call torch::batch_norm); InstanceNorm*d and
+// F::instance_norm as aten::instance_norm; GroupNorm as aten::group_norm;
+// LayerNorm as aten::layer_norm. These four are CompositeImplicitAutograd, so
+// they reach our AutogradPrivateUse1 kernel whole (Note [dispatch]) and are
+// handled here before they would decompose into _batch_norm_impl_index /
+// native_batch_norm / native_group_norm / native_layer_norm (which have no
+// rule and so fail naming the op, should user code call them directly).
+//
+// Each rule picks one of two paths from the input's spec alone:
+//  - local: no mesh dim shards a dim the statistics reduce over. The op runs
+//    unchanged on the local piece (exactly libtorch's numerics, including the
+//    running-stat update of batch_norm and eval mode), with replicated
+//    weight/bias marked by to_layout() so their gradients are summed.
+//  - sharded: the statistics are merged over the mesh dims that shard a
+//    reduced dim (Note [sharded moments]) and the normalization runs in
+//    NormFn (Note [norm backward]).
+// The channel dim (dim 1) of batch/instance/group norm must not be sharded.
+//
+// Note [sharded moments]: the per-statistic moments are computed in two
+// passes, the corrected two-pass algorithm:
+//   (1) shift = all_reduce(sum x) / N;
+//   (2) d = x - shift;  (s2, s1) = all_reduce(sum d^2, sum d);
+//       delta = s1 / N;  M2 = s2 - s1^2 / N;  mean = shift + delta.
+// Pass (2) sums deviations from a value already close to the mean, so
+// nothing cancels catastrophically (never E[x^2] - E[x]^2): a field with mean
+// 1e4 and a standard deviation of 1 keeps its variance to float precision.
+// The correction delta absorbs the rounding of the float32 shift, and the
+// output is formed as ((x - shift) - delta) * rstd, where x - shift is exact
+// for x near shift (Sterbenz), so the normalized values are accurate to a few
+// ulps of the standard deviation rather than of the mean. N is the global
+// count (from global shapes), so empty pieces simply contribute zero sums;
+// one all-reduce per pass, each over the statistic's size only.
+//
+// Note [norm backward]: with xhat = (x - mean) * rstd and g = dy * w,
+//   dx = rstd * (g - mean_R(g) - xhat * mean_R(g * xhat)),
+//   dw = sum(dy * xhat), db = sum(dy) over the dims where w broadcasts,
+// where mean_R is the GLOBAL mean over the reduced dims: the two sums are
+// all-reduced together (one all-reduce of twice the statistic's size). dw and
+// db are this rank's partial sums; the weight went through to_layout(), whose
+// use_replicated sums them over the sharded mesh dims (Note [replicated
+// gradients]). NormFn saves the input, the weight and the per-statistic
+// (shift, delta, rstd), as libtorch's own kernels save the input, weight and
+// (mean, rstd): xhat is recomputed in backward, no full-size copy is kept.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <string>
+
+#include "ops/common.h"
+
+namespace shardtensor::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct NormPlan {
+  std::vector<int64_t> dims;       // reduced dims of the (viewed) local input
+  DeviceMesh mesh;                 // mesh of the input
+  std::vector<int64_t> mesh_dims;  // mesh dims that shard a reduced dim
+  double count = 1;                // global elements per statistic
+  bool has_w = false, has_b = false;
+};
+
+struct PlanHolder : torch::CustomClassHolder {
+  explicit PlanHolder(std::shared_ptr<const NormPlan> p) : plan(std::move(p)) {}
+  std::shared_ptr<const NormPlan> plan;
+};
+
+at::Tensor sum_mesh(const at::Tensor& t, const NormPlan& p) {
+  if (p.mesh_dims.empty()) return t;
+  return comm::all_reduce_nograd(t.contiguous(), p.mesh, p.mesh_dims, ReduceOp::Sum);
+}
+
+// Note [sharded moments]. Collective over p.mesh_dims (two all-reduces). Not differentiable.
+struct Moments {
+  at::Tensor shift, delta, m2;  // keepdim shapes
+  at::Tensor mean() const { return shift + delta; }
+};
+
+Moments moments(const at::Tensor& x, const NormPlan& p) {
+  at::NoGradGuard no_grad;
+  const at::Tensor xd = x.detach();
+  Moments m;
+  m.shift = sum_mesh(xd.sum(p.dims, true), p) / p.count;
+  at::Tensor d = xd - m.shift;
+  at::Tensor s = sum_mesh(at::stack({(d * d).sum(p.dims, true), d.sum(p.dims, true)}), p);
+  m.delta = s[1] / p.count;
+  m.m2 = (s[0] - s[1] * m.delta).clamp_min(0);
+  return m;
+}
+
+// y = ((x - shift) - delta) * rstd * w + b on local tensors; w and b
+// broadcast against x. libtorch 1.13 custom Functions cannot take undefined
+// tensors: an absent w or b is passed as an empty placeholder and flagged in the plan.
+// Note [norm backward].
+struct NormFn : torch::autograd::Function<NormFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& b, const at::Tensor& shift, const at::Tensor& delta,
+                            const at::Tensor& rstd, std::shared_ptr<const NormPlan> plan) {
+    at::Tensor y = x - shift;
+    y.sub_(delta).mul_(rstd);
+    if (plan->has_w) y.mul_(w);
+    if (plan->has_b) y.add_(b);
+    ctx->save_for_backward({x, plan->has_w ? w : at::Tensor(), shift, delta, rstd});
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
+    ctx->saved_data["b_shape"] = b.sizes().vec();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &shift = saved[2], &delta = saved[3],
+                     &rstd = saved[4];
+    const auto& p = *static_cast<PlanHolder*>(ctx->saved_data.at("plan").toCapsule().get())->plan;
+    const bool need_x = ctx->needs_input_grad(0);
+    const bool need_w = w.defined() && ctx->needs_input_grad(1);
+    const bool need_b = p.has_b && ctx->needs_input_grad(2);
+    at::Tensor dy = grads[0];
+    if (!dy.defined()) dy = at::zeros_like(x);
+    at::Tensor xhat = (x - shift).sub_(delta).mul_(rstd);
+    at::Tensor dx, dw, db;
+    if (need_w) dw = (dy * xhat).sum_to_size(w.sizes());
+    if (need_b) db = dy.sum_to_size(ctx->saved_data.at("b_shape").toIntVector());
+    if (need_x) {
+      at::Tensor g = w.defined() ? dy * w : dy;
+      at::Tensor s = sum_mesh(at::stack({g.sum(p.dims, true), (g * xhat).sum(p.dims, true)}), p);
+      xhat.mul_(s[1] / p.count);
+      dx = (g - s[0] / p.count).sub_(xhat).mul_(rstd);
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Collective over plan.mesh_dims. Normalizes the local `x` over plan.dims with
+// merged moments; returns (y, moments).
+std::pair<at::Tensor, Moments> sharded_norm(const at::Tensor& x, const at::Tensor& w,
+                                            const at::Tensor& b, double eps, NormPlan plan) {
+  plan.has_w = w.defined();
+  plan.has_b = b.defined();
+  auto p = std::make_shared<const NormPlan>(std::move(plan));
+  Moments m = moments(x, *p);
+  at::Tensor rstd = (m.m2 / p->count + eps).rsqrt();
+  const at::Tensor none = at::empty({0}, x.options().requires_grad(false));
+  at::Tensor y =
+      NormFn::apply(x, p->has_w ? w : none, p->has_b ? b : none, m.shift, m.delta, rstd, p);
+  return {y, m};
+}
+
+// ---------------------------------------------------------------- helpers
+
+at::Tensor opt_tensor(const c10::IValue& v) { return v.isNone() ? at::Tensor() : v.toTensor(); }
+
+ShardSpec replicated_spec(const DeviceMesh& mesh, c10::IntArrayRef shape) {
+  return ShardSpec(mesh, Placements(mesh.ndim(), Replicate{}), shape.vec());
+}
+
+// A per-channel parameter (weight, bias, running stat) of `op`, replicated and
+// marked for use in `compute` (Note [replicated gradients]); undefined stays undefined.
+at::Tensor channel_param(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                         const at::Tensor& t, int64_t channels, const ShardSpec& compute,
+                         const char* what) {
+  if (!t.defined()) return t;
+  if (t.dim() != 1 || t.size(0) != channels) {
+    std::ostringstream os;
+    os << what << " should have shape [" << channels << "] (one entry per channel), got "
+       << t.sizes();
+    fail(op, args, os.str());
+  }
+  const ShardSpec* s = spec_of(t);
+  if (s && !s->is_replicated()) {
+    fail(op, args,
+         std::string(what) + " must be a plain (replicated) tensor, got " +
+             to_string(s->placements()));
+  }
+  return to_layout(t, replicated_spec(compute.mesh(), t.sizes()), compute);
+}
+
+// Running statistics are updated in place on every rank: they must be plain tensors.
+void check_running(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                   const at::Tensor& t, int64_t channels, const char* what) {
+  if (!t.defined()) return;
+  if (spec_of(t)) fail(op, args, std::string(what) + " must be a plain (replicated) tensor");
+  if (t.dim() != 1 || t.size(0) != channels) {
+    std::ostringstream os;
+    os << what << " should have shape [" << channels << "], got " << t.sizes();
+    fail(op, args, os.str());
+  }
+}
+
+// Shape (1, C, 1, ..., 1) of rank `nd`, for per-channel broadcasting.
+at::Tensor per_channel(const at::Tensor& t, int64_t nd) {
+  if (!t.defined()) return t;
+  std::vector<int64_t> shape(nd, 1);
+  shape[1] = t.size(0);
+  return t.view(shape);
+}
+
+// The input's layout (Partial summed) and its local piece in that layout.
+std::pair<SpecPtr, at::Tensor> input_of(const at::Tensor& x) {
+  auto spec = std::make_shared<const ShardSpec>(without_partial(*spec_of(x)));
+  return {spec, to_layout(x, *spec, *spec)};
+}
+
+// Validates a (N, C, *) input whose channel dim must not be sharded.
+void check_channels(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                    const ShardSpec& in, const char* name) {
+  if (in.ndim() < 2) {
+    fail(op, args,
+         std::string(name) + " expects an input of at least 2 dims (N, C, ...), got " +
+             std::to_string(in.ndim()) + " dims");
+  }
+  if (in.mesh_dim_of(1) >= 0) {
+    fail(op, args,
+         std::string(name) +
+             ": the channel dim (dim 1) is sharded; shard the batch or spatial dims instead "
+             "(statistics are per channel and the channel dim must be whole on every rank)");
+  }
+}
+
+// Mesh dims that shard one of the tensor dims for which `pred(d)` holds.
+template <class Pred>
+std::vector<int64_t> mesh_dims_where(const ShardSpec& in, Pred pred) {
+  std::vector<int64_t> out;
+  for (int64_t m = 0; m < in.mesh().ndim(); ++m) {
+    const auto& pl = in.placements()[m];
+    if (is_shard(pl) && pred(shard_dim(pl))) out.push_back(m);
+  }
+  return out;
+}
+
+NormPlan make_plan(std::vector<int64_t> dims, const ShardSpec& in, std::vector<int64_t> mesh_dims,
+                   double count) {
+  return NormPlan{std::move(dims), in.mesh(), std::move(mesh_dims), count};
+}
+
+// running = (1 - momentum) * running + momentum * value, in place, on every rank.
+void update_running(const at::Tensor& running, const at::Tensor& value, double momentum) {
+  if (!running.defined()) return;
+  at::NoGradGuard no_grad;
+  running.mul_(1.0 - momentum)
+      .add_(value.reshape(running.sizes()).to(running.scalar_type()), momentum);
+}
+
+// The local path on an empty piece: libtorch's kernels are not all defined
+// for zero-size inputs (instance_norm reshapes through a zero-channel batch
+// norm), so an empty piece gets an empty result directly. The parameters stay
+// connected (with zero gradient), so that this rank still takes part in the
+// all-reduce of their gradients in backward (Note [collective discipline]).
+at::Tensor empty_result(const at::Tensor& local, const at::Tensor& w, const at::Tensor& b) {
+  at::Tensor y = local * 1;
+  for (const at::Tensor& p : {w, b}) {
+    if (p.defined() && p.requires_grad()) y = y + p.sum() * 0;
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------- batch_norm
+
+// batch_norm(input, weight?, bias?, running_mean?, running_var?, training,
+// momentum, eps, cudnn_enabled). Statistics per channel over N and every
+// spatial dim, merged over every mesh dim that shards one of them.
+void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& x = args[0].toTensor();
+  const bool training = args[5].toBool();
+  const double momentum = args[6].toDouble();
+  const double eps = args[7].toDouble();
+  if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  auto [spec, local] = input_of(x);
+  const ShardSpec& in = *spec;
+  check_channels(op, args, in, "batch_norm");
+  const int64_t nd = in.ndim();
+  const int64_t channels = in.global_shape()[1];
+  const at::Tensor rm = opt_tensor(args[3]), rv = opt_tensor(args[4]);
+  check_running(op, args, rm, channels, "running_mean");
+  check_running(op, args, rv, channels, "running_var");
+  if (!training && (!rm.defined() || !rv.defined())) {
+    fail(op, args, "running_mean and running_var must be defined in evaluation mode");
+  }
+  at::Tensor w = channel_param(op, args, opt_tensor(args[1]), channels, in, "weight");
+  at::Tensor b = channel_param(op, args, opt_tensor(args[2]), channels, in, "bias");
+  auto mdims = mesh_dims_where(in, [](int64_t d) { return d != 1; });
+  if (!training || mdims.empty()) {
+    // Eval mode (running statistics, elementwise) or nothing reduced is sharded: local.
+    at::Tensor y = local.numel() == 0 ? empty_result(local, w, b)
+                                      : at::batch_norm(local, w, b, rm, rv, training, momentum, eps,
+                                                       args[8].toBool());
+    stack->push_back(wrap(y, spec));
+    return;
+  }
+  std::vector<int64_t> dims{0};
+  double count = static_cast<double>(in.global_shape()[0]);
+  for (int64_t d = 2; d < nd; ++d) {
+    dims.push_back(d);
+    count *= static_cast<double>(in.global_shape()[d]);
+  }
+  auto [y, m] = sharded_norm(local, per_channel(w, nd), per_channel(b, nd), eps,
+                             make_plan(dims, in, mdims, count));
+  // libtorch: running_var uses the unbiased variance M2 / (N - 1).
+  update_running(rm, m.mean(), momentum);
+  update_running(rv, m.m2 / std::max(count - 1.0, 0.0), momentum);
+  stack->push_back(wrap(y, spec));
+}
+
+// ---------------------------------------------------------------- instance_norm
+
+// instance_norm(input, weight?, bias?, running_mean?, running_var?,
+// use_input_stats, momentum, eps, cudnn_enabled). Statistics per (n, c) over
+// the spatial dims; the running statistics (when given and use_input_stats)
+// move towards the mean over the batch of the per-instance statistics, as in
+// libtorch, with that mean taken over the global batch.
+void instance_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& x = args[0].toTensor();
+  const bool use_input_stats = args[5].toBool();
+  const double momentum = args[6].toDouble();
+  const double eps = args[7].toDouble();
+  if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  auto [spec, local] = input_of(x);
+  const ShardSpec& in = *spec;
+  check_channels(op, args, in, "instance_norm");
+  const int64_t nd = in.ndim();
+  const int64_t channels = in.global_shape()[1];
+  const at::Tensor rm = opt_tensor(args[3]), rv = opt_tensor(args[4]);
+  check_running(op, args, rm, channels, "running_mean");
+  check_running(op, args, rv, channels, "running_var");
+  if (!use_input_stats && (!rm.defined() || !rv.defined())) {
+    fail(op, args,
+         "Expected running_mean and running_var to be defined when use_input_stats "
+         "is false");
+  }
+  at::Tensor w = channel_param(op, args, opt_tensor(args[1]), channels, in, "weight");
+  at::Tensor b = channel_param(op, args, opt_tensor(args[2]), channels, in, "bias");
+  auto spatial = mesh_dims_where(in, [](int64_t d) { return d >= 2; });
+  auto batch = mesh_dims_where(in, [](int64_t d) { return d == 0; });
+  const bool update = use_input_stats && rm.defined();
+  if (!use_input_stats || (spatial.empty() && (!update || batch.empty()))) {
+    at::Tensor y = local.numel() == 0 ? empty_result(local, w, b)
+                                      : at::instance_norm(local, w, b, rm, rv, use_input_stats,
+                                                          momentum, eps, args[8].toBool());
+    stack->push_back(wrap(y, spec));
+    return;
+  }
+  std::vector<int64_t> dims;
+  double count = 1;
+  for (int64_t d = 2; d < nd; ++d) {
+    dims.push_back(d);
+    count *= static_cast<double>(in.global_shape()[d]);
+  }
+  if (dims.empty()) {
+    fail(op, args, "instance_norm expects spatial dims (an input of at least 3 dims)");
+  }
+  auto [y, m] = sharded_norm(local, per_channel(w, nd), per_channel(b, nd), eps,
+                             make_plan(dims, in, spatial, count));
+  if (update) {
+    // Mean over the global batch of the per-instance mean and unbiased variance.
+    at::NoGradGuard no_grad;
+    const double n = static_cast<double>(in.global_shape()[0]);
+    at::Tensor stats = at::stack(
+        {m.mean().sum(0).flatten(), (m.m2 / std::max(count - 1.0, 0.0)).sum(0).flatten()});
+    if (!batch.empty()) {
+      stats = comm::all_reduce_nograd(stats.contiguous(), in.mesh(), batch, ReduceOp::Sum);
+    }
+    update_running(rm, stats[0] / n, momentum);
+    update_running(rv, stats[1] / n, momentum);
+  }
+  stack->push_back(wrap(y, spec));
+}
+
+// ---------------------------------------------------------------- group_norm
+
+// group_norm(input, num_groups, weight?, bias?, eps, cudnn_enabled).
+// Statistics per (n, group) over the group's channels and the spatial dims.
+void group_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& x = args[0].toTensor();
+  const int64_t groups = args[1].toInt();
+  const double eps = args[4].toDouble();
+  if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  auto [spec, local] = input_of(x);
+  const ShardSpec& in = *spec;
+  check_channels(op, args, in, "group_norm");
+  const int64_t nd = in.ndim();
+  const int64_t channels = in.global_shape()[1];
+  if (groups <= 0 || channels % groups != 0) {
+    fail(op, args,
+         "Expected number of channels in input to be divisible by num_groups, but got input of "
+         "shape " +
+             c10::str(c10::IntArrayRef(in.global_shape())) +
+             " and num_groups=" + std::to_string(groups));
+  }
+  at::Tensor w = channel_param(op, args, opt_tensor(args[2]), channels, in, "weight");
+  at::Tensor b = channel_param(op, args, opt_tensor(args[3]), channels, in, "bias");
+  auto spatial = mesh_dims_where(in, [](int64_t d) { return d >= 2; });
+  if (spatial.empty()) {
+    stack->push_back(wrap(local.numel() == 0
+                              ? empty_result(local, w, b)
+                              : at::group_norm(local, groups, w, b, eps, args[5].toBool()),
+                          spec));
+    return;
+  }
+  // View (N, C, *S) as (N, G, C/G, *S) and reduce over (C/G, *S).
+  const int64_t cg = channels / groups;
+  at::Tensor xv = local.unflatten(1, {groups, cg});
+  std::vector<int64_t> dims{2};
+  double count = static_cast<double>(cg);
+  for (int64_t d = 2; d < nd; ++d) {
+    dims.push_back(d + 1);
+    count *= static_cast<double>(in.global_shape()[d]);
+  }
+  auto grouped = [&](const at::Tensor& t) {
+    if (!t.defined()) return t;
+    std::vector<int64_t> shape(nd + 1, 1);
+    shape[1] = groups;
+    shape[2] = cg;
+    return t.view(shape);
+  };
+  auto yv =
+      sharded_norm(xv, grouped(w), grouped(b), eps, make_plan(dims, in, spatial, count)).first;
+  stack->push_back(wrap(yv.flatten(1, 2), spec));
+}
+
+// ---------------------------------------------------------------- layer_norm
+
+// layer_norm(input, normalized_shape, weight?, bias?, eps, cudnn_enable).
+// Statistics over the trailing normalized dims; weight and bias have the
+// normalized shape and are sliced like the input where they span a sharded dim.
+void layer_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& x = args[0].toTensor();
+  const auto normalized = args[1].toIntVector();
+  const double eps = args[4].toDouble();
+  if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  auto [spec, local] = input_of(x);
+  const ShardSpec& in = *spec;
+  const int64_t nd = in.ndim();
+  const int64_t k = static_cast<int64_t>(normalized.size());
+  bool ok = k >= 1 && k <= nd;
+  for (int64_t i = 0; ok && i < k; ++i) ok = in.global_shape()[nd - k + i] == normalized[i];
+  if (!ok) {
+    fail(op, args,
+         "Given normalized_shape=" + c10::str(c10::IntArrayRef(normalized)) +
+             ", expected input with shape [*, " + c10::str(c10::IntArrayRef(normalized)) +
+             "], but got input of size " + c10::str(c10::IntArrayRef(in.global_shape())));
+  }
+  at::Tensor wl, bl;
+  for (int i : {2, 3}) {
+    at::Tensor t = opt_tensor(args[i]);
+    if (!t.defined()) continue;
+    if (t.sizes().vec() != normalized) {
+      fail(op, args,
+           std::string(i == 2 ? "weight" : "bias") + " should have the normalized shape " +
+               c10::str(c10::IntArrayRef(normalized)) + ", got " + c10::str(t.sizes()));
+    }
+    (i == 2 ? wl : bl) = to_layout(t, operand_spec(in, t.sizes()), in);
+  }
+  auto mdims = mesh_dims_where(in, [&](int64_t d) { return d >= nd - k; });
+  if (mdims.empty()) {
+    stack->push_back(wrap(local.numel() == 0
+                              ? empty_result(local, wl, bl)
+                              : at::layer_norm(local, normalized, wl, bl, eps, args[5].toBool()),
+                          spec));
+    return;
+  }
+  std::vector<int64_t> dims;
+  double count = 1;
+  for (int64_t d = nd - k; d < nd; ++d) {
+    dims.push_back(d);
+    count *= static_cast<double>(in.global_shape()[d]);
+  }
+  auto y = sharded_norm(local, wl, bl, eps, make_plan(dims, in, mdims, count)).first;
+  stack->push_back(wrap(y, spec));
+}
+
+const RuleRegistrar r_batch_norm({"batch_norm"}, batch_norm_rule);
+const RuleRegistrar r_instance_norm({"instance_norm"}, instance_norm_rule);
+const RuleRegistrar r_group_norm({"group_norm"}, group_norm_rule);
+const RuleRegistrar r_layer_norm({"layer_norm"}, layer_norm_rule);
+
+}  // namespace
+}  // namespace shardtensor::ops
