@@ -55,7 +55,7 @@ struct Config {
   int64_t batch = -1;             // global; -1: one sample per data coordinate
   int64_t base_channels = 8;
   int64_t depth = 3;
-  std::string norm = "none";
+  std::string norm = "group";
   std::string checkpoint;
   std::string png = "unet_train.png";
   int64_t log_every = 1;
@@ -318,13 +318,29 @@ models::UNetOptions model_options(const Config& c) {
 /// same model, the same samples (gathered), the same optimizer.
 bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   const int64_t n = 64, batch = std::max<int64_t>(2, mesh.size(0));
+  // In float64: Adam's first step is lr * g / (|g| + eps), so gradient entries
+  // near eps = 1e-8 (GroupNorm makes some conv-weight gradients cancel to
+  // that level) would turn float32 summation-order noise into parameter
+  // differences of a good fraction of lr. In float64 that noise is ~1e-17,
+  // and the comparison can be tight: rtol 1e-8, atol 1e-10 (the worst
+  // measured ratio is ~1e-4 of that at 3 and 4 ranks and 2x2; a wrong halo or
+  // a missing gradient sum gives ratios far above 1).
   auto data = make_batch(mesh, batch, n, 20, 424242);
+  auto to_double = [](const at::Tensor& t) {
+    st::ShardTensor s(t);
+    return at::Tensor(
+        st::ShardTensor::from_local_unchecked(s.local().to(at::kDouble), s.spec_ptr()));
+  };
+  data.input = to_double(data.input);
+  data.target = to_double(data.target);
   auto x = st::ShardTensor(data.input).full_tensor();
   auto y = st::ShardTensor(data.target).full_tensor();
   torch::manual_seed(99);
   models::UNet2d ref(model_options(c));
+  ref->to(at::kDouble);
   torch::manual_seed(99);
   models::UNet2d net(model_options(c));
+  net->to(at::kDouble);
   st::distribute_module(*net, mesh);
   torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(c.lr));
   torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(c.lr));
@@ -334,7 +350,7 @@ bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   auto loss = (predict(net, data.input) - data.target).pow(2).mean();
   loss.backward();
   opt.step();
-  const double rtol = 1e-5, atol = 1e-6;
+  const double rtol = 1e-8, atol = 1e-10;
   double worst = std::abs(loss.item<double>() - ref_loss.item<double>()) /
                  (atol + rtol * std::abs(ref_loss.item<double>()));
   std::string worst_name = "loss";
@@ -350,8 +366,8 @@ bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   const bool ok = worst <= 1.0;
   if (root) {
     std::printf(
-        "check: one sharded Adam step on %lldx%lld (batch %lld) vs single-process: loss %.8f vs "
-        "%.8f; worst |diff|/(atol+rtol|ref|) = %.3g (%s; rtol %.0e, atol %.0e) -> %s\n",
+        "check: one sharded Adam step on %lldx%lld (batch %lld, float64) vs single-process: loss "
+        "%.12f vs %.12f; worst |diff|/(atol+rtol|ref|) = %.3g (%s; rtol %.0e, atol %.0e) -> %s\n",
         static_cast<long long>(n), static_cast<long long>(n), static_cast<long long>(batch),
         loss.item<double>(), ref_loss.item<double>(), worst, worst_name.c_str(), rtol, atol,
         ok ? "MATCH" : "MISMATCH");
