@@ -48,7 +48,7 @@ namespace {
 
 struct Config {
   int64_t size = 1024;
-  int64_t steps = 25;
+  int64_t steps = 20;
   int64_t solver_steps = 100;
   double lr = 3e-3;
   int64_t data = 1, domain = -1;  // --mesh DATAxDOMAIN; domain -1: the rest
