@@ -88,8 +88,9 @@ Moments moments(const at::Tensor& x, const NormPlan& p) {
   const at::Tensor xd = x.detach();
   Moments m;
   m.shift = sum_mesh(xd.sum(p.dims, true), p) / p.count;
-  at::Tensor d = xd - m.shift;
-  at::Tensor s = sum_mesh(at::stack({(d * d).sum(p.dims, true), d.sum(p.dims, true)}), p);
+  at::Tensor d = xd - m.shift;  // the only full-size temporary
+  at::Tensor s1 = d.sum(p.dims, true);
+  at::Tensor s = sum_mesh(at::stack({d.mul_(d).sum(p.dims, true), s1}), p);
   m.delta = s[1] / p.count;
   m.m2 = (s[0] - s[1] * m.delta).clamp_min(0);
   return m;

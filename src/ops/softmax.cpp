@@ -1,0 +1,140 @@
+// softmax and log_softmax over a sharded or an unsharded dim.
+//
+// torch::softmax / F::softmax reach the dispatcher as aten::softmax.int
+// (CompositeImplicitAutograd, caught whole), and code below autograd may call
+// aten::_softmax / aten::_log_softmax directly; all four are handled here.
+//
+// Note [sharded softmax]: over an unsharded dim the op runs unchanged on the
+// local piece (libtorch's numerics). Over a sharded dim, SoftmaxFn computes
+//   m = global max along the dim (all-reduce MAX, detached),
+//   s = global sum of exp(x - m) (all-reduce SUM),
+//   softmax = exp(x - m) / s,   log_softmax = x - m - log(s),
+// which never overflows (every exponent is <= 0). It saves only its output,
+// as libtorch's kernels do, and its backward all-reduces one statistic:
+//   softmax:     dx = y * (dy - sum(dy * y)),
+//   log_softmax: dx = dy - exp(y) * sum(dy),
+// with the sums taken over the whole (global) dim.
+#include <ATen/ATen.h>
+#include <c10/core/WrapDimMinimal.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <limits>
+
+#include "ops/common.h"
+
+namespace shardtensor::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct MeshHolder : torch::CustomClassHolder {
+  explicit MeshHolder(DeviceMesh m) : mesh(std::move(m)) {}
+  DeviceMesh mesh;
+};
+
+const DeviceMesh& mesh_of(AutogradContext* ctx) {
+  return static_cast<MeshHolder*>(ctx->saved_data.at("mesh").toCapsule().get())->mesh;
+}
+
+at::Tensor sum_dim(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh, int64_t mesh_dim) {
+  return comm::all_reduce_nograd(t.sum(dim, true).contiguous(), mesh, {mesh_dim}, ReduceOp::Sum);
+}
+
+// Note [sharded softmax]. Collective over `mesh_dim`, forward and backward.
+struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim,
+                            const DeviceMesh& mesh, int64_t mesh_dim, bool log) {
+    at::Tensor m;
+    if (x.size(dim) == 0) {
+      auto shape = x.sizes().vec();
+      shape[dim] = 1;
+      m = at::full(shape, -std::numeric_limits<double>::infinity(), x.options());
+    } else {
+      m = x.amax(dim, true);
+    }
+    m = comm::all_reduce_nograd(m.contiguous(), mesh, {mesh_dim}, ReduceOp::Max);
+    m.masked_fill_(m.isinf(), 0);  // a row of -inf (or +inf) behaves as libtorch's
+    at::Tensor y = x - m;
+    at::Tensor s = sum_dim(y.exp(), dim, mesh, mesh_dim);
+    if (log) {
+      y.sub_(s.log());
+    } else {
+      y.exp_().div_(s);
+    }
+    ctx->save_for_backward({y});
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["mesh_dim"] = mesh_dim;
+    ctx->saved_data["log"] = log;
+    ctx->saved_data["mesh"] = c10::IValue::make_capsule(c10::make_intrusive<MeshHolder>(mesh));
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor y = ctx->get_saved_variables()[0];
+    const int64_t dim = ctx->saved_data.at("dim").toInt();
+    const int64_t mesh_dim = ctx->saved_data.at("mesh_dim").toInt();
+    const DeviceMesh& mesh = mesh_of(ctx);
+    at::Tensor dy = grads[0];
+    if (!dy.defined()) dy = at::zeros_like(y);
+    at::Tensor dx;
+    if (ctx->saved_data.at("log").toBool()) {
+      dx = dy - y.exp() * sum_dim(dy, dim, mesh, mesh_dim);
+    } else {
+      dx = y * (dy - sum_dim(dy * y, dim, mesh, mesh_dim));
+    }
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// softmax.int / log_softmax.int (self, dim, dtype?) and
+// _softmax / _log_softmax (self, dim, half_to_float).
+void softmax_rule(const c10::OperatorHandle& op, Stack* stack, bool log) {
+  const std::string& ov = op.operator_name().overload_name;
+  if (ov != "" && ov != "int") {
+    // Other overloads (Dimname) decompose into these; out= variants have no rule.
+    if (op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), stack);
+      return;
+    }
+    auto args = pop_args(op, stack);
+    fail(op, args, "no sharding rule for this overload");
+  }
+  auto args = pop_args(op, stack);
+  const at::Tensor& x = args[0].toTensor();
+  if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  auto spec = std::make_shared<const ShardSpec>(without_partial(*spec_of(x)));
+  at::Tensor local = to_layout(x, *spec, *spec);
+  int64_t dim = 0;
+  try {
+    dim = c10::maybe_wrap_dim(args[1].toInt(), spec->ndim());
+  } catch (const c10::Error& e) {
+    fail(op, args, e.what_without_backtrace());
+  }
+  if (ov == "int" && !args[2].isNone()) local = local.to(args[2].toScalarType());
+  if (!at::isFloatingType(local.scalar_type())) {
+    fail(op, args,
+         std::string(log ? "log_softmax" : "softmax") +
+             " expects a floating point input (or a floating dtype=), got " +
+             c10::toString(local.scalar_type()));
+  }
+  const int64_t mesh_dim = spec->ndim() == 0 ? -1 : spec->mesh_dim_of(dim);
+  at::Tensor y;
+  if (mesh_dim < 0) {
+    y = log ? at::log_softmax(local, dim) : at::softmax(local, dim);
+  } else {
+    y = SoftmaxFn::apply(local, dim, spec->mesh(), mesh_dim, log);
+  }
+  stack->push_back(wrap(y, spec));
+}
+
+const RuleRegistrar r_softmax({"softmax", "_softmax"}, [](const c10::OperatorHandle& op, Stack* s) {
+  softmax_rule(op, s, false);
+});
+const RuleRegistrar r_log_softmax({"log_softmax", "_log_softmax"},
+                                  [](const c10::OperatorHandle& op, Stack* s) {
+                                    softmax_rule(op, s, true);
+                                  });
+
+}  // namespace
+}  // namespace shardtensor::ops
