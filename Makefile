@@ -15,7 +15,7 @@ SHELL := /bin/bash
 
 REPO_ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 
-DEMO         ?= first_example
+DEMO         ?= unet_train
 NP           ?= 4
 BUILD_DIR    ?= build
 BUILD_TYPE   ?= RelWithDebInfo

@@ -3,6 +3,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <map>
+#include <memory>
+#include <string>
+
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -86,5 +90,272 @@ TEST(DistributeModule, GradientsAndAdamStepsEqualSingleProcess) {
   }
   for (const auto& prm : net.named_parameters()) {
     EXPECT_TRUE(all_close(prm.value(), ref.named_parameters()[prm.key()], 1e-5, 1e-6)) << prm.key();
+  }
+}
+
+// ---- Note [gradient buckets] ------------------------------------------------------
+
+namespace {
+
+struct Deep : torch::nn::Module {
+  explicit Deep(int layers) {
+    for (int i = 0; i < layers; ++i) {
+      fcs.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(6, 6)));
+    }
+    scale = register_parameter("scale", torch::ones({6}));
+    unused = register_module("unused", torch::nn::Linear(6, 2));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x;
+    for (auto& fc : fcs) h = torch::tanh(fc(h));
+    return h * scale;
+  }
+  std::vector<torch::nn::Linear> fcs;
+  torch::nn::Linear unused{nullptr};
+  at::Tensor scale;
+};
+
+struct Grads {
+  std::map<std::string, at::Tensor> g;
+  int64_t messages = 0;
+};
+
+/// One backward (or `passes` backwards without zeroing) of Deep on sharded
+/// [batch, sequence, features] input; the messages counted during backward only.
+Grads deep_grads(const st::DeviceMesh& mesh, const st::DistributeOptions& opts, int passes,
+                 bool penalty) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto x = at::randn({4, 9, 6}, gen);
+  torch::manual_seed(1);
+  Deep net(6);
+  st::distribute_module(net, mesh, opts);
+  auto p = fit_placements(mesh, {st::Shard{1}, st::Shard{0}});
+  if (is_mesh_2x2()) p = {st::Shard{0}, st::Shard{1}};
+  auto sx = st::distribute_tensor(x, mesh, p);
+  Grads out;
+  for (int i = 0; i < passes; ++i) {
+    auto loss = net.forward(sx).pow(2).mean();
+    // A plain (replicated) use of a parameter next to its sharded use: its
+    // contribution is already full on every rank and must not be summed.
+    if (penalty) loss = loss + 0.1 * net.scale.pow(2).sum() + 0.01 * net.fcs[0]->weight.sum();
+    st::reset_comm_stats();
+    loss.backward();
+    out.messages += st::comm_stats().messages;
+  }
+  for (const auto& prm : net.named_parameters()) out.g[prm.key()] = prm.value().grad();
+  return out;
+}
+
+Grads deep_reference(int passes, bool penalty) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto x = at::randn({4, 9, 6}, gen);
+  torch::manual_seed(1);
+  Deep net(6);
+  Grads out;
+  for (int i = 0; i < passes; ++i) {
+    auto loss = net.forward(x).pow(2).mean();
+    if (penalty) loss = loss + 0.1 * net.scale.pow(2).sum() + 0.01 * net.fcs[0]->weight.sum();
+    loss.backward();
+  }
+  for (const auto& prm : net.named_parameters()) out.g[prm.key()] = prm.value().grad();
+  return out;
+}
+
+::testing::AssertionResult same_grads(const Grads& a, const Grads& ref) {
+  for (const auto& [name, g] : ref.g) {
+    const at::Tensor& mine = a.g.at(name);
+    if (!all_ranks(mine.defined() == g.defined())) {
+      return ::testing::AssertionFailure()
+             << name << ": defined " << mine.defined() << " but reference " << g.defined();
+    }
+    if (!g.defined()) continue;
+    auto r = all_close(mine, g);
+    if (!r) return r << " (gradient of " << name << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace
+
+TEST(GradientBuckets, FewAllReducesNotOnePerParameter) {
+  auto mesh = test_mesh();
+  const int64_t P = mesh.size();
+  auto ref = deep_reference(1, false);
+  auto bucketed = deep_grads(mesh, st::DistributeOptions(), 1, false);
+  auto per_param = deep_grads(mesh, st::DistributeOptions().bucket_cap_bytes(1), 1, false);
+  auto unbucketed = deep_grads(mesh, st::DistributeOptions().bucket_gradients(false), 1, false);
+  EXPECT_TRUE(same_grads(bucketed, ref));
+  EXPECT_TRUE(same_grads(per_param, ref));
+  EXPECT_TRUE(same_grads(unbucketed, ref));
+  // The only backward communication is the parameters' gradient sum. One fp32
+  // bucket of >= P elements is one all-reduce: 2(P-1) messages (Note [traffic
+  // accounting]); 13 used parameters (6 weights, 6 biases, scale) reduced one
+  // by one cost 13 all-reduces (and the unused Linear's two are reduced too
+  // with a 1-byte cap, as zeros).
+  EXPECT_EQ(bucketed.messages, 2 * (P - 1));
+  if (P > 1) {
+    EXPECT_GE(per_param.messages, 15 * (P - 1));
+    EXPECT_GE(unbucketed.messages, 13 * (P - 1));
+  }
+}
+
+TEST(GradientBuckets, AccumulationOverTwoBackwardsAndPlainUses) {
+  auto mesh = test_mesh();
+  for (bool penalty : {false, true}) {
+    auto ref = deep_reference(2, penalty);
+    auto got = deep_grads(mesh, st::DistributeOptions().bucket_cap_bytes(600), 2, penalty);
+    EXPECT_TRUE(same_grads(got, ref)) << "penalty " << penalty;
+  }
+}
+
+TEST(GradientBuckets, UnusedParametersKeepNoGradient) {
+  auto mesh = test_mesh();
+  auto got = deep_grads(mesh, st::DistributeOptions().bucket_cap_bytes(100), 1, false);
+  EXPECT_TRUE(
+      all_ranks(!got.g.at("unused.weight").defined() && !got.g.at("unused.bias").defined()));
+  EXPECT_TRUE(all_ranks(got.g.at("fc0.weight").defined()));
+}
+
+TEST(GradientBuckets, OptimizersUnchanged) {
+  auto mesh = test_mesh();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto x = at::randn({4, 9, 6}, gen);
+  auto p = fit_placements(mesh, {st::Shard{1}, st::Shard{0}});
+  if (is_mesh_2x2()) p = {st::Shard{0}, st::Shard{1}};
+  auto sx = st::distribute_tensor(x, mesh, p);
+  for (int which = 0; which < 3; ++which) {
+    torch::manual_seed(2);
+    Deep ref(3);
+    torch::manual_seed(2);
+    Deep net(3);
+    st::distribute_module(net, mesh, st::DistributeOptions().bucket_cap_bytes(300));
+    auto make = [&](Deep& m) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (which == 0) {
+        return std::make_unique<torch::optim::SGD>(m.parameters(),
+                                                   torch::optim::SGDOptions(0.1).momentum(0.9));
+      }
+      if (which == 1) {
+        return std::make_unique<torch::optim::Adam>(m.parameters(),
+                                                    torch::optim::AdamOptions(1e-2));
+      }
+      return std::make_unique<torch::optim::AdamW>(m.parameters(),
+                                                   torch::optim::AdamWOptions(1e-2));
+    };
+    auto ro = make(ref);
+    auto o = make(net);
+    for (int step = 0; step < 3; ++step) {
+      ro->zero_grad();
+      ref.forward(x).pow(2).mean().backward();
+      ro->step();
+      o->zero_grad();
+      net.forward(sx).pow(2).mean().backward();
+      o->step();
+    }
+    for (const auto& prm : net.named_parameters()) {
+      EXPECT_TRUE(all_close(prm.value(), ref.named_parameters()[prm.key()]))
+          << prm.key() << " optimizer " << which;
+    }
+  }
+}
+
+TEST(GradientBuckets, AutogradGradWithInputsThrowsInsteadOfWrongGradients) {
+  // torch::autograd::grad(outputs, inputs) does not run the accumulators, so
+  // the bucketed partial gradients could not be delivered: an error on every rank.
+  auto mesh = test_mesh();
+  torch::manual_seed(4);
+  Deep net(2);
+  st::distribute_module(net, mesh);
+  auto x = at::randn({4, 9, 6});
+  auto p = fit_placements(mesh, {st::Shard{1}, st::Shard{0}});
+  auto sx = st::distribute_tensor(x, mesh, p);
+  bool threw = false;
+  try {
+    auto loss = net.forward(sx).pow(2).mean();
+    torch::autograd::grad({loss}, {net.fcs[0]->weight});
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("distribute_module") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  // The reducer is reset: an ordinary backward afterwards is correct.
+  torch::manual_seed(4);
+  Deep ref(2);
+  ref.forward(x).pow(2).mean().backward();
+  net.zero_grad();
+  net.forward(sx).pow(2).mean().backward();
+  for (const auto& prm : net.named_parameters()) {
+    if (!ref.named_parameters()[prm.key()].grad().defined()) continue;
+    EXPECT_TRUE(all_close(prm.value().grad(), ref.named_parameters()[prm.key()].grad()))
+        << prm.key();
+  }
+}
+
+TEST(GradientBuckets, ReplicatedOrPartlyShardedInputs) {
+  // Input replicated over every mesh dim (no sharded use at all: the
+  // gradients are full on every rank and must not be summed), or on a 2x2 mesh
+  // replicated over mesh dim 0 and sharded over mesh dim 1 (uses over a subset
+  // of the mesh dims: all-reduced by use_replicated over that subset only).
+  auto mesh = test_mesh();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto x = at::randn({4, 9, 6}, gen);
+  torch::manual_seed(1);
+  Deep ref(3);
+  ref.forward(x).pow(2).mean().backward();
+  std::vector<st::Placements> layouts = {st::Placements(mesh.ndim(), st::Replicate{})};
+  if (mesh.ndim() == 2) layouts.push_back({st::Replicate{}, st::Shard{1}});
+  for (const auto& p : layouts) {
+    torch::manual_seed(1);
+    Deep net(3);
+    st::distribute_module(net, mesh);
+    net.forward(st::distribute_tensor(x, mesh, p)).pow(2).mean().backward();
+    for (const auto& prm : net.named_parameters()) {
+      const auto& g = ref.named_parameters()[prm.key()].grad();
+      EXPECT_TRUE(all_ranks(prm.value().grad().defined() == g.defined())) << prm.key();
+      if (g.defined()) {
+        EXPECT_TRUE(all_close(prm.value().grad(), g)) << prm.key() << " " << st::to_string(p);
+      }
+    }
+  }
+}
+
+TEST(GradientBuckets, ReductionsStartDuringBackward) {
+  // Batch-sharded MLP: backward communicates nothing but the gradient sums.
+  // With one bucket per layer, the last layers' buckets are started while
+  // the first layers are still being differentiated: by the time the
+  // gradient of the input arrives (the very end of backward), all-reduce
+  // traffic has already been counted.
+  auto mesh = test_mesh();
+  torch::manual_seed(6);
+  torch::nn::Sequential net;
+  for (int i = 0; i < 6; ++i) {
+    net->push_back(torch::nn::Linear(6, 6));
+    net->push_back(torch::nn::Tanh());
+  }
+  st::distribute_module(*net, mesh, st::DistributeOptions().bucket_cap_bytes(6 * 7 * 4));
+  auto x = at::randn({8, 6});
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {st::Shard{0}, st::Replicate{}}),
+                                  /*requires_grad=*/true);
+  auto loss = net->forward(at::Tensor(sx)).pow(2).mean();
+  int64_t messages_at_input_grad = -1;
+  st::ShardTensor(sx).local().register_hook([&](const at::Tensor& g) {
+    messages_at_input_grad = st::comm_stats().messages;
+    return g;
+  });
+  st::reset_comm_stats();
+  loss.backward();
+  const int64_t total = st::comm_stats().messages;
+  if (mesh.size() > 1) {
+    EXPECT_TRUE(all_ranks(messages_at_input_grad > 0 && messages_at_input_grad < total))
+        << messages_at_input_grad << " of " << total;
+  }
+  torch::manual_seed(6);
+  torch::nn::Sequential ref;
+  for (int i = 0; i < 6; ++i) {
+    ref->push_back(torch::nn::Linear(6, 6));
+    ref->push_back(torch::nn::Tanh());
+  }
+  ref->forward(x).pow(2).mean().backward();
+  for (const auto& prm : net->named_parameters()) {
+    EXPECT_TRUE(all_close(prm.value().grad(), ref->named_parameters()[prm.key()].grad()))
+        << prm.key();
   }
 }

@@ -46,11 +46,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "comm/grad_sink.h"
 #include "comm/transport.h"
 
 namespace shardtensor::comm {
@@ -918,6 +921,32 @@ struct UseReplicatedFn : torch::autograd::Function<UseReplicatedFn> {
   }
 };
 
+/// use_replicated() of a leaf registered with a gradient sink (Note [gradient
+/// buckets]): the backward hands this rank's partial gradient to the sink,
+/// which sums it over the mesh in buckets, and passes nothing on to autograd.
+struct SinkArgs {
+  std::shared_ptr<detail::ReplicatedGradSink> sink;
+  const at::TensorImpl* leaf = nullptr;
+  MPI_Comm comm = MPI_COMM_NULL;  // for the fallback under create_graph
+};
+
+struct UseReplicatedSinkFn : torch::autograd::Function<UseReplicatedSinkFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, SinkArgs args) {
+    save_args(ctx, std::move(args));
+    return t;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& args = saved_args<SinkArgs>(ctx);
+    if (!grads[0].defined()) return {Variable(), Variable()};
+    if (at::GradMode::is_enabled()) {
+      // create_graph: the sink's reduction is not differentiable; all-reduce here.
+      return {reduce_over(grads[0], args.comm, ReduceOp::Sum), Variable()};
+    }
+    args.sink->add_partial(args.leaf, grads[0]);
+    return {Variable(), Variable()};
+  }
+};
+
 struct AxisArgs {
   Axis axis;
   int64_t dim = 0;
@@ -1104,8 +1133,75 @@ at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
     fp.add(g.dims).add_shape(t, {});
     agree_or_throw(p, g.comm, fp, checks);
   }
+  if (auto sink = detail::grad_sink_for(t, mesh, g.dims)) {
+    return UseReplicatedSinkFn::apply(t,
+                                      SinkArgs{std::move(sink), t.unsafeGetTensorImpl(), g.comm});
+  }
+  if (t.is_view() && t.requires_grad()) {
+    // A view of a registered leaf (linear's w.t()): route the leaf itself to
+    // its sink and take the same view again, so that autograd maps the
+    // view's gradient back onto the leaf's shape.
+    const at::Tensor base(t._base());
+    if (auto sink = detail::grad_sink_for(base, mesh, g.dims)) {
+      at::Tensor marked = UseReplicatedSinkFn::apply(
+          base, SinkArgs{std::move(sink), base.unsafeGetTensorImpl(), g.comm});
+      return marked.as_strided(t.sizes(), t.strides(), t.storage_offset());
+    }
+  }
   return UseReplicatedFn::apply(t, GroupArgs{g.comm});
 }
+
+// ---- gradient sinks (Note [gradient buckets]) ----------------------------------
+
+namespace detail {
+namespace {
+struct SinkEntry {
+  c10::weak_intrusive_ptr<at::TensorImpl> leaf;
+  DeviceMesh mesh;
+  std::shared_ptr<ReplicatedGradSink> sink;
+};
+std::mutex& sink_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<const at::TensorImpl*, SinkEntry>& sink_registry() {
+  static auto* r = new std::unordered_map<const at::TensorImpl*, SinkEntry>();  // never destroyed
+  return *r;
+}
+}  // namespace
+
+void set_grad_sink(const at::Tensor& leaf, const DeviceMesh& mesh,
+                   std::shared_ptr<ReplicatedGradSink> sink) {
+  TORCH_CHECK(leaf.defined(), "set_grad_sink: undefined tensor");
+  std::lock_guard<std::mutex> lock(sink_mutex());
+  auto& reg = sink_registry();
+  // Drop entries whose tensors are gone (their address may be reused).
+  for (auto it = reg.begin(); it != reg.end();) {
+    it = it->second.leaf.expired() ? reg.erase(it) : std::next(it);
+  }
+  const at::TensorImpl* key = leaf.unsafeGetTensorImpl();
+  if (!sink) {
+    reg.erase(key);
+    return;
+  }
+  reg.erase(key);
+  reg.emplace(key, SinkEntry{c10::weak_intrusive_ptr<at::TensorImpl>(leaf.getIntrusivePtr()), mesh,
+                             std::move(sink)});
+}
+
+std::shared_ptr<ReplicatedGradSink> grad_sink_for(const at::Tensor& t, const DeviceMesh& mesh,
+                                                  const std::vector<int64_t>& mesh_dims) {
+  if (!t.defined() || !t.requires_grad() || !t.is_leaf()) return nullptr;
+  if (static_cast<int64_t>(mesh_dims.size()) != mesh.ndim()) return nullptr;
+  std::lock_guard<std::mutex> lock(sink_mutex());
+  auto& reg = sink_registry();
+  if (reg.empty()) return nullptr;
+  auto it = reg.find(t.unsafeGetTensorImpl());
+  if (it == reg.end() || it->second.leaf.expired() || it->second.mesh != mesh) return nullptr;
+  return it->second.sink;
+}
+
+}  // namespace detail
 
 namespace {
 

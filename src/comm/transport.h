@@ -182,4 +182,36 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
                                const std::vector<PeerBuffer>& recvs, MPI_Comm comm,
                                int tag = kExchangeTag);
 
+/// A non-blocking in-place all-reduce in flight (MPI_Iallreduce). Holds a
+/// reference to its buffer until it completes. Move-only.
+class PendingReduce {
+ public:
+  PendingReduce() = default;
+  PendingReduce(PendingReduce&& other) noexcept;
+  PendingReduce& operator=(PendingReduce&& other) noexcept;
+  PendingReduce(const PendingReduce&) = delete;
+  PendingReduce& operator=(const PendingReduce&) = delete;
+  /// If still pending, waits for it (never throws).
+  ~PendingReduce();
+  /// Local. Waits until the reduction is complete and `t` holds the sum.
+  /// Throws c10::Error if MPI fails. A second call does nothing.
+  void finish();
+  /// Local. Drives MPI progress; true once the reduction is complete.
+  bool test();
+  bool pending() const { return request_ != MPI_REQUEST_NULL || wide_.defined(); }
+
+ private:
+  friend PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  at::Tensor buffer_;  // keep-alive (the caller's tensor)
+  at::Tensor wide_;    // float staging buffer for half/bfloat16, copied back by finish()
+};
+
+/// Collective over `comm`: starts all_reduce_() of `t` without waiting
+/// (MPI_Iallreduce, in place). Every rank must start its non-blocking
+/// reductions on `comm` in the same order. `t` must not be touched until
+/// finish(). Counted like all_reduce_() when started. Same dtypes and errors
+/// as all_reduce_(); tensors above INT_MAX elements are reduced blocking.
+PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+
 }  // namespace shardtensor::comm::transport

@@ -534,4 +534,71 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
   return ex;
 }
 
+// ---- non-blocking all-reduce ---------------------------------------------------
+
+PendingReduce::PendingReduce(PendingReduce&& other) noexcept
+    : request_(other.request_), buffer_(std::move(other.buffer_)), wide_(std::move(other.wide_)) {
+  other.request_ = MPI_REQUEST_NULL;
+  other.wide_ = at::Tensor();
+}
+
+PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
+  if (this != &other) {
+    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    request_ = other.request_;
+    buffer_ = std::move(other.buffer_);
+    wide_ = std::move(other.wide_);
+    other.request_ = MPI_REQUEST_NULL;
+    other.wide_ = at::Tensor();
+  }
+  return *this;
+}
+
+PendingReduce::~PendingReduce() {
+  if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+}
+
+bool PendingReduce::test() {
+  if (request_ == MPI_REQUEST_NULL) return true;
+  int done = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Test(&request_, &done, MPI_STATUS_IGNORE));
+  return done != 0;
+}
+
+void PendingReduce::finish() {
+  if (request_ != MPI_REQUEST_NULL) {
+    SHARDTENSOR_MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+  }
+  if (wide_.defined()) {
+    buffer_.copy_(wide_);
+    wide_ = at::Tensor();
+  }
+  buffer_ = at::Tensor();
+}
+
+PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
+  check_buffer(t, "start_all_reduce_ buffer");
+  PendingReduce pending;
+  const int size = comm_size(comm);
+  if (size <= 1 || t.numel() == 0) {
+    return pending;
+  }
+  if (t.numel() > INT_MAX) {
+    all_reduce_(t, op, comm);
+    return pending;
+  }
+  const int rank = comm_rank(comm);
+  at::Tensor data = t;
+  if (needs_upcast(t.scalar_type())) {
+    pending.wide_ = t.to(at::kFloat).contiguous();
+    data = pending.wide_;
+  }
+  auto [type, mpi_op] = reduction_type(data.scalar_type(), op);
+  pending.buffer_ = t;
+  SHARDTENSOR_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, ptr(data), static_cast<int>(data.numel()),
+                                       type, mpi_op, comm, &pending.request_));
+  record_all_reduce(t.numel(), t.element_size(), size, rank);
+  return pending;
+}
+
 }  // namespace shardtensor::comm::transport
