@@ -29,11 +29,7 @@ using namespace shardtensor::testing;
 
 namespace {
 
-using P = st::Placements;
-const st::Placement S0 = st::Shard{0}, S1 = st::Shard{1}, S2 = st::Shard{2}, S3 = st::Shard{3};
-const st::Placement R = st::Replicate{};
-
-at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed, at::ScalarType dt = at::kFloat) {
+at::Tensor rnd_d(c10::IntArrayRef shape, uint64_t seed, at::ScalarType dt = at::kFloat) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randn(shape, gen, at::kDouble).to(dt);
 }
@@ -77,9 +73,9 @@ class Attention : public ::testing::Test {
   ::testing::AssertionResult run(const Case& c) {
     const double rtol = c.dtype == at::kDouble ? 1e-10 : 1e-5;
     const double atol = c.dtype == at::kDouble ? 1e-12 : 1e-6;
-    auto q = rnd({c.B, c.Hq, c.Sq, c.D}, 1, c.dtype);
-    auto k = rnd({c.B, c.Hkv, c.Sk, c.D}, 2, c.dtype);
-    auto v = rnd({c.B, c.Hkv, c.Sk, c.D}, 3, c.dtype);
+    auto q = rnd_d({c.B, c.Hq, c.Sq, c.D}, 1, c.dtype);
+    auto k = rnd_d({c.B, c.Hkv, c.Sk, c.D}, 2, c.dtype);
+    auto v = rnd_d({c.B, c.Hkv, c.Sk, c.D}, 3, c.dtype);
     P pl = fit_placements(mesh, {S2, c.batch_shard ? S0 : R});
     auto sizes_of = [&](c10::IntArrayRef shape) -> std::optional<st::ShardSizes> {
       if (!c.empty) return std::nullopt;
@@ -97,7 +93,7 @@ class Attention : public ::testing::Test {
         m = m.logical_or(torch::eye(c.Sq, c.Sk, torch::kBool));
       } else {
         // [1, Hq, Sq, Sk] float (batch extent 1: Replicate on the batch mesh dim).
-        m = rnd({1, c.Hq, c.Sq, c.Sk}, 8, c.dtype);
+        m = rnd_d({1, c.Hq, c.Sq, c.Sk}, 8, c.dtype);
       }
       P mp = pl;
       if (m.size(0) == 1 && mp.size() > 1) mp[1] = R;
@@ -171,7 +167,7 @@ TEST_F(Attention, CausalContiguousAndZigZag) {
 TEST_F(Attention, CausalWorkBalance) {
   P pl = fit_placements(mesh, {S2, R});
   const int64_t p = mesh.size(0), S = 64 * p;
-  auto q = rnd({1, 1, S, 8}, 71);
+  auto q = rnd_d({1, 1, S, 8}, 71);
   auto sq = st::distribute_tensor(q, mesh, pl, true), sk = st::distribute_tensor(q, mesh, pl, true),
        sv = st::distribute_tensor(q, mesh, pl, true);
   std::vector<int64_t> work;
@@ -285,7 +281,7 @@ TEST_F(Attention, Float64) {
 
 // Plain tensors: libtorch 1.13's own math; ShardTensors through the aten op.
 TEST_F(Attention, AtenScaledDotProductAttention) {
-  auto q = rnd({2, 2, 13, 8}, 11), k = rnd({2, 2, 13, 8}, 12), v = rnd({2, 2, 13, 8}, 13);
+  auto q = rnd_d({2, 2, 13, 8}, 11), k = rnd_d({2, 2, 13, 8}, 12), v = rnd_d({2, 2, 13, 8}, 13);
   for (bool causal : {false, true}) {
     auto ref = std::get<0>(at::_scaled_dot_product_attention(q, k, v, {}, 0.0, false, causal));
     auto plain = st::scaled_dot_product_attention(q, k, v, {}, causal);
@@ -297,7 +293,7 @@ TEST_F(Attention, AtenScaledDotProductAttention) {
     EXPECT_TRUE(all_ranks(st::ShardTensor::is_shard_tensor(std::get<0>(res))));
     EXPECT_TRUE(all_close(gathered(std::get<0>(res)), ref));
   }
-  auto m = rnd({1, 1, 13, 13}, 14);
+  auto m = rnd_d({1, 1, 13, 13}, 14);
   auto ref = std::get<0>(at::_scaled_dot_product_attention(q, k, v, m, 0.0, false, false));
   EXPECT_TRUE(all_close(st::scaled_dot_product_attention(q, k, v, m), ref));
 }
@@ -305,7 +301,7 @@ TEST_F(Attention, AtenScaledDotProductAttention) {
 // Hand-written attention on sharded tokens: the matmul rule gathers K (and V)
 // and the softmax runs over the unsharded key dim.
 TEST_F(Attention, HandWritten) {
-  auto q = rnd({2, 2, 13, 8}, 21), k = rnd({2, 2, 13, 8}, 22), v = rnd({2, 2, 13, 8}, 23);
+  auto q = rnd_d({2, 2, 13, 8}, 21), k = rnd_d({2, 2, 13, 8}, 22), v = rnd_d({2, 2, 13, 8}, 23);
   auto fn = [](const std::vector<at::Tensor>& x, const std::vector<at::Tensor>&) {
     auto s = torch::matmul(x[0], x[1].transpose(-2, -1)) / std::sqrt(8.0);
     return torch::matmul(torch::softmax(s, -1), x[2]);
@@ -329,7 +325,7 @@ TEST_F(Attention, MultiheadAttentionModule) {
     torch::manual_seed(5);
     torch::nn::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(E, 2));
     st::distribute_module(*mha, mesh);
-    auto x = rnd({S, B, E}, 31);
+    auto x = rnd_d({S, B, E}, 31);
     P pl = fit_placements(mesh, {S0, S1});
     std::optional<st::ShardSizes> sz;
     if (empty) sz = sizes_with_empty_first(mesh, pl, x.sizes());
@@ -338,7 +334,7 @@ TEST_F(Attention, MultiheadAttentionModule) {
     auto out_ref = std::get<0>(ref->forward(xr, xr, xr));
     auto out = std::get<0>(mha->forward(sx, sx, sx));
     EXPECT_TRUE(all_close(gathered(out), out_ref));
-    auto cot = rnd({S, B, E}, 32);
+    auto cot = rnd_d({S, B, E}, 32);
     out_ref.backward(cot);
     st::backward(out, cot);
     EXPECT_TRUE(all_close(gathered(st::ShardTensor(sx).grad()), xr.grad()));
@@ -358,7 +354,7 @@ TEST_F(Attention, MemoryBelowPlainOverP) {
   P pl = fit_placements(mesh, {S2, R});
   const int64_t P_ring = mesh.size(0);
   const int64_t S = 2048 * P_ring, H = 1, D = 16;
-  auto q = rnd({1, H, S, D}, 41), k = rnd({1, H, S, D}, 42), v = rnd({1, H, S, D}, 43);
+  auto q = rnd_d({1, H, S, D}, 41), k = rnd_d({1, H, S, D}, 42), v = rnd_d({1, H, S, D}, 43);
   int64_t plain_peak = 0;
   if (st::world_rank() == 0) {
     auto qr = q.clone().requires_grad_(true), kr = k.clone().requires_grad_(true),
@@ -387,7 +383,7 @@ TEST_F(Attention, MemoryBelowPlainOverP) {
 // The forward ring sends every block but the next one's, once (P - 1 messages).
 TEST_F(Attention, RingTraffic) {
   P pl = fit_placements(mesh, {S2, S0});
-  auto q = rnd({2, 2, 13, 8}, 51);
+  auto q = rnd_d({2, 2, 13, 8}, 51);
   auto sq = st::distribute_tensor(q, mesh, pl), sk = st::distribute_tensor(q, mesh, pl),
        sv = st::distribute_tensor(q, mesh, pl);
   const auto& spec = st::ShardTensor(sq).spec();
@@ -410,7 +406,7 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 TEST_F(Attention, Errors) {
-  auto q = rnd({2, 2, 12, 8}, 61), k = rnd({2, 2, 12, 8}, 62);
+  auto q = rnd_d({2, 2, 12, 8}, 61), k = rnd_d({2, 2, 12, 8}, 62);
   P pl = fit_placements(mesh, {S2, S0});
   auto sq = st::distribute_tensor(q, mesh, pl), sk = st::distribute_tensor(k, mesh, pl);
   auto has = [](const std::string& msg, const std::string& what) {
@@ -430,10 +426,10 @@ TEST_F(Attention, Errors) {
   EXPECT_TRUE(has(error_of([&] { st::scaled_dot_product_attention(sq, k, k); }),
                   "all ShardTensors or all plain"));
   // Head counts not divisible.
-  auto q3 = st::distribute_tensor(rnd({2, 3, 12, 8}, 63), mesh, pl);
+  auto q3 = st::distribute_tensor(rnd_d({2, 3, 12, 8}, 63), mesh, pl);
   EXPECT_TRUE(has(error_of([&] { st::scaled_dot_product_attention(q3, sk, sk); }), "multiple"));
   EXPECT_TRUE(has(error_of([&] {
-                    st::scaled_dot_product_attention(rnd({2, 3, 12, 8}, 1), k, k);
+                    st::scaled_dot_product_attention(rnd_d({2, 3, 12, 8}, 1), k, k);
                   }),
                   "multiple"));
   // Mask of a bad shape.

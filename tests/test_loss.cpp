@@ -26,10 +26,6 @@ namespace {
 constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-5;
 
-at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed, double scale = 1.0) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, at::kFloat) * scale;
-}
 at::Tensor uni(c10::IntArrayRef shape, uint64_t seed, double lo, double hi) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::rand(shape, gen, at::kFloat) * (hi - lo) + lo;
@@ -38,10 +34,6 @@ at::Tensor classes(c10::IntArrayRef shape, int64_t n, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randint(0, n, shape, gen, at::kLong);
 }
-
-using P = st::Placements;
-const st::Placement S0 = st::Shard{0}, S1 = st::Shard{1}, S2 = st::Shard{2}, S3 = st::Shard{3};
-const st::Placement R = st::Replicate{};
 
 constexpr int64_t kReductions[] = {at::Reduction::None, at::Reduction::Mean, at::Reduction::Sum};
 const char* rname(int64_t r) { return r == 0 ? "none" : r == 1 ? "mean" : "sum"; }

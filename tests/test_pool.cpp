@@ -23,16 +23,6 @@ namespace {
 constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-6;
 
-at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, at::kFloat);
-}
-
-using P = st::Placements;
-const st::Placement S0 = st::Shard{0}, S1 = st::Shard{1}, S2 = st::Shard{2}, S3 = st::Shard{3},
-                    S4 = st::Shard{4};
-const st::Placement R = st::Replicate{};
-
 class Pool : public ::testing::Test {
  protected:
   st::DeviceMesh mesh = test_mesh();

@@ -25,20 +25,12 @@ constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-5;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen, at::kFloat);
-}
-
 // Small integers as floats: many ties, inside and across shards.
 at::Tensor ties(c10::IntArrayRef shape, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randint(0, 3, shape, gen, at::kFloat);
 }
 
-using P = st::Placements;
-const st::Placement S0 = st::Shard{0}, S1 = st::Shard{1}, S2 = st::Shard{2};
-const st::Placement R = st::Replicate{};
 const st::Placement Pa = st::Partial{};
 
 // 3-D layouts: on a 1-D mesh these are Shard(0), Shard(1), Shard(2), Replicate.

@@ -74,9 +74,6 @@ st::ShardSizes sizes_for(const st::DeviceMesh& mesh, int64_t mesh_dim, std::vect
   return out;
 }
 
-const st::Placement S0 = st::Shard{0}, S1 = st::Shard{1}, S2 = st::Shard{2}, S3 = st::Shard{3},
-                    R = st::Replicate{};
-
 }  // namespace
 
 // ---------------------------------------------------------------- view / reshape

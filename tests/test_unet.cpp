@@ -18,11 +18,6 @@ using namespace shardtensor::testing;
 
 namespace {
 
-at::Tensor rnd(std::vector<int64_t> shape, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, gen);
-}
-
 /// Uneven, mostly odd shard sizes of H = 48 (divisible by 2^depth = 4), so
 /// that 2x2 pooling windows straddle shard boundaries.
 std::vector<int64_t> uneven_48(int64_t parts) {

@@ -13,6 +13,14 @@ bool is_mesh_2x2() {
   return env != nullptr && std::string(env) == "2x2";
 }
 
+at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed, double scale, double shift) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor x = at::randn(shape, gen, at::kFloat);
+  if (scale != 1.0) x.mul_(scale);
+  if (shift != 0.0) x.add_(shift);
+  return x;
+}
+
 DeviceMesh test_mesh() {
   if (is_mesh_2x2()) {
     return DeviceMesh::create({2, 2}, {"dim0", "dim1"});

@@ -10,6 +10,16 @@
 
 namespace shardtensor::testing {
 
+/// Placements the tests spell over and over.
+using P = Placements;
+inline const Placement S0 = Shard{0}, S1 = Shard{1}, S2 = Shard{2}, S3 = Shard{3}, S4 = Shard{4};
+inline const Placement R = Replicate{};
+
+/// Local. A float32 standard-normal tensor from a generator seeded with
+/// `seed`, times `scale` plus `shift`: identical on every rank (libtorch seeds
+/// its default generator differently in every process).
+at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed, double scale = 1.0, double shift = 0.0);
+
 /// Collective over MPI_COMM_WORLD. The mesh a test should use: 1-D over all
 /// ranks, or 2x2 when SHARDTENSOR_TEST_MESH=2x2.
 DeviceMesh test_mesh();
