@@ -26,6 +26,10 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdlib>
+#include <cstring>
+
+#include "comm/transport.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -45,6 +49,12 @@ struct ConvPlan {
   int64_t groups = 1;
   bool has_bias = false;
   std::vector<int64_t> out_local_shape;  // batched
+  // Note [conv overlap]: the fast path, set when it applies.
+  bool fast = false;
+  int64_t fast_dim = 0;               // batched tensor dim that is sharded
+  int64_t fast_halo = 0;              // halo width on both sides (= the symmetric padding)
+  int64_t fast_mesh_dim = 0;          // the mesh dim that shards it
+  std::vector<int64_t> fast_padding;  // original padding on every spatial dim
 };
 
 struct PlanHolder : torch::CustomClassHolder {
@@ -74,10 +84,240 @@ bool has_zero(c10::IntArrayRef s) {
   return false;
 }
 
+// Note [conv overlap]: helpers of the fast path (one sharded spatial dim,
+// stride 1, output partition = input partition, symmetric padding p, every
+// piece at least p wide). Rows are indices along p.fast_dim of the local piece
+// extended by the halos: [-h, 0) left halo, [0, n) local, [n, n + h) right halo.
+constexpr int kConvHaloTag = 7211;
+
+struct FastGeom {
+  int64_t n = 0, h = 0;
+  int me = 0, nranks = 1;
+  bool left = false, right = false;  // has a neighbour on that side
+  MPI_Comm comm = MPI_COMM_NULL;
+  // Output row ranges [a, b) that the interior convolution gets wrong (next to
+  // an internal shard boundary), disjoint and sorted.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+};
+
+FastGeom fast_geom(const at::Tensor& x, const ConvPlan& p) {
+  FastGeom g;
+  g.n = x.size(p.fast_dim);
+  g.h = p.fast_halo;
+  g.nranks = static_cast<int>(p.mesh.size(p.fast_mesh_dim));
+  if (g.nranks > 1) {
+    g.comm = p.mesh.comm(p.fast_mesh_dim);
+    g.me = comm::transport::comm_rank(g.comm);
+  }
+  g.left = g.me > 0 && g.h > 0;
+  g.right = g.me + 1 < g.nranks && g.h > 0;
+  std::pair<int64_t, int64_t> l{0, 0}, r{g.n, g.n};
+  if (g.left) l = {0, std::min(g.h, g.n)};
+  if (g.right) r = {std::max<int64_t>(g.n - g.h, 0), g.n};
+  if (g.left && g.right && l.second >= r.first) {
+    g.ranges.push_back({0, g.n});
+  } else {
+    if (g.left) g.ranges.push_back(l);
+    if (g.right) g.ranges.push_back(r);
+  }
+  return g;
+}
+
+// Starts the exchange of `send_left` / `send_right` (to the neighbours) and
+// the receives into `recv_left` / `recv_right`; absent sides are skipped.
+comm::transport::PendingExchange start_halo_exchange(const FastGeom& g, const at::Tensor& send_left,
+                                                     const at::Tensor& send_right,
+                                                     const at::Tensor& recv_left,
+                                                     const at::Tensor& recv_right) {
+  std::vector<comm::transport::PeerBuffer> sends, recvs;
+  if (g.left) {
+    sends.push_back({g.me - 1, send_left});
+    recvs.push_back({g.me - 1, recv_left});
+  }
+  if (g.right) {
+    sends.push_back({g.me + 1, send_right});
+    recvs.push_back({g.me + 1, recv_right});
+  }
+  if (sends.empty()) return comm::transport::PendingExchange();
+  return comm::transport::start_exchange(sends, recvs, g.comm, kConvHaloTag);
+}
+
+at::Tensor contiguous_rows(const at::Tensor& x, int64_t dim, int64_t start, int64_t len) {
+  return x.narrow(dim, start, len).contiguous();
+}
+
+at::Tensor empty_rows(const at::Tensor& x, int64_t dim, int64_t len) {
+  auto shape = x.sizes().vec();
+  shape[dim] = len;
+  return at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+// Rows [lo, hi) of the halo-extended piece (-h <= lo <= hi <= n + h). Missing
+// halos (global edges) read as zeros; `zero_local` replaces the local rows by
+// zeros too (used for the weight-gradient correction).
+at::Tensor strip(const at::Tensor& x, const at::Tensor& halo_l, const at::Tensor& halo_r,
+                 const FastGeom& g, int64_t dim, int64_t lo, int64_t hi, bool zero_local) {
+  std::vector<at::Tensor> parts;
+  auto zeros = [&](int64_t len) {
+    auto shape = x.sizes().vec();
+    shape[dim] = len;
+    return at::zeros(shape, x.options());
+  };
+  if (lo < 0) {
+    const int64_t e = std::min<int64_t>(hi, 0);
+    parts.push_back(g.left ? halo_l.narrow(dim, lo + g.h, e - lo) : zeros(e - lo));
+  }
+  const int64_t a = std::max<int64_t>(lo, 0), b = std::min(hi, g.n);
+  if (b > a) parts.push_back(zero_local ? zeros(b - a) : x.narrow(dim, a, b - a));
+  if (hi > g.n) {
+    const int64_t s = std::max(lo, g.n);
+    parts.push_back(g.right ? halo_r.narrow(dim, s - g.n, hi - s) : zeros(hi - s));
+  }
+  return parts.size() == 1 ? parts[0].contiguous() : at::cat(parts, dim);
+}
+
+std::vector<int64_t> strip_padding(const ConvPlan& p) {
+  std::vector<int64_t> pad = p.fast_padding;
+  pad[p.fast_dim - 2] = 0;
+  return pad;
+}
+
+// Note [conv overlap]: forward of the fast path on the batched local piece.
+// Returns the output and the received halos (saved for backward).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_forward(const at::Tensor& x,
+                                                            const at::Tensor& weight,
+                                                            const at::Tensor& bias,
+                                                            const ConvPlan& p) {
+  const FastGeom g = fast_geom(x, p);
+  const int64_t d = p.fast_dim;
+  at::Tensor send_l, send_r, halo_l, halo_r;
+  if (g.left) {
+    send_l = contiguous_rows(x, d, 0, g.h);
+    halo_l = empty_rows(x, d, g.h);
+  }
+  if (g.right) {
+    send_r = contiguous_rows(x, d, g.n - g.h, g.h);
+    halo_r = empty_rows(x, d, g.h);
+  }
+  auto pending = start_halo_exchange(g, send_l, send_r, halo_l, halo_r);
+  const bool empty = has_zero(p.out_local_shape) || has_zero(x.sizes());
+  const std::vector<int64_t> no_out_pad(p.nsp, 0);
+  const at::Tensor b = p.has_bias ? bias : at::Tensor();
+  at::Tensor out;
+  if (empty) {
+    out = at::zeros(p.out_local_shape, x.options());
+  } else {
+    // Interior: the local piece with the original padding; correct except in
+    // g.ranges (which read zeros where the neighbours' rows belong).
+    pending.test();
+    out = at::convolution(x, weight, b, p.stride, p.fast_padding, p.dilation, false, no_out_pad,
+                          p.groups);
+  }
+  pending.finish();
+  if (!empty) {
+    const auto spad = strip_padding(p);
+    for (const auto& r : g.ranges) {
+      at::Tensor s = strip(x, halo_l, halo_r, g, d, r.first - g.h, r.second + g.h, false);
+      at::Tensor o =
+          at::convolution(s, weight, b, p.stride, spad, p.dilation, false, no_out_pad, p.groups);
+      out.narrow(d, r.first, r.second - r.first).copy_(o);
+    }
+  }
+  return {out, halo_l, halo_r};
+}
+
+// Note [conv overlap]: backward of the fast path. `g_out` is batched.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& halo_l,
+    const at::Tensor& halo_r, const at::Tensor& g_out, const ConvPlan& p, bool need_in, bool need_w,
+    bool need_b) {
+  const FastGeom g = fast_geom(x, p);
+  const int64_t d = p.fast_dim;
+  const bool empty = has_zero(p.out_local_shape) || has_zero(x.sizes());
+  const std::vector<int64_t> no_out_pad(p.nsp, 0);
+  const auto spad = strip_padding(p);
+  // 1. The boundary strips: gradient w.r.t. the halo rows (sent to their
+  //    owners) and the weight-gradient correction. By linearity in the input,
+  //    the strip's weight gradient with the local rows zeroed is exactly what
+  //    the interior backward (which read zeros for the halos) misses.
+  at::Tensor gh_l, gh_r, gw_corr;
+  if (need_in) {
+    if (g.left) gh_l = at::zeros_like(halo_l, at::MemoryFormat::Contiguous);
+    if (g.right) gh_r = at::zeros_like(halo_r, at::MemoryFormat::Contiguous);
+  }
+  if (!empty && (need_in || need_w)) {
+    for (const auto& r : g.ranges) {
+      const int64_t lo = r.first - g.h, hi = r.second + g.h;
+      at::Tensor s = strip(x, halo_l, halo_r, g, d, lo, hi, true);
+      at::Tensor go = g_out.narrow(d, r.first, r.second - r.first).contiguous();
+      at::Tensor gs, gws;
+      std::tie(gs, gws, std::ignore) =
+          at::convolution_backward(go, s, weight, c10::nullopt, p.stride, spad, p.dilation, false,
+                                   no_out_pad, p.groups, {need_in, need_w, false});
+      if (need_w) gw_corr = gw_corr.defined() ? gw_corr + gws : gws;
+      if (need_in) {
+        if (g.left && lo < 0) {
+          const int64_t e = std::min<int64_t>(hi, 0);
+          gh_l.narrow(d, lo + g.h, e - lo).add_(gs.narrow(d, 0, e - lo));
+        }
+        if (g.right && hi > g.n) {
+          const int64_t st = std::max(lo, g.n);
+          gh_r.narrow(d, st - g.n, hi - st).add_(gs.narrow(d, st - lo, hi - st));
+        }
+      }
+    }
+  }
+  // 2. Send them back (the adjoint of the forward exchange) while 3. the
+  //    interior backward runs.
+  at::Tensor recv_l, recv_r;
+  comm::transport::PendingExchange pending;
+  if (need_in) {
+    if (g.left) recv_l = empty_rows(x, d, g.h);
+    if (g.right) recv_r = empty_rows(x, d, g.h);
+    pending = start_halo_exchange(g, gh_l, gh_r, recv_l, recv_r);
+  }
+  at::Tensor gx, gw, gb;
+  if (empty) {
+    if (need_in) gx = at::zeros_like(x);
+    if (need_w) gw = at::zeros_like(weight);
+  } else if (need_in || need_w) {
+    pending.test();
+    std::tie(gx, gw, std::ignore) =
+        at::convolution_backward(g_out, x, weight, c10::nullopt, p.stride, p.fast_padding,
+                                 p.dilation, false, no_out_pad, p.groups, {need_in, need_w, false});
+  }
+  if (need_b) {
+    std::vector<int64_t> dims{0};
+    for (int64_t i = 2; i < g_out.dim(); ++i) dims.push_back(i);
+    gb = empty ? at::zeros({weight.size(0)}, weight.options()) : g_out.sum(dims);
+  }
+  pending.finish();
+  if (need_in && !empty) {
+    // My first rows were the left neighbour's right halo, and vice versa.
+    if (g.left) gx.narrow(d, 0, g.h).add_(recv_l);
+    if (g.right) gx.narrow(d, g.n - g.h, g.h).add_(recv_r);
+  }
+  if (need_w && gw_corr.defined()) gw.add_(gw_corr);
+  return {gx, gw, gb};
+}
+
 struct ConvFn : torch::autograd::Function<ConvFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, const at::Tensor& weight,
                             const at::Tensor& bias, std::shared_ptr<const ConvPlan> plan) {
     const ConvPlan& p = *plan;
+    if (p.fast) {
+      at::Tensor xb = p.batched ? local : local.unsqueeze(0);
+      at::Tensor out, halo_l, halo_r;
+      std::tie(out, halo_l, halo_r) = fast_forward(xb, weight, bias, p);
+      // Note [conv memory]: only the local input, the weight and the two
+      // halo strips are kept.
+      ctx->save_for_backward({local, weight, halo_l, halo_r});
+      ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
+      ctx->saved_data["bias"] = p.has_bias;
+      ctx->saved_data["bias_size"] = p.has_bias ? bias.size(0) : int64_t(0);
+      if (!p.batched) out = out.squeeze(0);
+      return out;
+    }
     at::Tensor x = gather_input(local, p);
     at::Tensor out;
     if (has_zero(p.out_local_shape) || has_zero(x.sizes())) {
@@ -110,6 +350,16 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     at::Tensor g = grads[0];
     if (!g.defined()) g = at::zeros(p.out_local_shape, local.options());
     if (!p.batched) g = g.unsqueeze(0);
+
+    if (p.fast) {
+      at::Tensor xb = p.batched ? local : local.unsqueeze(0);
+      at::Tensor gx, gw, gb;
+      std::tie(gx, gw, gb) =
+          fast_backward(xb, weight, saved[2], saved[3], g.contiguous(), p, need_in, need_w, need_b);
+      if (need_in && !p.batched) gx = gx.squeeze(0);
+      return {need_in ? gx : at::Tensor(), need_w ? gw : at::Tensor(), need_b ? gb : at::Tensor(),
+              at::Tensor()};
+    }
 
     // Rebuild the gathered input (collective on every rank, whatever it needs).
     c10::AutoGradMode enable(true);
@@ -152,6 +402,37 @@ struct ConvCall {
   std::vector<int64_t> stride, dilation, pad_left, pad_right;
   int64_t groups = 1;
 };
+
+// Note [conv overlap]: whether the fast path applies. Decided from global
+// shapes and the spec only, so every rank agrees. SHARDTENSOR_CONV_OVERLAP=0
+// disables it (for comparisons).
+void decide_fast_path(ConvPlan& plan, const ConvCall& c, const std::vector<int64_t>& out_ext,
+                      int64_t first_sp) {
+  plan.fast = false;
+  static const bool enabled = [] {
+    const char* e = std::getenv("SHARDTENSOR_CONV_OVERLAP");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!enabled || plan.plans.size() != 1) return;
+  const stencil::DimPlan& dp = plan.plans[0];
+  const int64_t i = dp.dim - first_sp;
+  const int64_t k = c.weight.size(2 + i);
+  const int64_t h = c.pad_left[i];
+  if (c.stride[i] != 1 || c.pad_right[i] != h || c.dilation[i] * (k - 1) != 2 * h) return;
+  if (out_ext[i] != c.input.size(dp.dim) || dp.out_sizes != dp.in_sizes) return;
+  for (int64_t n : dp.in_sizes) {
+    if (n < std::max<int64_t>(h, 1)) return;  // single hop, no empty pieces
+  }
+  for (int64_t e : plan.extra_right) {
+    if (e != 0) return;
+  }
+  plan.fast = true;
+  plan.fast_dim = i + 2;
+  plan.fast_halo = h;
+  plan.fast_mesh_dim = dp.mesh_dim;
+  plan.fast_padding = plan.local_padding;
+  plan.fast_padding[i] = h;
+}
 
 void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
@@ -292,6 +573,7 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
       fail(op, args, "padding larger on the left than on the right is not supported");
     }
   }
+  decide_fast_path(*plan, c, out_ext, first_sp);
   SpecPtr out_spec = stencil::output_spec(compute, out_shape, plan->plans);
   plan->out_local_shape = out_spec->local_shape();
   if (!batched) plan->out_local_shape.insert(plan->out_local_shape.begin(), 1);
