@@ -615,7 +615,7 @@ TEST_F(Conv, OverlapFastPath2d) {
     if (cs.bias) params.push_back(b);
     std::ostringstream what;
     what << "k=" << cs.k << " d=" << cs.d << " groups=" << cs.groups << " bias=" << cs.bias;
-    for (const P& want : {P{S2, S0}, P{S3, R}, P{S0, S2}}) {
+    for (const P& want : {P{S2, S0}, P{S3, R}, P{S0, S2}, P{S2, S3}, P{S3, S2}}) {
       const P pl = fit_placements(mesh, want);
       EXPECT_TRUE(check(fn, {RefInput{x, pl, true}}, params)) << what.str() << st::to_string(pl);
       const int64_t tdim =
@@ -656,7 +656,7 @@ TEST_F(Conv, OverlapFastPath1dAnd3d) {
     auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
       return at::conv3d(in[0], p[0], p[1], 1, {pk, 1, pk});
     };
-    for (const P& want : {P{S2, R}, P{S4, S0}}) {
+    for (const P& want : {P{S2, R}, P{S4, S0}, P{S2, S4}}) {
       const P pl = fit_placements(mesh, want);
       EXPECT_TRUE(check(fn, {RefInput{x3, pl, true}}, {w, b})) << "conv3d k=" << k;
     }
@@ -682,32 +682,38 @@ TEST_F(Conv, OverlapForwardHoldsNoPaddedCopy) {
   torch::NoGradGuard no_grad;
   auto x = rnd({1, C, H, W}, 370);
   auto w = rnd({C, C, 3, 3}, 371), b = rnd({C}, 372);
-  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, R}), false);
-  at::Tensor piece = st::ShardTensor(sx).local().clone();
-  const int64_t row_bytes = C * W * static_cast<int64_t>(sizeof(float));
-  const int64_t out_bytes = piece.size(2) * row_bytes;
-  int64_t plain_extra = 0, extra = 0;
-  {
-    const int64_t base = st::memory_stats().current_bytes;
-    st::reset_peak_memory_stats();
-    at::Tensor out = at::conv2d(piece, w, b, 1, 1);
-    plain_extra = st::memory_stats().peak_bytes - base - out_bytes;
+  for (const P& want : {P{S2, R}, P{S3, S2}}) {
+    const P pl = fit_placements(mesh, want);
+    auto sx = st::distribute_tensor(x, mesh, pl, false);
+    at::Tensor piece = st::ShardTensor(sx).local().clone();
+    // A row: one index along the sharded dim with the longest edge.
+    const int64_t row_bytes =
+        C * std::max(piece.size(2), piece.size(3)) * static_cast<int64_t>(sizeof(float));
+    const int64_t out_bytes = piece.numel() * static_cast<int64_t>(sizeof(float));
+    int64_t plain_extra = 0, extra = 0;
+    {
+      const int64_t base = st::memory_stats().current_bytes;
+      st::reset_peak_memory_stats();
+      at::Tensor out = at::conv2d(piece, w, b, 1, 1);
+      plain_extra = st::memory_stats().peak_bytes - base - out_bytes;
+    }
+    at::Tensor out;
+    {
+      const int64_t base = st::memory_stats().current_bytes;
+      st::reset_peak_memory_stats();
+      out = at::conv2d(sx, w, b, 1, 1);
+      extra = st::memory_stats().peak_bytes - base - out_bytes;
+    }
+    const int64_t limit = 16 * row_bytes;
+    if (mesh.rank() == 0) {
+      std::printf(
+          "[ conv overlap ] P=%lld %s forward scratch: sharded %.3f MB, plain conv on the piece "
+          "%.3f MB (piece %.3f MB)\n",
+          static_cast<long long>(mesh.size()), st::to_string(pl).c_str(), extra / 1e6,
+          plain_extra / 1e6, out_bytes / 1e6);
+    }
+    EXPECT_TRUE(all_ranks(extra - plain_extra <= limit))
+        << "sharded extra " << extra << " plain extra " << plain_extra << " limit " << limit;
+    EXPECT_TRUE(all_close(gathered(out), at::conv2d(x, w, b, 1, 1), kRtol, kAtol));
   }
-  at::Tensor out;
-  {
-    const int64_t base = st::memory_stats().current_bytes;
-    st::reset_peak_memory_stats();
-    out = at::conv2d(sx, w, b, 1, 1);
-    extra = st::memory_stats().peak_bytes - base - out_bytes;
-  }
-  const int64_t limit = 16 * row_bytes;
-  if (mesh.rank() == 0) {
-    std::printf(
-        "[ conv overlap ] P=%lld forward scratch: sharded %.3f MB, plain conv on the piece "
-        "%.3f MB (piece %.3f MB)\n",
-        static_cast<long long>(mesh.size()), extra / 1e6, plain_extra / 1e6, out_bytes / 1e6);
-  }
-  EXPECT_TRUE(all_ranks(extra - plain_extra <= limit))
-      << "sharded extra " << extra << " plain extra " << plain_extra << " limit " << limit;
-  EXPECT_TRUE(all_close(gathered(out), at::conv2d(x, w, b, 1, 1), kRtol, kAtol));
 }

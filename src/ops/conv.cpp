@@ -17,11 +17,47 @@
 // Note [conv memory]: a rule built from gather + at::convolution would keep
 // the gathered (halo-extended) copy of the input alive for backward, on top of
 // the local input that the previous layer already holds: twice the activation
-// memory. ConvFn instead saves only the local input and the weight, and in
-// backward rebuilds the gathered input on a fresh graph (one more halo
-// exchange), runs at::convolution_backward, and sends the halo part of the
-// input gradient back to its owners through the adjoint of gather_range
-// (torch::autograd::grad through the rebuilt graph).
+// memory. ConvFn instead saves only the local input and the weight. On the
+// general path, forward still builds the gathered copy transiently (one
+// input-sized temporary per conv, even at P = 1), and backward rebuilds it on
+// a fresh graph (one more halo exchange), runs at::convolution_backward, and
+// sends the halo part of the input gradient back to its owners through the
+// adjoint of gather_range (torch::autograd::grad through the rebuilt graph).
+// The fast path (Note [conv overlap]) makes no input-sized copy at all: it
+// saves the local input, the weight and the two received halo strips (2h
+// rows), and its temporaries are boundary strips of 3h rows.
+//
+// Note [conv overlap]: the fast path, for the common same-size convolution:
+// exactly one sharded spatial dim, with stride 1, symmetric padding h and
+// dilation*(k-1) = 2h (k=3 p=1, k=5 p=2, 'same' with an odd kernel, ...), the
+// output partition equal to the input partition, every piece at least
+// max(h, 1) wide (single-hop halos, no empty pieces) and no extra right
+// padding on unsharded dims. Every rank decides it from global shapes and the
+// spec (decide_fast_path), so all agree; SHARDTENSOR_CONV_OVERLAP=0 turns it
+// off (the general path above is then used everywhere).
+//  - forward: post the exchange of the h edge rows with both neighbours
+//    (transport::start_exchange, split phase); while it is in flight run
+//    at::convolution on the local piece with the ORIGINAL padding h. That
+//    output is exact except in the h rows next to an internal shard boundary
+//    (they read zeros instead of the neighbour's rows; at the global edges the
+//    zeros are right). Finish the exchange and recompute only those rows from
+//    a strip [a - h, b + h) of the halo-extended piece with padding 0 on the
+//    sharded dim, copying them into the output (if a piece is narrower than
+//    2h the two boundary ranges merge into one).
+//  - backward: the interior at::convolution_backward (original padding) on
+//    the full output gradient gives every local-output -> local-input term of
+//    grad_input and weight gradients that used zeros for the halo rows. For
+//    each boundary range, one small convolution_backward on the strip with its
+//    LOCAL rows zeroed gives (a) the gradient w.r.t. the halo rows, sent back
+//    to their owners (the adjoint exchange, started before and overlapped with
+//    the interior backward) and added to their edge rows, and (b) by linearity
+//    of the weight gradient in the input, exactly the halo terms that the
+//    interior weight gradient missed; each output element is thus counted
+//    once. The bias gradient is the plain sum of the output gradient. The
+//    halo rows for (b) are the ones saved in forward, so backward exchanges
+//    only once (the gradients).
+// Everything else (strided, multi-hop, empty pieces, several sharded spatial
+// dims, asymmetric 'same') takes the general path.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -51,10 +87,10 @@ struct ConvPlan {
   std::vector<int64_t> out_local_shape;  // batched
   // Note [conv overlap]: the fast path, set when it applies.
   bool fast = false;
-  int64_t fast_dim = 0;               // batched tensor dim that is sharded
-  int64_t fast_halo = 0;              // halo width on both sides (= the symmetric padding)
-  int64_t fast_mesh_dim = 0;          // the mesh dim that shards it
-  std::vector<int64_t> fast_padding;  // original padding on every spatial dim
+  std::vector<int64_t> fast_dims;       // batched tensor dims that are sharded
+  std::vector<int64_t> fast_halos;      // halo width on both sides (= the symmetric padding)
+  std::vector<int64_t> fast_mesh_dims;  // the mesh dims that shard them
+  std::vector<int64_t> fast_padding;    // original padding on every spatial dim
 };
 
 struct PlanHolder : torch::CustomClassHolder {
@@ -84,122 +120,270 @@ bool has_zero(c10::IntArrayRef s) {
   return false;
 }
 
-// Note [conv overlap]: helpers of the fast path (one sharded spatial dim,
-// stride 1, output partition = input partition, symmetric padding p, every
-// piece at least p wide). Rows are indices along p.fast_dim of the local piece
-// extended by the halos: [-h, 0) left halo, [0, n) local, [n, n + h) right halo.
+// Note [conv overlap]: helpers of the fast path. Along each sharded dim i
+// (batched tensor dim dims[i], halo h[i], local extent n[i]) the piece is
+// extended to [-h, n + h): a 3^D arrangement of blocks indexed by an offset
+// o in {-1, 0, 1}^D; block 0...0 is the local piece, block o != 0 comes from
+// the neighbour at mesh offset o (corners from diagonal neighbours) or, past
+// a global edge, is zeros.
 constexpr int kConvHaloTag = 7211;
 
+using Range1 = std::pair<int64_t, int64_t>;
+using Box = std::vector<Range1>;  // per sharded dim
+
 struct FastGeom {
-  int64_t n = 0, h = 0;
-  int me = 0, nranks = 1;
-  bool left = false, right = false;  // has a neighbour on that side
+  int64_t D = 0;
+  std::vector<int64_t> dims, h, n;
+  std::vector<bool> lo, hi;  // has a neighbour below / above along dim i
   MPI_Comm comm = MPI_COMM_NULL;
-  // Output row ranges [a, b) that the interior convolution gets wrong (next to
-  // an internal shard boundary), disjoint and sorted.
-  std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::vector<int64_t> coord;  // this rank's mesh coordinate
+  std::vector<int64_t> mesh_dims;
+  const DeviceMesh* mesh = nullptr;
 };
 
 FastGeom fast_geom(const at::Tensor& x, const ConvPlan& p) {
   FastGeom g;
-  g.n = x.size(p.fast_dim);
-  g.h = p.fast_halo;
-  g.nranks = static_cast<int>(p.mesh.size(p.fast_mesh_dim));
-  if (g.nranks > 1) {
-    g.comm = p.mesh.comm(p.fast_mesh_dim);
-    g.me = comm::transport::comm_rank(g.comm);
+  g.D = static_cast<int64_t>(p.fast_dims.size());
+  g.dims = p.fast_dims;
+  g.h = p.fast_halos;
+  g.mesh_dims = p.fast_mesh_dims;
+  g.mesh = &p.mesh;
+  g.coord = p.mesh.coordinate();
+  bool any = false;
+  for (int64_t i = 0; i < g.D; ++i) {
+    g.n.push_back(x.size(g.dims[i]));
+    const int64_t c = g.coord[g.mesh_dims[i]], P = p.mesh.size(g.mesh_dims[i]);
+    g.lo.push_back(c > 0 && g.h[i] > 0);
+    g.hi.push_back(c + 1 < P && g.h[i] > 0);
+    any = any || g.lo.back() || g.hi.back();
   }
-  g.left = g.me > 0 && g.h > 0;
-  g.right = g.me + 1 < g.nranks && g.h > 0;
-  std::pair<int64_t, int64_t> l{0, 0}, r{g.n, g.n};
-  if (g.left) l = {0, std::min(g.h, g.n)};
-  if (g.right) r = {std::max<int64_t>(g.n - g.h, 0), g.n};
-  if (g.left && g.right && l.second >= r.first) {
-    g.ranges.push_back({0, g.n});
-  } else {
-    if (g.left) g.ranges.push_back(l);
-    if (g.right) g.ranges.push_back(r);
-  }
+  if (any) g.comm = p.mesh.comm();
   return g;
 }
 
-// Starts the exchange of `send_left` / `send_right` (to the neighbours) and
-// the receives into `recv_left` / `recv_right`; absent sides are skipped.
-comm::transport::PendingExchange start_halo_exchange(const FastGeom& g, const at::Tensor& send_left,
-                                                     const at::Tensor& send_right,
-                                                     const at::Tensor& recv_left,
-                                                     const at::Tensor& recv_right) {
-  std::vector<comm::transport::PeerBuffer> sends, recvs;
-  if (g.left) {
-    sends.push_back({g.me - 1, send_left});
-    recvs.push_back({g.me - 1, recv_left});
+// Offsets o != 0 with an existing neighbour, as index (base 3, digit o_i + 1).
+std::vector<std::vector<int64_t>> neighbour_offsets(const FastGeom& g) {
+  std::vector<std::vector<int64_t>> out;
+  int64_t total = 1;
+  for (int64_t i = 0; i < g.D; ++i) total *= 3;
+  for (int64_t code = 0; code < total; ++code) {
+    std::vector<int64_t> o(g.D);
+    int64_t c = code;
+    bool zero = true, ok = true;
+    for (int64_t i = 0; i < g.D; ++i) {
+      o[i] = c % 3 - 1;
+      c /= 3;
+      zero = zero && o[i] == 0;
+      if ((o[i] < 0 && !g.lo[i]) || (o[i] > 0 && !g.hi[i])) ok = false;
+    }
+    if (!zero && ok) out.push_back(o);
   }
-  if (g.right) {
-    sends.push_back({g.me + 1, send_right});
-    recvs.push_back({g.me + 1, recv_right});
+  return out;
+}
+
+int64_t offset_code(const std::vector<int64_t>& o) {
+  int64_t code = 0;
+  for (int64_t i = static_cast<int64_t>(o.size()) - 1; i >= 0; --i) code = code * 3 + o[i] + 1;
+  return code;
+}
+
+int neighbour_rank(const FastGeom& g, const std::vector<int64_t>& o) {
+  std::vector<int64_t> c = g.coord;
+  for (int64_t i = 0; i < g.D; ++i) c[g.mesh_dims[i]] += o[i];
+  return g.mesh->rank_of(c);
+}
+
+// The local slice that neighbour o reads as its halo (my edge rows toward o).
+at::Tensor edge_slice(const at::Tensor& x, const FastGeom& g, const std::vector<int64_t>& o) {
+  at::Tensor t = x;
+  for (int64_t i = 0; i < g.D; ++i) {
+    if (o[i] < 0) t = t.narrow(g.dims[i], 0, g.h[i]);
+    if (o[i] > 0) t = t.narrow(g.dims[i], g.n[i] - g.h[i], g.h[i]);
+  }
+  return t;
+}
+
+std::vector<int64_t> block_shape(const at::Tensor& x, const FastGeom& g,
+                                 const std::vector<int64_t>& o) {
+  auto shape = x.sizes().vec();
+  for (int64_t i = 0; i < g.D; ++i) {
+    if (o[i] != 0) shape[g.dims[i]] = g.h[i];
+  }
+  return shape;
+}
+
+// Posts, for every neighbour o, the send of send[code(o)] and the receive into
+// recv[code(o)].
+comm::transport::PendingExchange start_blocks(const FastGeom& g,
+                                              const std::vector<at::Tensor>& send,
+                                              const std::vector<at::Tensor>& recv) {
+  std::vector<comm::transport::PeerBuffer> sends, recvs;
+  for (const auto& o : neighbour_offsets(g)) {
+    const int r = neighbour_rank(g, o);
+    sends.push_back({r, send[offset_code(o)]});
+    recvs.push_back({r, recv[offset_code(o)]});
   }
   if (sends.empty()) return comm::transport::PendingExchange();
   return comm::transport::start_exchange(sends, recvs, g.comm, kConvHaloTag);
 }
 
-at::Tensor contiguous_rows(const at::Tensor& x, int64_t dim, int64_t start, int64_t len) {
-  return x.narrow(dim, start, len).contiguous();
+// One piece of a region of the extended piece: which block, which rows of
+// the block, and where in the region.
+struct Part {
+  std::vector<int64_t> o;
+  Box in_block, in_region;
+};
+
+std::vector<Part> split_region(const FastGeom& g, const Box& region) {
+  std::vector<Part> parts{Part{}};
+  for (int64_t i = 0; i < g.D; ++i) {
+    const int64_t lo = region[i].first, hi = region[i].second, n = g.n[i], h = g.h[i];
+    std::vector<std::tuple<int64_t, Range1, Range1>> pieces;  // offset, in block, in region
+    if (lo < 0) {
+      const int64_t e = std::min<int64_t>(hi, 0);
+      pieces.push_back({-1, {lo + h, e + h}, {0, e - lo}});
+    }
+    const int64_t a = std::max<int64_t>(lo, 0), b = std::min(hi, n);
+    if (b > a) pieces.push_back({0, {a, b}, {a - lo, b - lo}});
+    if (hi > n) {
+      const int64_t s = std::max(lo, n);
+      pieces.push_back({1, {s - n, hi - n}, {s - lo, hi - lo}});
+    }
+    std::vector<Part> next;
+    for (const auto& pt : parts) {
+      for (const auto& pc : pieces) {
+        Part q = pt;
+        q.o.push_back(std::get<0>(pc));
+        q.in_block.push_back(std::get<1>(pc));
+        q.in_region.push_back(std::get<2>(pc));
+        next.push_back(q);
+      }
+    }
+    parts = std::move(next);
+  }
+  return parts;
 }
 
-at::Tensor empty_rows(const at::Tensor& x, int64_t dim, int64_t len) {
+at::Tensor narrow_box(at::Tensor t, const FastGeom& g, const Box& box) {
+  for (int64_t i = 0; i < g.D; ++i) {
+    t = t.narrow(g.dims[i], box[i].first, box[i].second - box[i].first);
+  }
+  return t;
+}
+
+bool has_neighbour(const FastGeom& g, const std::vector<int64_t>& o) {
+  for (int64_t i = 0; i < g.D; ++i) {
+    if ((o[i] < 0 && !g.lo[i]) || (o[i] > 0 && !g.hi[i])) return false;
+  }
+  return true;
+}
+
+bool is_local(const std::vector<int64_t>& o) {
+  for (int64_t v : o) {
+    if (v != 0) return false;
+  }
+  return true;
+}
+
+// A region of the extended piece as a fresh tensor. Blocks past a global edge
+// read as zeros; `zero_local` makes the local block read as zeros too.
+at::Tensor region_tensor(const at::Tensor& x, const std::vector<at::Tensor>& halos,
+                         const FastGeom& g, const Box& region, bool zero_local) {
   auto shape = x.sizes().vec();
-  shape[dim] = len;
-  return at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  for (int64_t i = 0; i < g.D; ++i) shape[g.dims[i]] = region[i].second - region[i].first;
+  at::Tensor out = at::zeros(shape, x.options());
+  for (const auto& pt : split_region(g, region)) {
+    const bool local = is_local(pt.o);
+    if (local && zero_local) continue;
+    if (!local && !has_neighbour(g, pt.o)) continue;
+    const at::Tensor& block = local ? x : halos[offset_code(pt.o)];
+    narrow_box(out, g, pt.in_region).copy_(narrow_box(block, g, pt.in_block));
+  }
+  return out;
 }
 
-// Rows [lo, hi) of the halo-extended piece (-h <= lo <= hi <= n + h). Missing
-// halos (global edges) read as zeros; `zero_local` replaces the local rows by
-// zeros too (used for the weight-gradient correction).
-at::Tensor strip(const at::Tensor& x, const at::Tensor& halo_l, const at::Tensor& halo_r,
-                 const FastGeom& g, int64_t dim, int64_t lo, int64_t hi, bool zero_local) {
-  std::vector<at::Tensor> parts;
-  auto zeros = [&](int64_t len) {
-    auto shape = x.sizes().vec();
-    shape[dim] = len;
-    return at::zeros(shape, x.options());
-  };
-  if (lo < 0) {
-    const int64_t e = std::min<int64_t>(hi, 0);
-    parts.push_back(g.left ? halo_l.narrow(dim, lo + g.h, e - lo) : zeros(e - lo));
+// The output boxes that the interior convolution gets wrong, disjoint: along
+// dim i the rows next to an internal boundary (merged when they overlap),
+// crossed with the rows of earlier dims that are not such rows.
+std::vector<Box> boundary_boxes(const FastGeom& g) {
+  std::vector<std::vector<Range1>> bad(g.D), good(g.D);
+  for (int64_t i = 0; i < g.D; ++i) {
+    const int64_t n = g.n[i], h = g.h[i];
+    Range1 l{0, 0}, r{n, n};
+    if (g.lo[i]) l = {0, std::min(h, n)};
+    if (g.hi[i]) r = {std::max<int64_t>(n - h, 0), n};
+    if (g.lo[i] && g.hi[i] && l.second >= r.first) {
+      bad[i].push_back({0, n});
+    } else {
+      if (g.lo[i]) bad[i].push_back(l);
+      if (g.hi[i]) bad[i].push_back(r);
+    }
+    int64_t pos = 0;
+    for (const auto& b : bad[i]) {
+      if (b.first > pos) good[i].push_back({pos, b.first});
+      pos = b.second;
+    }
+    if (pos < n) good[i].push_back({pos, n});
   }
-  const int64_t a = std::max<int64_t>(lo, 0), b = std::min(hi, g.n);
-  if (b > a) parts.push_back(zero_local ? zeros(b - a) : x.narrow(dim, a, b - a));
-  if (hi > g.n) {
-    const int64_t s = std::max(lo, g.n);
-    parts.push_back(g.right ? halo_r.narrow(dim, s - g.n, hi - s) : zeros(hi - s));
+  std::vector<Box> out;
+  for (int64_t i = 0; i < g.D; ++i) {
+    for (const auto& b : bad[i]) {
+      std::vector<Box> boxes{Box{}};
+      for (int64_t j = 0; j < g.D; ++j) {
+        std::vector<Range1> choices;
+        if (j < i) choices = good[j];
+        if (j == i) choices = {b};
+        if (j > i) choices = {{0, g.n[j]}};
+        std::vector<Box> next;
+        for (const auto& bx : boxes) {
+          for (const auto& c : choices) {
+            Box q = bx;
+            q.push_back(c);
+            next.push_back(q);
+          }
+        }
+        boxes = std::move(next);
+      }
+      out.insert(out.end(), boxes.begin(), boxes.end());
+    }
   }
-  return parts.size() == 1 ? parts[0].contiguous() : at::cat(parts, dim);
+  return out;
+}
+
+Box input_region(const FastGeom& g, const Box& out_box) {
+  Box r;
+  for (int64_t i = 0; i < g.D; ++i) {
+    r.push_back({out_box[i].first - g.h[i], out_box[i].second + g.h[i]});
+  }
+  return r;
 }
 
 std::vector<int64_t> strip_padding(const ConvPlan& p) {
   std::vector<int64_t> pad = p.fast_padding;
-  pad[p.fast_dim - 2] = 0;
+  for (int64_t d : p.fast_dims) pad[d - 2] = 0;
   return pad;
 }
 
+int64_t num_codes(const FastGeom& g) {
+  int64_t t = 1;
+  for (int64_t i = 0; i < g.D; ++i) t *= 3;
+  return t;
+}
+
 // Note [conv overlap]: forward of the fast path on the batched local piece.
-// Returns the output and the received halos (saved for backward).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_forward(const at::Tensor& x,
+// Returns the output and the received halo blocks (indexed by offset code,
+// saved for backward).
+std::pair<at::Tensor, std::vector<at::Tensor>> fast_forward(const at::Tensor& x,
                                                             const at::Tensor& weight,
                                                             const at::Tensor& bias,
                                                             const ConvPlan& p) {
   const FastGeom g = fast_geom(x, p);
-  const int64_t d = p.fast_dim;
-  at::Tensor send_l, send_r, halo_l, halo_r;
-  if (g.left) {
-    send_l = contiguous_rows(x, d, 0, g.h);
-    halo_l = empty_rows(x, d, g.h);
+  std::vector<at::Tensor> send(num_codes(g)), halos(num_codes(g));
+  for (const auto& o : neighbour_offsets(g)) {
+    send[offset_code(o)] = edge_slice(x, g, o).contiguous();
+    halos[offset_code(o)] = at::empty(block_shape(x, g, o), x.options());
   }
-  if (g.right) {
-    send_r = contiguous_rows(x, d, g.n - g.h, g.h);
-    halo_r = empty_rows(x, d, g.h);
-  }
-  auto pending = start_halo_exchange(g, send_l, send_r, halo_l, halo_r);
+  auto pending = start_blocks(g, send, halos);
   const bool empty = has_zero(p.out_local_shape) || has_zero(x.sizes());
   const std::vector<int64_t> no_out_pad(p.nsp, 0);
   const at::Tensor b = p.has_bias ? bias : at::Tensor();
@@ -208,74 +392,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_forward(const at::Tensor& x,
     out = at::zeros(p.out_local_shape, x.options());
   } else {
     // Interior: the local piece with the original padding; correct except in
-    // g.ranges (which read zeros where the neighbours' rows belong).
+    // the boundary boxes (which read zeros where the neighbours' rows belong).
     pending.test();
     out = at::convolution(x, weight, b, p.stride, p.fast_padding, p.dilation, false, no_out_pad,
                           p.groups);
   }
   pending.finish();
+  send.clear();
   if (!empty) {
     const auto spad = strip_padding(p);
-    for (const auto& r : g.ranges) {
-      at::Tensor s = strip(x, halo_l, halo_r, g, d, r.first - g.h, r.second + g.h, false);
+    for (const auto& box : boundary_boxes(g)) {
+      at::Tensor s = region_tensor(x, halos, g, input_region(g, box), false);
       at::Tensor o =
           at::convolution(s, weight, b, p.stride, spad, p.dilation, false, no_out_pad, p.groups);
-      out.narrow(d, r.first, r.second - r.first).copy_(o);
+      narrow_box(out, g, box).copy_(o);
     }
   }
-  return {out, halo_l, halo_r};
+  return {out, halos};
 }
 
 // Note [conv overlap]: backward of the fast path. `g_out` is batched.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& halo_l,
-    const at::Tensor& halo_r, const at::Tensor& g_out, const ConvPlan& p, bool need_in, bool need_w,
-    bool need_b) {
+    const at::Tensor& x, const at::Tensor& weight, const std::vector<at::Tensor>& halos,
+    const at::Tensor& g_out, const ConvPlan& p, bool need_in, bool need_w, bool need_b) {
   const FastGeom g = fast_geom(x, p);
-  const int64_t d = p.fast_dim;
   const bool empty = has_zero(p.out_local_shape) || has_zero(x.sizes());
   const std::vector<int64_t> no_out_pad(p.nsp, 0);
   const auto spad = strip_padding(p);
-  // 1. The boundary strips: gradient w.r.t. the halo rows (sent to their
+  const auto nbrs = neighbour_offsets(g);
+  // 1. The boundary boxes: gradient w.r.t. the halo blocks (sent to their
   //    owners) and the weight-gradient correction. By linearity in the input,
-  //    the strip's weight gradient with the local rows zeroed is exactly what
+  //    the strip's weight gradient with the local block zeroed is exactly what
   //    the interior backward (which read zeros for the halos) misses.
-  at::Tensor gh_l, gh_r, gw_corr;
+  std::vector<at::Tensor> gsend(num_codes(g)), grecv(num_codes(g));
   if (need_in) {
-    if (g.left) gh_l = at::zeros_like(halo_l, at::MemoryFormat::Contiguous);
-    if (g.right) gh_r = at::zeros_like(halo_r, at::MemoryFormat::Contiguous);
+    for (const auto& o : nbrs) {
+      gsend[offset_code(o)] = at::zeros(block_shape(x, g, o), x.options());
+      grecv[offset_code(o)] = at::empty(edge_slice(x, g, o).sizes(), x.options());
+    }
   }
+  at::Tensor gw_corr;
   if (!empty && (need_in || need_w)) {
-    for (const auto& r : g.ranges) {
-      const int64_t lo = r.first - g.h, hi = r.second + g.h;
-      at::Tensor s = strip(x, halo_l, halo_r, g, d, lo, hi, true);
-      at::Tensor go = g_out.narrow(d, r.first, r.second - r.first).contiguous();
+    for (const auto& box : boundary_boxes(g)) {
+      const Box region = input_region(g, box);
+      at::Tensor s = region_tensor(x, halos, g, region, true);
+      at::Tensor go = narrow_box(g_out, g, box).contiguous();
       at::Tensor gs, gws;
       std::tie(gs, gws, std::ignore) =
           at::convolution_backward(go, s, weight, c10::nullopt, p.stride, spad, p.dilation, false,
                                    no_out_pad, p.groups, {need_in, need_w, false});
       if (need_w) gw_corr = gw_corr.defined() ? gw_corr + gws : gws;
       if (need_in) {
-        if (g.left && lo < 0) {
-          const int64_t e = std::min<int64_t>(hi, 0);
-          gh_l.narrow(d, lo + g.h, e - lo).add_(gs.narrow(d, 0, e - lo));
-        }
-        if (g.right && hi > g.n) {
-          const int64_t st = std::max(lo, g.n);
-          gh_r.narrow(d, st - g.n, hi - st).add_(gs.narrow(d, st - lo, hi - st));
+        for (const auto& pt : split_region(g, region)) {
+          if (is_local(pt.o) || !has_neighbour(g, pt.o)) continue;
+          narrow_box(gsend[offset_code(pt.o)], g, pt.in_block)
+              .add_(narrow_box(gs, g, pt.in_region));
         }
       }
     }
   }
   // 2. Send them back (the adjoint of the forward exchange) while 3. the
   //    interior backward runs.
-  at::Tensor recv_l, recv_r;
   comm::transport::PendingExchange pending;
-  if (need_in) {
-    if (g.left) recv_l = empty_rows(x, d, g.h);
-    if (g.right) recv_r = empty_rows(x, d, g.h);
-    pending = start_halo_exchange(g, gh_l, gh_r, recv_l, recv_r);
-  }
+  if (need_in) pending = start_blocks(g, gsend, grecv);
   at::Tensor gx, gw, gb;
   if (empty) {
     if (need_in) gx = at::zeros_like(x);
@@ -293,9 +472,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
   }
   pending.finish();
   if (need_in && !empty) {
-    // My first rows were the left neighbour's right halo, and vice versa.
-    if (g.left) gx.narrow(d, 0, g.h).add_(recv_l);
-    if (g.right) gx.narrow(d, g.n - g.h, g.h).add_(recv_r);
+    // My edge rows toward o were neighbour o's halo: add its gradient.
+    for (const auto& o : nbrs) edge_slice(gx, g, o).add_(grecv[offset_code(o)]);
   }
   if (need_w && gw_corr.defined()) gw.add_(gw_corr);
   return {gx, gw, gb};
@@ -307,11 +485,13 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     const ConvPlan& p = *plan;
     if (p.fast) {
       at::Tensor xb = p.batched ? local : local.unsqueeze(0);
-      at::Tensor out, halo_l, halo_r;
-      std::tie(out, halo_l, halo_r) = fast_forward(xb, weight, bias, p);
-      // Note [conv memory]: only the local input, the weight and the two
-      // halo strips are kept.
-      ctx->save_for_backward({local, weight, halo_l, halo_r});
+      auto res = fast_forward(xb, weight, bias, p);
+      at::Tensor out = res.first;
+      // Note [conv memory]: only the local input, the weight and the halo
+      // blocks are kept.
+      variable_list keep{local, weight};
+      keep.insert(keep.end(), res.second.begin(), res.second.end());
+      ctx->save_for_backward(keep);
       ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
       ctx->saved_data["bias"] = p.has_bias;
       ctx->saved_data["bias_size"] = p.has_bias ? bias.size(0) : int64_t(0);
@@ -354,8 +534,9 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     if (p.fast) {
       at::Tensor xb = p.batched ? local : local.unsqueeze(0);
       at::Tensor gx, gw, gb;
+      std::vector<at::Tensor> halos(saved.begin() + 2, saved.end());
       std::tie(gx, gw, gb) =
-          fast_backward(xb, weight, saved[2], saved[3], g.contiguous(), p, need_in, need_w, need_b);
+          fast_backward(xb, weight, halos, g.contiguous(), p, need_in, need_w, need_b);
       if (need_in && !p.batched) gx = gx.squeeze(0);
       return {need_in ? gx : at::Tensor(), need_w ? gw : at::Tensor(), need_b ? gb : at::Tensor(),
               at::Tensor()};
@@ -413,25 +594,30 @@ void decide_fast_path(ConvPlan& plan, const ConvCall& c, const std::vector<int64
     const char* e = std::getenv("SHARDTENSOR_CONV_OVERLAP");
     return !(e && std::strcmp(e, "0") == 0);
   }();
-  if (!enabled || plan.plans.size() != 1) return;
-  const stencil::DimPlan& dp = plan.plans[0];
-  const int64_t i = dp.dim - first_sp;
-  const int64_t k = c.weight.size(2 + i);
-  const int64_t h = c.pad_left[i];
-  if (c.stride[i] != 1 || c.pad_right[i] != h || c.dilation[i] * (k - 1) != 2 * h) return;
-  if (out_ext[i] != c.input.size(dp.dim) || dp.out_sizes != dp.in_sizes) return;
-  for (int64_t n : dp.in_sizes) {
-    if (n < std::max<int64_t>(h, 1)) return;  // single hop, no empty pieces
-  }
+  if (!enabled || plan.plans.empty()) return;
   for (int64_t e : plan.extra_right) {
     if (e != 0) return;
   }
+  std::vector<int64_t> dims, halos, mesh_dims;
+  for (const stencil::DimPlan& dp : plan.plans) {
+    const int64_t i = dp.dim - first_sp;
+    const int64_t k = c.weight.size(2 + i);
+    const int64_t h = c.pad_left[i];
+    if (c.stride[i] != 1 || c.pad_right[i] != h || c.dilation[i] * (k - 1) != 2 * h) return;
+    if (out_ext[i] != c.input.size(dp.dim) || dp.out_sizes != dp.in_sizes) return;
+    for (int64_t n : dp.in_sizes) {
+      if (n < std::max<int64_t>(h, 1)) return;  // single hop, no empty pieces
+    }
+    dims.push_back(i + 2);
+    halos.push_back(h);
+    mesh_dims.push_back(dp.mesh_dim);
+  }
   plan.fast = true;
-  plan.fast_dim = i + 2;
-  plan.fast_halo = h;
-  plan.fast_mesh_dim = dp.mesh_dim;
+  plan.fast_dims = dims;
+  plan.fast_halos = halos;
+  plan.fast_mesh_dims = mesh_dims;
   plan.fast_padding = plan.local_padding;
-  plan.fast_padding[i] = h;
+  for (size_t j = 0; j < dims.size(); ++j) plan.fast_padding[dims[j] - 2] = halos[j];
 }
 
 void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
