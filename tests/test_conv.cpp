@@ -592,7 +592,7 @@ st::ShardSizes thin_first(const st::DeviceMesh& mesh, const P& placements, c10::
 TEST_F(Conv, OverlapFastPath2d) {
   // Same-size convolutions (stride 1, symmetric padding = the halo): k=3 p=1,
   // k=5 p=2, k=3 dilation 2 p=2, with and without bias and groups; sharded
-  // along H or W (1-D mesh) or batch x H / H x replicate (2x2 mesh), balanced
+  // along H or W (1-D mesh) or batch x H / H x W / H x replicate (2x2 mesh), balanced
   // uneven pieces and a first piece exactly as thin as the halo.
   const int64_t C = 4;
   auto x = rnd({2, C, 13, 9}, 301);
@@ -672,7 +672,8 @@ TEST_F(Conv, OverlapFastPath1dAnd3d) {
 
 TEST_F(Conv, OverlapForwardHoldsNoPaddedCopy) {
   // Note [conv overlap]: one Conv2d 16->16 3x3 padding 1 forward (no grad) on
-  // a 256x256 input sharded along H. libtorch's own CPU convolution needs a
+  // a 256x256 input sharded along H, and along H and W on a 2x2 mesh.
+  // libtorch's own CPU convolution needs a
   // workspace, so the sharded peak (minus the output; the input exists before
   // the reset) is compared with plain at::conv2d on a copy of this rank's
   // piece: the difference must stay within a few halo rows (halos, the

@@ -24,26 +24,34 @@
 // sends the halo part of the input gradient back to its owners through the
 // adjoint of gather_range (torch::autograd::grad through the rebuilt graph).
 // The fast path (Note [conv overlap]) makes no input-sized copy at all: it
-// saves the local input, the weight and the two received halo strips (2h
-// rows), and its temporaries are boundary strips of 3h rows.
+// saves the local input, the weight and the received halo blocks (h rows per
+// side and sharded dim, plus corners), and its temporaries are boundary strips
+// of 3h rows.
 //
 // Note [conv overlap]: the fast path, for the common same-size convolution:
-// exactly one sharded spatial dim, with stride 1, symmetric padding h and
+// every sharded spatial dim has stride 1, symmetric padding h and
 // dilation*(k-1) = 2h (k=3 p=1, k=5 p=2, 'same' with an odd kernel, ...), the
-// output partition equal to the input partition, every piece at least
-// max(h, 1) wide (single-hop halos, no empty pieces) and no extra right
-// padding on unsharded dims. Every rank decides it from global shapes and the
-// spec (decide_fast_path), so all agree; SHARDTENSOR_CONV_OVERLAP=0 turns it
-// off (the general path above is then used everywhere).
-//  - forward: post the exchange of the h edge rows with both neighbours
+// output partition equal to the input partition and every piece at least
+// max(h, 1) wide (single-hop halos, no empty pieces); no extra right padding
+// on unsharded dims. Any number of spatial dims may be sharded: the halo of a
+// piece is then a 3^D arrangement of blocks, the corners coming straight from
+// the diagonal neighbours (one exchange over the whole mesh communicator).
+// Every rank decides it from global shapes and the spec (decide_fast_path),
+// so all agree; SHARDTENSOR_CONV_OVERLAP=0 turns it off (the general path
+// above is then used everywhere).
+//  - forward: post the exchange of the edge blocks with every neighbour
 //    (transport::start_exchange, split phase); while it is in flight run
 //    at::convolution on the local piece with the ORIGINAL padding h. That
 //    output is exact except in the h rows next to an internal shard boundary
 //    (they read zeros instead of the neighbour's rows; at the global edges the
 //    zeros are right). Finish the exchange and recompute only those rows from
 //    a strip [a - h, b + h) of the halo-extended piece with padding 0 on the
-//    sharded dim, copying them into the output (if a piece is narrower than
-//    2h the two boundary ranges merge into one).
+//    sharded dims, copying them into the output (if a piece is narrower than
+//    2h the two boundary ranges merge into one). With several sharded dims
+//    the wrong rows are split into disjoint boxes (boundary_boxes: along dim
+//    i the boundary rows, crossed with the non-boundary rows of earlier dims
+//    and all rows of later ones), so every output element is recomputed at
+//    most once.
 //  - backward: the interior at::convolution_backward (original padding) on
 //    the full output gradient gives every local-output -> local-input term of
 //    grad_input and weight gradients that used zeros for the halo rows. For
@@ -56,8 +64,8 @@
 //    once. The bias gradient is the plain sum of the output gradient. The
 //    halo rows for (b) are the ones saved in forward, so backward exchanges
 //    only once (the gradients).
-// Everything else (strided, multi-hop, empty pieces, several sharded spatial
-// dims, asymmetric 'same') takes the general path.
+// Everything else (strided, multi-hop, empty pieces, changed extents,
+// asymmetric 'same') takes the general path.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
