@@ -540,3 +540,171 @@ TEST_F(Conv, UnsupportedCasesThrowEverywhere) {
   expect_throw([&] { at::conv2d(sx, rnd({2, 2, 12, 3}, 93)); }, "conv2d");
   expect_throw([&] { F::pad(sx, F::PadFuncOptions({0, 0, 8, 0}).mode(torch::kReflect)); }, "pad");
 }
+
+// ------------------------------------------- Note [conv overlap]: fast path
+
+namespace {
+
+// Sizes for `placements` on `mesh` where the mesh dim sharding tensor dim
+// `thin_dim` gives its coordinate 0 a piece exactly `thin` wide (the rest
+// balanced), and every other Shard mesh dim is balanced.
+st::ShardSizes thin_first(const st::DeviceMesh& mesh, const P& placements, c10::IntArrayRef shape,
+                          int64_t thin_dim, int64_t thin) {
+  st::ShardSizes sizes;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const auto& pl = placements[m];
+    if (!std::holds_alternative<st::Shard>(pl)) {
+      sizes.push_back({});
+      continue;
+    }
+    const int64_t dim = std::get<st::Shard>(pl).dim;
+    const int64_t n = mesh.size(m);
+    int64_t total = shape[dim];
+    std::vector<int64_t> s;
+    int64_t first = 0;
+    if (dim == thin_dim && n > 1) {
+      s.push_back(thin);
+      total -= thin;
+      first = 1;
+    }
+    for (int64_t c = first; c < n; ++c) {
+      const int64_t k = n - first;
+      const int64_t i = c - first;
+      s.push_back(total / k + (i < total % k ? 1 : 0));
+    }
+    sizes.push_back(s);
+  }
+  return sizes;
+}
+
+}  // namespace
+
+TEST_F(Conv, OverlapFastPath2d) {
+  // Same-size convolutions (stride 1, symmetric padding = the halo): k=3 p=1,
+  // k=5 p=2, k=3 dilation 2 p=2, with and without bias and groups; sharded
+  // along H or W (1-D mesh) or batch x H / H x W / H x replicate (2x2 mesh), balanced
+  // uneven pieces and a first piece exactly as thin as the halo.
+  const int64_t C = 4;
+  auto x = rnd({2, C, 13, 9}, 301);
+  struct Case {
+    int64_t k, d, groups;
+    bool bias;
+  };
+  const std::vector<Case> cases{{3, 1, 1, true}, {3, 1, 2, false}, {5, 1, 1, false},
+                                {5, 1, C, true}, {3, 2, 1, true},  {1, 1, 1, true}};
+  int i = 0;
+  for (const auto& cs : cases) {
+    ++i;
+    const int64_t pad = cs.d * (cs.k - 1) / 2;
+    const int64_t cout = cs.groups == C ? C : 6;
+    auto w = rnd({cout, C / cs.groups, cs.k, cs.k}, 310 + i), b = rnd({cout}, 320 + i);
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+      return at::conv2d(in[0], p[0], cs.bias ? p[1] : at::Tensor(), 1, pad, cs.d, cs.groups);
+    };
+    std::vector<at::Tensor> params{w};
+    if (cs.bias) params.push_back(b);
+    std::ostringstream what;
+    what << "k=" << cs.k << " d=" << cs.d << " groups=" << cs.groups << " bias=" << cs.bias;
+    for (const P& want : {P{S2, S0}, P{S3, R}, P{S0, S2}, P{S2, S3}, P{S3, S2}}) {
+      const P pl = fit_placements(mesh, want);
+      EXPECT_TRUE(check(fn, {RefInput{x, pl, true}}, params)) << what.str() << st::to_string(pl);
+      const int64_t tdim =
+          std::holds_alternative<st::Shard>(want[0]) && std::get<st::Shard>(want[0]).dim != 0
+              ? std::get<st::Shard>(want[0]).dim
+              : 2;
+      if (pad > 0) {
+        auto sizes = thin_first(mesh, pl, x.sizes(), tdim, pad);
+        EXPECT_TRUE(check(fn, {RefInput{x, pl, true, sizes}}, params))
+            << what.str() << " thin " << st::to_string(pl);
+      }
+    }
+  }
+}
+
+TEST_F(Conv, OverlapFastPath1dAnd3d) {
+  auto x1 = rnd({2, 3, 17}, 330);
+  for (int64_t k : {3, 5}) {
+    auto w = rnd({4, 3, k}, 331 + k), b = rnd({4}, 340 + k);
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+      return at::conv1d(in[0], p[0], p[1], 1, (k - 1) / 2);
+    };
+    const P pl = fit_placements(mesh, {S2, S0});
+    EXPECT_TRUE(check(fn, {RefInput{x1, pl, true}}, {w, b})) << "conv1d k=" << k;
+    EXPECT_TRUE(check(
+        fn, {RefInput{x1, pl, true, thin_first(mesh, pl, x1.sizes(), 2, (k - 1) / 2)}}, {w, b}))
+        << "conv1d thin k=" << k;
+    // Unbatched input.
+    auto fu = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+      return at::conv1d(in[0], p[0], p[1], 1, (k - 1) / 2);
+    };
+    EXPECT_TRUE(check(fu, {sh(x1[0], {S1, R})}, {w, b})) << "unbatched conv1d k=" << k;
+  }
+  auto x3 = rnd({1, 2, 9, 6, 5}, 350);
+  for (int64_t k : {3, 5}) {
+    auto w = rnd({3, 2, k, 3, k}, 351 + k), b = rnd({3}, 360 + k);
+    const int64_t pk = (k - 1) / 2;
+    auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+      return at::conv3d(in[0], p[0], p[1], 1, {pk, 1, pk});
+    };
+    for (const P& want : {P{S2, R}, P{S4, S0}, P{S2, S4}}) {
+      const P pl = fit_placements(mesh, want);
+      EXPECT_TRUE(check(fn, {RefInput{x3, pl, true}}, {w, b})) << "conv3d k=" << k;
+    }
+    auto same = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+      return at::conv3d(in[0], p[0], p[1], 1, "same");
+    };
+    const P pl = fit_placements(mesh, {S2, R});
+    EXPECT_TRUE(
+        check(same, {RefInput{x3, pl, true, thin_first(mesh, pl, x3.sizes(), 2, pk)}}, {w, b}))
+        << "conv3d same thin k=" << k;
+  }
+}
+
+TEST_F(Conv, OverlapForwardHoldsNoPaddedCopy) {
+  // Note [conv overlap]: one Conv2d 16->16 3x3 padding 1 forward (no grad) on
+  // a 256x256 input sharded along H, and along H and W on a 2x2 mesh.
+  // libtorch's own CPU convolution needs a
+  // workspace, so the sharded peak (minus the output; the input exists before
+  // the reset) is compared with plain at::conv2d on a copy of this rank's
+  // piece: the difference must stay within a few halo rows (halos, the
+  // boundary strips and their outputs), far below a copy of the piece (which
+  // the general path, gathering a padded input, makes).
+  const int64_t C = 16, H = 256, W = 256;
+  torch::NoGradGuard no_grad;
+  auto x = rnd({1, C, H, W}, 370);
+  auto w = rnd({C, C, 3, 3}, 371), b = rnd({C}, 372);
+  for (const P& want : {P{S2, R}, P{S3, S2}}) {
+    const P pl = fit_placements(mesh, want);
+    auto sx = st::distribute_tensor(x, mesh, pl, false);
+    at::Tensor piece = st::ShardTensor(sx).local().clone();
+    // A row: one index along the sharded dim with the longest edge.
+    const int64_t row_bytes =
+        C * std::max(piece.size(2), piece.size(3)) * static_cast<int64_t>(sizeof(float));
+    const int64_t out_bytes = piece.numel() * static_cast<int64_t>(sizeof(float));
+    int64_t plain_extra = 0, extra = 0;
+    {
+      const int64_t base = st::memory_stats().current_bytes;
+      st::reset_peak_memory_stats();
+      at::Tensor out = at::conv2d(piece, w, b, 1, 1);
+      plain_extra = st::memory_stats().peak_bytes - base - out_bytes;
+    }
+    at::Tensor out;
+    {
+      const int64_t base = st::memory_stats().current_bytes;
+      st::reset_peak_memory_stats();
+      out = at::conv2d(sx, w, b, 1, 1);
+      extra = st::memory_stats().peak_bytes - base - out_bytes;
+    }
+    const int64_t limit = 16 * row_bytes;
+    if (mesh.rank() == 0) {
+      std::printf(
+          "[ conv overlap ] P=%lld %s forward scratch: sharded %.3f MB, plain conv on the piece "
+          "%.3f MB (piece %.3f MB)\n",
+          static_cast<long long>(mesh.size()), st::to_string(pl).c_str(), extra / 1e6,
+          plain_extra / 1e6, out_bytes / 1e6);
+    }
+    EXPECT_TRUE(all_ranks(extra - plain_extra <= limit))
+        << "sharded extra " << extra << " plain extra " << plain_extra << " limit " << limit;
+    EXPECT_TRUE(all_close(gathered(out), at::conv2d(x, w, b, 1, 1), kRtol, kAtol));
+  }
+}

@@ -17,15 +17,63 @@
 // Note [conv memory]: a rule built from gather + at::convolution would keep
 // the gathered (halo-extended) copy of the input alive for backward, on top of
 // the local input that the previous layer already holds: twice the activation
-// memory. ConvFn instead saves only the local input and the weight, and in
-// backward rebuilds the gathered input on a fresh graph (one more halo
-// exchange), runs at::convolution_backward, and sends the halo part of the
-// input gradient back to its owners through the adjoint of gather_range
-// (torch::autograd::grad through the rebuilt graph).
+// memory. ConvFn instead saves only the local input and the weight. On the
+// general path, forward still builds the gathered copy transiently (one
+// input-sized temporary per conv, even at P = 1), and backward rebuilds it on
+// a fresh graph (one more halo exchange), runs at::convolution_backward, and
+// sends the halo part of the input gradient back to its owners through the
+// adjoint of gather_range (torch::autograd::grad through the rebuilt graph).
+// The fast path (Note [conv overlap]) makes no input-sized copy at all: it
+// saves the local input, the weight and the received halo blocks (h rows per
+// side and sharded dim, plus corners), and its temporaries are boundary strips
+// of 3h rows.
+//
+// Note [conv overlap]: the fast path, for the common same-size convolution:
+// every sharded spatial dim has stride 1, symmetric padding h and
+// dilation*(k-1) = 2h (k=3 p=1, k=5 p=2, 'same' with an odd kernel, ...), the
+// output partition equal to the input partition and every piece at least
+// max(h, 1) wide (single-hop halos, no empty pieces); no extra right padding
+// on unsharded dims. Any number of spatial dims may be sharded: the halo of a
+// piece is then a 3^D arrangement of blocks, the corners coming straight from
+// the diagonal neighbours (one exchange over the whole mesh communicator).
+// Every rank decides it from global shapes and the spec (decide_fast_path),
+// so all agree; SHARDTENSOR_CONV_OVERLAP=0 turns it off (the general path
+// above is then used everywhere).
+//  - forward: post the exchange of the edge blocks with every neighbour
+//    (transport::start_exchange, split phase); while it is in flight run
+//    at::convolution on the local piece with the ORIGINAL padding h. That
+//    output is exact except in the h rows next to an internal shard boundary
+//    (they read zeros instead of the neighbour's rows; at the global edges the
+//    zeros are right). Finish the exchange and recompute only those rows from
+//    a strip [a - h, b + h) of the halo-extended piece with padding 0 on the
+//    sharded dims, copying them into the output (if a piece is narrower than
+//    2h the two boundary ranges merge into one). With several sharded dims
+//    the wrong rows are split into disjoint boxes (boundary_boxes: along dim
+//    i the boundary rows, crossed with the non-boundary rows of earlier dims
+//    and all rows of later ones), so every output element is recomputed at
+//    most once.
+//  - backward: the interior at::convolution_backward (original padding) on
+//    the full output gradient gives every local-output -> local-input term of
+//    grad_input and weight gradients that used zeros for the halo rows. For
+//    each boundary range, one small convolution_backward on the strip with its
+//    LOCAL rows zeroed gives (a) the gradient w.r.t. the halo rows, sent back
+//    to their owners (the adjoint exchange, started before and overlapped with
+//    the interior backward) and added to their edge rows, and (b) by linearity
+//    of the weight gradient in the input, exactly the halo terms that the
+//    interior weight gradient missed; each output element is thus counted
+//    once. The bias gradient is the plain sum of the output gradient. The
+//    halo rows for (b) are the ones saved in forward, so backward exchanges
+//    only once (the gradients).
+// Everything else (strided, multi-hop, empty pieces, changed extents,
+// asymmetric 'same') takes the general path.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdlib>
+#include <cstring>
+
+#include "comm/transport.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -45,6 +93,12 @@ struct ConvPlan {
   int64_t groups = 1;
   bool has_bias = false;
   std::vector<int64_t> out_local_shape;  // batched
+  // Note [conv overlap]: the fast path, set when it applies.
+  bool fast = false;
+  std::vector<int64_t> fast_dims;       // batched tensor dims that are sharded
+  std::vector<int64_t> fast_halos;      // halo width on both sides (= the symmetric padding)
+  std::vector<int64_t> fast_mesh_dims;  // the mesh dims that shard them
+  std::vector<int64_t> fast_padding;    // original padding on every spatial dim
 };
 
 struct PlanHolder : torch::CustomClassHolder {
@@ -74,10 +128,384 @@ bool has_zero(c10::IntArrayRef s) {
   return false;
 }
 
+// Note [conv overlap]: helpers of the fast path. Along each sharded dim i
+// (batched tensor dim dims[i], halo h[i], local extent n[i]) the piece is
+// extended to [-h, n + h): a 3^D arrangement of blocks indexed by an offset
+// o in {-1, 0, 1}^D; block 0...0 is the local piece, block o != 0 comes from
+// the neighbour at mesh offset o (corners from diagonal neighbours) or, past
+// a global edge, is zeros.
+constexpr int kConvHaloTag = 7211;
+
+using Range1 = std::pair<int64_t, int64_t>;
+using Box = std::vector<Range1>;  // per sharded dim
+
+struct FastGeom {
+  int64_t D = 0;
+  std::vector<int64_t> dims, h, n;
+  std::vector<bool> lo, hi;  // has a neighbour below / above along dim i
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::vector<int64_t> coord;  // this rank's mesh coordinate
+  std::vector<int64_t> mesh_dims;
+  const DeviceMesh* mesh = nullptr;
+};
+
+FastGeom fast_geom(const at::Tensor& x, const ConvPlan& p) {
+  FastGeom g;
+  g.D = static_cast<int64_t>(p.fast_dims.size());
+  g.dims = p.fast_dims;
+  g.h = p.fast_halos;
+  g.mesh_dims = p.fast_mesh_dims;
+  g.mesh = &p.mesh;
+  g.coord = p.mesh.coordinate();
+  bool any = false;
+  for (int64_t i = 0; i < g.D; ++i) {
+    g.n.push_back(x.size(g.dims[i]));
+    const int64_t c = g.coord[g.mesh_dims[i]], P = p.mesh.size(g.mesh_dims[i]);
+    g.lo.push_back(c > 0 && g.h[i] > 0);
+    g.hi.push_back(c + 1 < P && g.h[i] > 0);
+    any = any || g.lo.back() || g.hi.back();
+  }
+  if (any) g.comm = p.mesh.comm();
+  return g;
+}
+
+// Offsets o != 0 with an existing neighbour, as index (base 3, digit o_i + 1).
+std::vector<std::vector<int64_t>> neighbour_offsets(const FastGeom& g) {
+  std::vector<std::vector<int64_t>> out;
+  int64_t total = 1;
+  for (int64_t i = 0; i < g.D; ++i) total *= 3;
+  for (int64_t code = 0; code < total; ++code) {
+    std::vector<int64_t> o(g.D);
+    int64_t c = code;
+    bool zero = true, ok = true;
+    for (int64_t i = 0; i < g.D; ++i) {
+      o[i] = c % 3 - 1;
+      c /= 3;
+      zero = zero && o[i] == 0;
+      if ((o[i] < 0 && !g.lo[i]) || (o[i] > 0 && !g.hi[i])) ok = false;
+    }
+    if (!zero && ok) out.push_back(o);
+  }
+  return out;
+}
+
+int64_t offset_code(const std::vector<int64_t>& o) {
+  int64_t code = 0;
+  for (int64_t i = static_cast<int64_t>(o.size()) - 1; i >= 0; --i) code = code * 3 + o[i] + 1;
+  return code;
+}
+
+int neighbour_rank(const FastGeom& g, const std::vector<int64_t>& o) {
+  std::vector<int64_t> c = g.coord;
+  for (int64_t i = 0; i < g.D; ++i) c[g.mesh_dims[i]] += o[i];
+  return g.mesh->rank_of(c);
+}
+
+// The local slice that neighbour o reads as its halo (my edge rows toward o).
+at::Tensor edge_slice(const at::Tensor& x, const FastGeom& g, const std::vector<int64_t>& o) {
+  at::Tensor t = x;
+  for (int64_t i = 0; i < g.D; ++i) {
+    if (o[i] < 0) t = t.narrow(g.dims[i], 0, g.h[i]);
+    if (o[i] > 0) t = t.narrow(g.dims[i], g.n[i] - g.h[i], g.h[i]);
+  }
+  return t;
+}
+
+std::vector<int64_t> block_shape(const at::Tensor& x, const FastGeom& g,
+                                 const std::vector<int64_t>& o) {
+  auto shape = x.sizes().vec();
+  for (int64_t i = 0; i < g.D; ++i) {
+    if (o[i] != 0) shape[g.dims[i]] = g.h[i];
+  }
+  return shape;
+}
+
+// Posts, for every neighbour o, the send of send[code(o)] and the receive into
+// recv[code(o)].
+comm::transport::PendingExchange start_blocks(const FastGeom& g,
+                                              const std::vector<at::Tensor>& send,
+                                              const std::vector<at::Tensor>& recv) {
+  std::vector<comm::transport::PeerBuffer> sends, recvs;
+  for (const auto& o : neighbour_offsets(g)) {
+    const int r = neighbour_rank(g, o);
+    sends.push_back({r, send[offset_code(o)]});
+    recvs.push_back({r, recv[offset_code(o)]});
+  }
+  if (sends.empty()) return comm::transport::PendingExchange();
+  return comm::transport::start_exchange(sends, recvs, g.comm, kConvHaloTag);
+}
+
+// One piece of a region of the extended piece: which block, which rows of
+// the block, and where in the region.
+struct Part {
+  std::vector<int64_t> o;
+  Box in_block, in_region;
+};
+
+std::vector<Part> split_region(const FastGeom& g, const Box& region) {
+  std::vector<Part> parts{Part{}};
+  for (int64_t i = 0; i < g.D; ++i) {
+    const int64_t lo = region[i].first, hi = region[i].second, n = g.n[i], h = g.h[i];
+    std::vector<std::tuple<int64_t, Range1, Range1>> pieces;  // offset, in block, in region
+    if (lo < 0) {
+      const int64_t e = std::min<int64_t>(hi, 0);
+      pieces.push_back({-1, {lo + h, e + h}, {0, e - lo}});
+    }
+    const int64_t a = std::max<int64_t>(lo, 0), b = std::min(hi, n);
+    if (b > a) pieces.push_back({0, {a, b}, {a - lo, b - lo}});
+    if (hi > n) {
+      const int64_t s = std::max(lo, n);
+      pieces.push_back({1, {s - n, hi - n}, {s - lo, hi - lo}});
+    }
+    std::vector<Part> next;
+    for (const auto& pt : parts) {
+      for (const auto& pc : pieces) {
+        Part q = pt;
+        q.o.push_back(std::get<0>(pc));
+        q.in_block.push_back(std::get<1>(pc));
+        q.in_region.push_back(std::get<2>(pc));
+        next.push_back(q);
+      }
+    }
+    parts = std::move(next);
+  }
+  return parts;
+}
+
+at::Tensor narrow_box(at::Tensor t, const FastGeom& g, const Box& box) {
+  for (int64_t i = 0; i < g.D; ++i) {
+    t = t.narrow(g.dims[i], box[i].first, box[i].second - box[i].first);
+  }
+  return t;
+}
+
+bool has_neighbour(const FastGeom& g, const std::vector<int64_t>& o) {
+  for (int64_t i = 0; i < g.D; ++i) {
+    if ((o[i] < 0 && !g.lo[i]) || (o[i] > 0 && !g.hi[i])) return false;
+  }
+  return true;
+}
+
+bool is_local(const std::vector<int64_t>& o) {
+  for (int64_t v : o) {
+    if (v != 0) return false;
+  }
+  return true;
+}
+
+// A region of the extended piece as a fresh tensor. Blocks past a global edge
+// read as zeros; `zero_local` makes the local block read as zeros too.
+at::Tensor region_tensor(const at::Tensor& x, const std::vector<at::Tensor>& halos,
+                         const FastGeom& g, const Box& region, bool zero_local) {
+  auto shape = x.sizes().vec();
+  for (int64_t i = 0; i < g.D; ++i) shape[g.dims[i]] = region[i].second - region[i].first;
+  at::Tensor out = at::zeros(shape, x.options());
+  for (const auto& pt : split_region(g, region)) {
+    const bool local = is_local(pt.o);
+    if (local && zero_local) continue;
+    if (!local && !has_neighbour(g, pt.o)) continue;
+    const at::Tensor& block = local ? x : halos[offset_code(pt.o)];
+    narrow_box(out, g, pt.in_region).copy_(narrow_box(block, g, pt.in_block));
+  }
+  return out;
+}
+
+// The output boxes that the interior convolution gets wrong, disjoint: along
+// dim i the rows next to an internal boundary (merged when they overlap),
+// crossed with the rows of earlier dims that are not such rows.
+std::vector<Box> boundary_boxes(const FastGeom& g) {
+  std::vector<std::vector<Range1>> bad(g.D), good(g.D);
+  for (int64_t i = 0; i < g.D; ++i) {
+    const int64_t n = g.n[i], h = g.h[i];
+    Range1 l{0, 0}, r{n, n};
+    if (g.lo[i]) l = {0, std::min(h, n)};
+    if (g.hi[i]) r = {std::max<int64_t>(n - h, 0), n};
+    if (g.lo[i] && g.hi[i] && l.second >= r.first) {
+      bad[i].push_back({0, n});
+    } else {
+      if (g.lo[i]) bad[i].push_back(l);
+      if (g.hi[i]) bad[i].push_back(r);
+    }
+    int64_t pos = 0;
+    for (const auto& b : bad[i]) {
+      if (b.first > pos) good[i].push_back({pos, b.first});
+      pos = b.second;
+    }
+    if (pos < n) good[i].push_back({pos, n});
+  }
+  std::vector<Box> out;
+  for (int64_t i = 0; i < g.D; ++i) {
+    for (const auto& b : bad[i]) {
+      std::vector<Box> boxes{Box{}};
+      for (int64_t j = 0; j < g.D; ++j) {
+        std::vector<Range1> choices;
+        if (j < i) choices = good[j];
+        if (j == i) choices = {b};
+        if (j > i) choices = {{0, g.n[j]}};
+        std::vector<Box> next;
+        for (const auto& bx : boxes) {
+          for (const auto& c : choices) {
+            Box q = bx;
+            q.push_back(c);
+            next.push_back(q);
+          }
+        }
+        boxes = std::move(next);
+      }
+      out.insert(out.end(), boxes.begin(), boxes.end());
+    }
+  }
+  return out;
+}
+
+Box input_region(const FastGeom& g, const Box& out_box) {
+  Box r;
+  for (int64_t i = 0; i < g.D; ++i) {
+    r.push_back({out_box[i].first - g.h[i], out_box[i].second + g.h[i]});
+  }
+  return r;
+}
+
+std::vector<int64_t> strip_padding(const ConvPlan& p) {
+  std::vector<int64_t> pad = p.fast_padding;
+  for (int64_t d : p.fast_dims) pad[d - 2] = 0;
+  return pad;
+}
+
+int64_t num_codes(const FastGeom& g) {
+  int64_t t = 1;
+  for (int64_t i = 0; i < g.D; ++i) t *= 3;
+  return t;
+}
+
+// Note [conv overlap]: forward of the fast path on the batched local piece.
+// Returns the output and the received halo blocks (indexed by offset code,
+// saved for backward).
+std::pair<at::Tensor, std::vector<at::Tensor>> fast_forward(const at::Tensor& x,
+                                                            const at::Tensor& weight,
+                                                            const at::Tensor& bias,
+                                                            const ConvPlan& p) {
+  const FastGeom g = fast_geom(x, p);
+  std::vector<at::Tensor> send(num_codes(g)), halos(num_codes(g));
+  for (const auto& o : neighbour_offsets(g)) {
+    send[offset_code(o)] = edge_slice(x, g, o).contiguous();
+    halos[offset_code(o)] = at::empty(block_shape(x, g, o), x.options());
+  }
+  auto pending = start_blocks(g, send, halos);
+  const bool empty = has_zero(p.out_local_shape) || has_zero(x.sizes());
+  const std::vector<int64_t> no_out_pad(p.nsp, 0);
+  const at::Tensor b = p.has_bias ? bias : at::Tensor();
+  at::Tensor out;
+  if (empty) {
+    out = at::zeros(p.out_local_shape, x.options());
+  } else {
+    // Interior: the local piece with the original padding; correct except in
+    // the boundary boxes (which read zeros where the neighbours' rows belong).
+    pending.test();
+    out = at::convolution(x, weight, b, p.stride, p.fast_padding, p.dilation, false, no_out_pad,
+                          p.groups);
+  }
+  pending.finish();
+  send.clear();
+  if (!empty) {
+    const auto spad = strip_padding(p);
+    for (const auto& box : boundary_boxes(g)) {
+      at::Tensor s = region_tensor(x, halos, g, input_region(g, box), false);
+      at::Tensor o =
+          at::convolution(s, weight, b, p.stride, spad, p.dilation, false, no_out_pad, p.groups);
+      narrow_box(out, g, box).copy_(o);
+    }
+  }
+  return {out, halos};
+}
+
+// Note [conv overlap]: backward of the fast path. `g_out` is batched.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
+    const at::Tensor& x, const at::Tensor& weight, const std::vector<at::Tensor>& halos,
+    const at::Tensor& g_out, const ConvPlan& p, bool need_in, bool need_w, bool need_b) {
+  const FastGeom g = fast_geom(x, p);
+  const bool empty = has_zero(p.out_local_shape) || has_zero(x.sizes());
+  const std::vector<int64_t> no_out_pad(p.nsp, 0);
+  const auto spad = strip_padding(p);
+  const auto nbrs = neighbour_offsets(g);
+  // 1. The boundary boxes: gradient w.r.t. the halo blocks (sent to their
+  //    owners) and the weight-gradient correction. By linearity in the input,
+  //    the strip's weight gradient with the local block zeroed is exactly what
+  //    the interior backward (which read zeros for the halos) misses.
+  std::vector<at::Tensor> gsend(num_codes(g)), grecv(num_codes(g));
+  if (need_in) {
+    for (const auto& o : nbrs) {
+      gsend[offset_code(o)] = at::zeros(block_shape(x, g, o), x.options());
+      grecv[offset_code(o)] = at::empty(edge_slice(x, g, o).sizes(), x.options());
+    }
+  }
+  at::Tensor gw_corr;
+  if (!empty && (need_in || need_w)) {
+    for (const auto& box : boundary_boxes(g)) {
+      const Box region = input_region(g, box);
+      at::Tensor s = region_tensor(x, halos, g, region, true);
+      at::Tensor go = narrow_box(g_out, g, box).contiguous();
+      at::Tensor gs, gws;
+      std::tie(gs, gws, std::ignore) =
+          at::convolution_backward(go, s, weight, c10::nullopt, p.stride, spad, p.dilation, false,
+                                   no_out_pad, p.groups, {need_in, need_w, false});
+      if (need_w) gw_corr = gw_corr.defined() ? gw_corr + gws : gws;
+      if (need_in) {
+        for (const auto& pt : split_region(g, region)) {
+          if (is_local(pt.o) || !has_neighbour(g, pt.o)) continue;
+          narrow_box(gsend[offset_code(pt.o)], g, pt.in_block)
+              .add_(narrow_box(gs, g, pt.in_region));
+        }
+      }
+    }
+  }
+  // 2. Send them back (the adjoint of the forward exchange) while 3. the
+  //    interior backward runs.
+  comm::transport::PendingExchange pending;
+  if (need_in) pending = start_blocks(g, gsend, grecv);
+  at::Tensor gx, gw, gb;
+  if (empty) {
+    if (need_in) gx = at::zeros_like(x);
+    if (need_w) gw = at::zeros_like(weight);
+  } else if (need_in || need_w) {
+    pending.test();
+    std::tie(gx, gw, std::ignore) =
+        at::convolution_backward(g_out, x, weight, c10::nullopt, p.stride, p.fast_padding,
+                                 p.dilation, false, no_out_pad, p.groups, {need_in, need_w, false});
+  }
+  if (need_b) {
+    std::vector<int64_t> dims{0};
+    for (int64_t i = 2; i < g_out.dim(); ++i) dims.push_back(i);
+    gb = empty ? at::zeros({weight.size(0)}, weight.options()) : g_out.sum(dims);
+  }
+  pending.finish();
+  if (need_in && !empty) {
+    // My edge rows toward o were neighbour o's halo: add its gradient.
+    for (const auto& o : nbrs) edge_slice(gx, g, o).add_(grecv[offset_code(o)]);
+  }
+  if (need_w && gw_corr.defined()) gw.add_(gw_corr);
+  return {gx, gw, gb};
+}
+
 struct ConvFn : torch::autograd::Function<ConvFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, const at::Tensor& weight,
                             const at::Tensor& bias, std::shared_ptr<const ConvPlan> plan) {
     const ConvPlan& p = *plan;
+    if (p.fast) {
+      at::Tensor xb = p.batched ? local : local.unsqueeze(0);
+      auto res = fast_forward(xb, weight, bias, p);
+      at::Tensor out = res.first;
+      // Note [conv memory]: only the local input, the weight and the halo
+      // blocks are kept.
+      variable_list keep{local, weight};
+      keep.insert(keep.end(), res.second.begin(), res.second.end());
+      ctx->save_for_backward(keep);
+      ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
+      ctx->saved_data["bias"] = p.has_bias;
+      ctx->saved_data["bias_size"] = p.has_bias ? bias.size(0) : int64_t(0);
+      if (!p.batched) out = out.squeeze(0);
+      return out;
+    }
     at::Tensor x = gather_input(local, p);
     at::Tensor out;
     if (has_zero(p.out_local_shape) || has_zero(x.sizes())) {
@@ -110,6 +538,17 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     at::Tensor g = grads[0];
     if (!g.defined()) g = at::zeros(p.out_local_shape, local.options());
     if (!p.batched) g = g.unsqueeze(0);
+
+    if (p.fast) {
+      at::Tensor xb = p.batched ? local : local.unsqueeze(0);
+      at::Tensor gx, gw, gb;
+      std::vector<at::Tensor> halos(saved.begin() + 2, saved.end());
+      std::tie(gx, gw, gb) =
+          fast_backward(xb, weight, halos, g.contiguous(), p, need_in, need_w, need_b);
+      if (need_in && !p.batched) gx = gx.squeeze(0);
+      return {need_in ? gx : at::Tensor(), need_w ? gw : at::Tensor(), need_b ? gb : at::Tensor(),
+              at::Tensor()};
+    }
 
     // Rebuild the gathered input (collective on every rank, whatever it needs).
     c10::AutoGradMode enable(true);
@@ -152,6 +591,42 @@ struct ConvCall {
   std::vector<int64_t> stride, dilation, pad_left, pad_right;
   int64_t groups = 1;
 };
+
+// Note [conv overlap]: whether the fast path applies. Decided from global
+// shapes and the spec only, so every rank agrees. SHARDTENSOR_CONV_OVERLAP=0
+// disables it (for comparisons).
+void decide_fast_path(ConvPlan& plan, const ConvCall& c, const std::vector<int64_t>& out_ext,
+                      int64_t first_sp) {
+  plan.fast = false;
+  static const bool enabled = [] {
+    const char* e = std::getenv("SHARDTENSOR_CONV_OVERLAP");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!enabled || plan.plans.empty()) return;
+  for (int64_t e : plan.extra_right) {
+    if (e != 0) return;
+  }
+  std::vector<int64_t> dims, halos, mesh_dims;
+  for (const stencil::DimPlan& dp : plan.plans) {
+    const int64_t i = dp.dim - first_sp;
+    const int64_t k = c.weight.size(2 + i);
+    const int64_t h = c.pad_left[i];
+    if (c.stride[i] != 1 || c.pad_right[i] != h || c.dilation[i] * (k - 1) != 2 * h) return;
+    if (out_ext[i] != c.input.size(dp.dim) || dp.out_sizes != dp.in_sizes) return;
+    for (int64_t n : dp.in_sizes) {
+      if (n < std::max<int64_t>(h, 1)) return;  // single hop, no empty pieces
+    }
+    dims.push_back(i + 2);
+    halos.push_back(h);
+    mesh_dims.push_back(dp.mesh_dim);
+  }
+  plan.fast = true;
+  plan.fast_dims = dims;
+  plan.fast_halos = halos;
+  plan.fast_mesh_dims = mesh_dims;
+  plan.fast_padding = plan.local_padding;
+  for (size_t j = 0; j < dims.size(); ++j) plan.fast_padding[dims[j] - 2] = halos[j];
+}
 
 void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
@@ -292,6 +767,7 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
       fail(op, args, "padding larger on the left than on the right is not supported");
     }
   }
+  decide_fast_path(*plan, c, out_ext, first_sp);
   SpecPtr out_spec = stencil::output_spec(compute, out_shape, plan->plans);
   plan->out_local_shape = out_spec->local_shape();
   if (!batched) plan->out_local_shape.insert(plan->out_local_shape.begin(), 1);
