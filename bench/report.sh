@@ -231,7 +231,7 @@ it on an otherwise idle machine: the `load` column records how busy it was.
 
 | results file | what |
 |---|---|
-| `quick.json` | `make bench-quick`: unet2d train 128x128 at P = 1, 2, 4 (baselines: 1 thread and matched threads), unet2d infer and conv_stack train at P = 2, a 48 MiB/rank memory-cap search at P = 1, 2 |
+| `quick.json` | `make bench-quick`: unet2d train 512x512 at P = 1, 2, 4 (baselines: 1 thread and matched threads), unet2d infer and conv_stack train 512x512 at P = 2, a 128 MiB/rank memory-cap search at P = 1, 2, 4 |
 | `fixed.json` | (1) fixed global size (unet2d 256x256, conv_stack 512x512, unet3d 32^3), train and infer, P = 1, 2, 4, 8 |
 | `weak.json` | (2) weak scaling: unet2d and conv_stack train with a fixed 64x256 piece per rank (global 64P x 256) |
 | `strong.json` | (3) strong scaling on 2 cores: P = 2 x 1 thread vs one process with 1 and with 2 threads |

@@ -163,14 +163,14 @@ scenario_quick() {
   local np
   for np in 1 2 4; do
     bench "$np" quick run --scenario quick --workload unet2d --norm "$NORM" --mode train \
-      --shape 128,128 --steps 3 --warmup 1 --baseline-threads 1,match
+      --shape 512,512 --steps 3 --warmup 1 --baseline-threads 1,match
   done
   bench 2 quick run --scenario quick --workload unet2d --norm "$NORM" --mode infer \
-    --shape 128,128 --steps 3 --warmup 1 --baseline-threads 1,match
+    --shape 512,512 --steps 3 --warmup 1 --baseline-threads 1,match
   bench 2 quick run --scenario quick --workload conv_stack --mode train \
-    --shape 256,256 --steps 3 --warmup 1 --baseline-threads 1,match
-  for np in 1 2; do
-    bench "$np" quick maxsize --scenario quick --workload unet2d --norm "$NORM" --cap-mib 48
+    --shape 512,512 --steps 3 --warmup 1 --baseline-threads 1,match
+  for np in 1 2 4; do
+    bench "$np" quick maxsize --scenario quick --workload unet2d --norm "$NORM" --cap-mib 128
   done
 }
 
