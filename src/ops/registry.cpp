@@ -9,18 +9,7 @@ namespace {
 struct Table {
   std::mutex mu;
   std::unordered_map<std::string, Rule> rules;
-  std::unordered_map<std::string, Rule> fallbacks;
 };
-
-const Rule* lookup(const std::unordered_map<std::string, Rule>& rules,
-                   const c10::OperatorName& op) {
-  if (!op.overload_name.empty()) {
-    auto it = rules.find(op.name + "." + op.overload_name);
-    if (it != rules.end()) return &it->second;
-  }
-  auto it = rules.find(op.name);
-  return it == rules.end() ? nullptr : &it->second;
-}
 
 Table& table() {
   static Table* t = new Table();  // never destroyed: rules may run during static teardown
@@ -35,26 +24,19 @@ void register_rule(const std::string& name, Rule rule) {
   t.rules["aten::" + name] = std::move(rule);
 }
 
-void register_fallback_rule(const std::string& name, Rule rule) {
-  auto& t = table();
-  std::lock_guard<std::mutex> lock(t.mu);
-  t.fallbacks["aten::" + name] = std::move(rule);
-}
-
 const Rule* find_rule(const c10::OperatorName& op) {
   auto& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
-  if (const Rule* r = lookup(t.rules, op)) return r;
-  return lookup(t.fallbacks, op);
+  if (!op.overload_name.empty()) {
+    auto it = t.rules.find(op.name + "." + op.overload_name);
+    if (it != t.rules.end()) return &it->second;
+  }
+  auto it = t.rules.find(op.name);
+  return it == t.rules.end() ? nullptr : &it->second;
 }
 
 RuleRegistrar::RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule) {
   for (const char* n : names) register_rule(n, rule);
-}
-
-FallbackRuleRegistrar::FallbackRuleRegistrar(std::initializer_list<const char*> names,
-                                             const Rule& rule) {
-  for (const char* n : names) register_fallback_rule(n, rule);
 }
 
 }  // namespace shardtensor::ops

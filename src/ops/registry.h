@@ -17,23 +17,12 @@ using Rule = std::function<void(const c10::OperatorHandle& op, Stack* stack)>;
 /// aten::add) or "add.Tensor" (one overload); an exact overload wins.
 void register_rule(const std::string& name, Rule rule);
 
-/// Registers a *fallback* rule: used only when no rule registered with
-/// register_rule() matches `op` (whatever the static-initialization order).
-/// For a narrow stand-in (e.g. softmax over an unsharded dim) that a fuller rule
-/// from another file replaces simply by existing.
-void register_fallback_rule(const std::string& name, Rule rule);
-
-/// The rule for `op` (a regular rule first, then a fallback), or nullptr.
+/// The rule for `op`, or nullptr.
 const Rule* find_rule(const c10::OperatorName& op);
 
 /// Static registration helper: `static RuleRegistrar r({"relu", "relu_"}, rule);`
 struct RuleRegistrar {
   RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule);
-};
-
-/// Static registration helper for fallback rules.
-struct FallbackRuleRegistrar {
-  FallbackRuleRegistrar(std::initializer_list<const char*> names, const Rule& rule);
 };
 
 }  // namespace shardtensor::ops
