@@ -38,11 +38,10 @@ class Conv : public ::testing::Test {
   st::DeviceMesh mesh = test_mesh();
 
   RefInput sh(const at::Tensor& full, const P& wanted, bool grad = true) {
-    return RefInput{full, fit_placements(mesh, wanted), grad};
+    return sharded_input(mesh, full, wanted, grad);
   }
   RefInput empty(const at::Tensor& full, const P& wanted, bool grad = true) {
-    auto p = fit_placements(mesh, wanted);
-    return RefInput{full, p, grad, sizes_with_empty_first(mesh, p, full.sizes())};
+    return empty_first_input(mesh, full, wanted, grad);
   }
   ::testing::AssertionResult check(const RefFn& fn, const std::vector<RefInput>& in,
                                    const std::vector<at::Tensor>& params = {}) {

@@ -66,12 +66,9 @@ class Interp : public ::testing::Test {
  protected:
   st::DeviceMesh mesh = test_mesh();
 
-  RefInput sh(const at::Tensor& full, const P& wanted) {
-    return RefInput{full, fit_placements(mesh, wanted), true};
-  }
+  RefInput sh(const at::Tensor& full, const P& wanted) { return sharded_input(mesh, full, wanted); }
   RefInput empty(const at::Tensor& full, const P& wanted) {
-    auto p = fit_placements(mesh, wanted);
-    return RefInput{full, p, true, sizes_with_empty_first(mesh, p, full.sizes())};
+    return empty_first_input(mesh, full, wanted);
   }
   ::testing::AssertionResult check(const RefFn& fn, const std::vector<RefInput>& in) {
     return reference_check(fn, in, mesh, {}, kRtol, kAtol);

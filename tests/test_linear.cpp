@@ -30,12 +30,11 @@ class LinAlg : public ::testing::Test {
 
   // A sharded input with the balanced split.
   RefInput sh(const at::Tensor& full, const P& wanted, bool grad = true) {
-    return RefInput{full, fit_placements(mesh, wanted), grad};
+    return sharded_input(mesh, full, wanted, grad);
   }
   // A sharded input whose first piece along every sharded mesh dim is empty.
   RefInput empty(const at::Tensor& full, const P& wanted, bool grad = true) {
-    auto p = fit_placements(mesh, wanted);
-    return RefInput{full, p, grad, sizes_with_empty_first(mesh, p, full.sizes())};
+    return empty_first_input(mesh, full, wanted, grad);
   }
   // A plain (replicated) input.
   static RefInput plain(const at::Tensor& full, bool grad = true) {

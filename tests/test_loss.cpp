@@ -80,17 +80,7 @@ class Loss : public ::testing::Test {
   }
 
   void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-    bool threw = false, named = false;
-    std::string what;
-    try {
-      fn();
-    } catch (const c10::Error& e) {
-      threw = true;
-      what = e.what_without_backtrace();
-      named = true;
-      for (const auto& n : needles) named = named && what.find(n) != std::string::npos;
-    }
-    EXPECT_TRUE(all_ranks(threw && named)) << what;
+    EXPECT_TRUE(throws_everywhere(fn, needles));
   }
 };
 

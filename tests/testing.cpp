@@ -21,6 +21,34 @@ at::Tensor rnd(c10::IntArrayRef shape, uint64_t seed, double scale, double shift
   return x;
 }
 
+RefInput sharded_input(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
+                       bool requires_grad) {
+  return RefInput{full, fit_placements(mesh, wanted), requires_grad};
+}
+
+RefInput empty_first_input(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
+                           bool requires_grad) {
+  auto p = fit_placements(mesh, wanted);
+  return RefInput{full, p, requires_grad, sizes_with_empty_first(mesh, p, full.sizes())};
+}
+
+::testing::AssertionResult throws_everywhere(const std::function<void()>& fn,
+                                             const std::vector<std::string>& needles) {
+  bool threw = false, named = false;
+  std::string what;
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    threw = true;
+    what = e.what_without_backtrace();
+    named = true;
+    for (const auto& n : needles) named = named && what.find(n) != std::string::npos;
+  }
+  if (all_ranks(threw && named)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << (threw ? "error without the expected words: " + what
+                                                 : std::string("no error on this rank"));
+}
+
 DeviceMesh test_mesh() {
   if (is_mesh_2x2()) {
     return DeviceMesh::create({2, 2}, {"dim0", "dim1"});

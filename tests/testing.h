@@ -53,6 +53,19 @@ struct RefInput {
 ShardSizes sizes_with_empty_first(const DeviceMesh& mesh, const Placements& placements,
                                   c10::IntArrayRef global_shape);
 
+/// Local. An input sharded as `wanted` (fitted to the mesh), balanced split.
+RefInput sharded_input(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
+                       bool requires_grad = true);
+/// Local. Like sharded_input, with the first piece along every Shard mesh dim empty.
+RefInput empty_first_input(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
+                           bool requires_grad = true);
+
+/// Collective over MPI_COMM_WORLD. Runs `fn`; success on every rank iff `fn`
+/// threw a c10::Error whose message contains every one of `needles` on every
+/// rank (the final all-reduce also shows no rank was left waiting).
+::testing::AssertionResult throws_everywhere(const std::function<void()>& fn,
+                                             const std::vector<std::string>& needles);
+
 /// Collective. Runs `fn` once on plain tensors (the reference) and once on the
 /// sharded inputs, then compares: the output (gathered), the gradient of every
 /// input that requires grad, and the gradient of every parameter, after a
