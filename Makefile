@@ -37,7 +37,10 @@ BUILD_ABS    := $(if $(filter /%,$(BUILD_DIR)),$(BUILD_DIR),$(REPO_ROOT)/$(BUILD
 # libgoogle-glog-dev, libprotobuf-dev; they are listed so a missing one is caught.
 DEB_PACKAGES ?= libtorch-dev libgflags-dev libgoogle-glog-dev libprotobuf-dev \
                 libopenmpi-dev openmpi-bin libgtest-dev cmake make g++ ccache \
-                libpng-dev pkg-config clang-format
+                libpng-dev pkg-config clang-format \
+                python3-torch python3-dev pybind11-dev python3-mpi4py python3-pytest python3-numpy \
+                libhdf5-openmpi-dev python3-h5py-mpi python3-netcdf4 hdf5-tools \
+                nlohmann-json3-dev libcli11-dev jq
 
 # ccache shared by every build dir of every checkout under one user.
 export CCACHE_DIR        ?= $(HOME)/.ccache

@@ -359,3 +359,47 @@ TEST(GradientBuckets, ReductionsStartDuringBackward) {
         << prm.key();
   }
 }
+
+// Note [factories return at::Tensor]: what scatter_tensor / distribute_tensor /
+// from_local / redistribute return goes straight into torch::nn::Sequential
+// (AnyModule checks the static argument type), a std::vector<at::Tensor> and
+// ModuleList forwards, and the result equals the single-process run.
+TEST(DistributeModule, SequentialTakesFactoryResultsDirectly) {
+  auto mesh = test_mesh();
+  const auto pl = fit_placements(mesh, {S2, S3});
+  auto x = rnd({1, 2, 9, 7}, 5);
+  torch::manual_seed(3);
+  torch::nn::Sequential seq(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)),
+                            torch::nn::ReLU(),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 2, 3).padding(1)));
+  torch::manual_seed(3);
+  torch::nn::Sequential ref(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)),
+                            torch::nn::ReLU(),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 2, 3).padding(1)));
+  st::distribute_module(*seq, mesh);
+
+  auto sx = st::scatter_tensor(mesh.rank() == 0 ? x : at::Tensor(), 0, mesh, pl, true);
+  auto out = seq->forward(sx);  // the factory's result, no conversion
+  ASSERT_TRUE(st::ShardTensor::is_shard_tensor(out));
+  auto xr = x.clone().requires_grad_(true);
+  auto out_ref = ref->forward(xr);
+  EXPECT_TRUE(all_close(st::ShardTensor(out).full_tensor(), out_ref));
+
+  out.square().sum().backward();
+  out_ref.square().sum().backward();
+  EXPECT_TRUE(all_close(st::ShardTensor(sx).grad().full_tensor(), xr.grad()));
+  auto p = seq->parameters(), pr = ref->parameters();
+  ASSERT_EQ(p.size(), pr.size());
+  for (size_t i = 0; i < p.size(); ++i) EXPECT_TRUE(all_close(p[i].grad(), pr[i].grad())) << i;
+
+  // Other containers that take at::Tensor by static type.
+  std::vector<at::Tensor> v{st::distribute_tensor(x, mesh, pl),
+                            st::ShardTensor(sx).redistribute(fit_placements(mesh, {S3, S2}))};
+  torch::nn::ModuleList list;
+  list->push_back(torch::nn::Identity());
+  for (const auto& t : v) {
+    auto y = list[0]->as<torch::nn::Identity>()->forward(t);
+    ASSERT_TRUE(st::ShardTensor::is_shard_tensor(y));
+    EXPECT_TRUE(all_close(st::ShardTensor(y).full_tensor(), x));
+  }
+}

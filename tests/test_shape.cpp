@@ -65,7 +65,7 @@ void expect_error_everywhere(const std::function<void()>& fn,
   auto mesh = test_mesh();
   auto y = seeded_randn({5, 3}, 7);
   auto sy = st::distribute_tensor(y, mesh, fit_placements(mesh, {st::Shard{0}, st::Shard{1}}));
-  EXPECT_TRUE(all_close(sy.full_tensor(), y));
+  EXPECT_TRUE(all_close(st::ShardTensor(sy).full_tensor(), y));
 }
 
 st::ShardSizes sizes_for(const st::DeviceMesh& mesh, int64_t mesh_dim, std::vector<int64_t> s) {

@@ -38,7 +38,7 @@ TEST(ShardTensorBasics, WrapperReportsGlobalShape) {
   auto mesh = test_mesh();
   auto x = seeded_randn({5, 7, 3});
   auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
-  auto sx = st::distribute_tensor(x, mesh, p);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
   EXPECT_EQ(sx.sizes(), x.sizes());
   EXPECT_EQ(sx.dim(), 3);
   EXPECT_EQ(sx.numel(), x.numel());
@@ -59,12 +59,12 @@ TEST(ShardTensorFactories, DistributeThenFullTensorRoundTrips) {
   auto mesh = test_mesh();
   auto x = seeded_randn({7, 5, 4});
   for (const auto& p : layouts(mesh)) {
-    auto sx = st::distribute_tensor(x, mesh, p);
+    st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
     EXPECT_TRUE(sx.local().equal(expected_piece(x, sx.spec()))) << st::to_string(p);
     EXPECT_TRUE(all_close(sx.full_tensor(), x, 0, 0)) << st::to_string(p);
     // Uneven explicit sizes with an empty piece.
     auto sizes = sizes_with_empty_first(mesh, p, x.sizes());
-    auto se = st::distribute_tensor(x, mesh, p, false, sizes);
+    st::ShardTensor se(st::distribute_tensor(x, mesh, p, false, sizes));
     EXPECT_TRUE(all_close(se.full_tensor(), x, 0, 0)) << st::to_string(p);
   }
 }
@@ -72,9 +72,10 @@ TEST(ShardTensorFactories, DistributeThenFullTensorRoundTrips) {
 TEST(ShardTensorFactories, PartialSumsToTheValue) {
   auto mesh = test_mesh();
   auto x = seeded_randn({6, 5});
-  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {st::Partial{}, st::Shard{1}}));
+  st::ShardTensor sx(
+      st::distribute_tensor(x, mesh, fit_placements(mesh, {st::Partial{}, st::Shard{1}})));
   EXPECT_TRUE(all_close(sx.full_tensor(), x, 0, 0));
-  auto r = sx.redistribute(fit_placements(mesh, {st::Shard{0}, st::Shard{1}}));
+  st::ShardTensor r(sx.redistribute(fit_placements(mesh, {st::Shard{0}, st::Shard{1}})));
   EXPECT_TRUE(all_close(r.full_tensor(), x, 0, 0));
 }
 
@@ -86,7 +87,8 @@ TEST(ShardTensorFactories, ScatterSendsEachRankOnlyItsPiece) {
     for (const auto& p : layouts(mesh)) {
       st::reset_comm_stats();
       // Only src passes the tensor; others pass an undefined one.
-      auto sx = st::scatter_tensor(mesh.rank() == src ? x : at::Tensor(), src, mesh, p, true);
+      st::ShardTensor sx(
+          st::scatter_tensor(mesh.rank() == src ? x : at::Tensor(), src, mesh, p, true));
       auto stats = st::comm_stats();
       EXPECT_TRUE(sx.local().requires_grad());
       EXPECT_TRUE(sx.local().equal(expected_piece(x, sx.spec()))) << st::to_string(p);
@@ -115,13 +117,13 @@ TEST(ShardTensorFactories, FromLocalGathersUnevenSizes) {
   const int64_t off = c * (c + 1) / 2;
   auto local = x.narrow(0, off, c + 1).clone();
   auto p = fit_placements(mesh, {st::Shard{0}, st::Replicate{}});
-  auto sx = st::ShardTensor::from_local(local, mesh, p);
+  st::ShardTensor sx(st::ShardTensor::from_local(local, mesh, p));
   EXPECT_EQ(sx.sizes(), x.sizes());
   EXPECT_TRUE(all_close(sx.full_tensor(), x, 0, 0));
   // The same with sizes given explicitly, and wrong sizes rejected everywhere.
   st::ShardSizes sizes(mesh.ndim());
   for (int64_t i = 0; i < mesh.size(0); ++i) sizes[0].push_back(i + 1);
-  auto sy = st::ShardTensor::from_local(local, mesh, p, sizes);
+  st::ShardTensor sy(st::ShardTensor::from_local(local, mesh, p, sizes));
   EXPECT_TRUE(all_close(sy.full_tensor(), x, 0, 0));
   if (mesh.size(0) > 1) {
     st::ShardSizes bad = sizes;
@@ -152,7 +154,8 @@ TEST(ShardTensorFactories, FromLocalRejectsMismatchedReplicatedExtentOnEveryRank
   EXPECT_TRUE(all_ranks(threw));
   EXPECT_NE(msg.find("Shard(0)"), std::string::npos) << msg;
   // A later collective still works.
-  auto sx = st::distribute_tensor(at::ones({4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  st::ShardTensor sx(
+      st::distribute_tensor(at::ones({4}), mesh, fit_placements(mesh, {st::Shard{0}})));
   EXPECT_TRUE(all_close(sx.full_tensor(), at::ones({4})));
 }
 
@@ -179,7 +182,7 @@ TEST(ShardTensorRedistribute, RebalancesToExplicitSizesIncludingEmpty) {
   auto sizes = sizes_with_empty_first(mesh, p, x.sizes());
   auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
     if (!st::ShardTensor::is_shard_tensor(in[0])) return in[0] * 1.0;
-    auto r = st::ShardTensor(in[0]).redistribute(p, sizes);
+    st::ShardTensor r(st::ShardTensor(in[0]).redistribute(p, sizes));
     EXPECT_EQ(r.spec().all_shard_sizes(), sizes);
     return at::Tensor(r);
   };
@@ -189,7 +192,8 @@ TEST(ShardTensorRedistribute, RebalancesToExplicitSizesIncludingEmpty) {
 
 TEST(ShardTensorRedistribute, ShardToPartialIsRejectedOnEveryRank) {
   auto mesh = test_mesh();
-  auto sx = st::distribute_tensor(at::ones({4, 4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  st::ShardTensor sx(
+      st::distribute_tensor(at::ones({4, 4}), mesh, fit_placements(mesh, {st::Shard{0}})));
   bool threw = false;
   try {
     sx.redistribute(fit_placements(mesh, {st::Partial{}}));
@@ -263,7 +267,7 @@ TEST(Elementwise, InPlaceAndOutVariants) {
   EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh));
   // out= variants (no autograd, as in libtorch).
   torch::NoGradGuard no_grad;
-  auto sx = st::distribute_tensor(x, mesh, p);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
   // Factories reached below autograd (torch:: wrappers) still give ShardTensors.
   for (const at::Tensor& f : {torch::zeros_like(sx), torch::ones_like(sx), torch::randn_like(sx),
                               torch::full_like(sx, 3.0), at::empty_like(sx)}) {
@@ -297,7 +301,7 @@ TEST(Elementwise, DropoutUsesPerRankRandomness) {
   auto mesh = test_mesh();
   auto x = torch::ones({64, 64});
   auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
-  auto sx = st::distribute_tensor(x, mesh, p, true);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p, true));
   // Eval mode and p = 0 are the identity.
   auto e = torch::dropout(sx, 0.5, /*train=*/false);
   EXPECT_TRUE(all_close(st::ShardTensor(e).full_tensor(), x, 0, 0));
@@ -316,7 +320,8 @@ TEST(Elementwise, DropoutUsesPerRankRandomness) {
 
 TEST(Elementwise, ErrorsNameTheOpAndPlacementsOnEveryRank) {
   auto mesh = test_mesh();
-  auto sx = st::distribute_tensor(seeded_randn({6, 4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  st::ShardTensor sx(
+      st::distribute_tensor(seeded_randn({6, 4}), mesh, fit_placements(mesh, {st::Shard{0}})));
   // An op with no rule and no decomposition.
   bool threw = false;
   std::string msg;
@@ -358,14 +363,15 @@ TEST(Backward, ShardedOutputWithPlainOrShardedCotangent) {
   auto x = seeded_randn({5, 3});
   auto g = seeded_randn({5, 3}, 9);
   auto p = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
-  auto sx = st::distribute_tensor(x, mesh, p, true);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p, true));
   st::backward(sx * 3.0, g);
   EXPECT_TRUE(all_close(sx.grad().full_tensor(), g * 3.0));
-  auto sy = st::distribute_tensor(x, mesh, p, true);
-  auto sg = st::distribute_tensor(g, mesh, fit_placements(mesh, {st::Shard{1}, st::Shard{0}}));
+  st::ShardTensor sy(st::distribute_tensor(x, mesh, p, true));
+  st::ShardTensor sg(
+      st::distribute_tensor(g, mesh, fit_placements(mesh, {st::Shard{1}, st::Shard{0}})));
   st::backward(sy * 2.0, sg);
   EXPECT_TRUE(all_close(sy.grad().full_tensor(), g * 2.0));
-  EXPECT_FALSE(st::distribute_tensor(x, mesh, p).grad().defined());
+  EXPECT_FALSE(st::ShardTensor(st::distribute_tensor(x, mesh, p)).grad().defined());
 }
 
 TEST(Dispatch, CompositeOpWithoutRuleRunsItsDecomposition) {
@@ -380,7 +386,7 @@ TEST(Dispatch, CompositeOpWithoutRuleRunsItsDecomposition) {
     return y + at::greater(in[0], 0.0).to(torch::kFloat);
   };
   EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh));
-  auto sx = st::distribute_tensor(x, mesh, p);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
   EXPECT_TRUE(st::ShardTensor::is_shard_tensor(at::multiply(sx, 2.0)));
 }
 
@@ -388,7 +394,8 @@ TEST(Dispatch, DebugModeTurnsDisagreementIntoAnErrorOnEveryRank) {
   if (std::getenv("SHARDTENSOR_DEBUG") == nullptr) GTEST_SKIP() << "needs SHARDTENSOR_DEBUG=1";
   auto mesh = test_mesh();
   if (mesh.size() == 1) GTEST_SKIP() << "needs two ranks";
-  auto sx = st::distribute_tensor(seeded_randn({6, 4}), mesh, fit_placements(mesh, {st::Shard{0}}));
+  st::ShardTensor sx(
+      st::distribute_tensor(seeded_randn({6, 4}), mesh, fit_placements(mesh, {st::Shard{0}})));
   bool threw = false;
   try {
     // Rank 0 runs a different op than the others: a program bug that would

@@ -200,7 +200,7 @@ at::Tensor ShardTensor::full_tensor() const {
   return detail::redistribute_local(local(), s, dst);
 }
 
-ShardTensor ShardTensor::redistribute(Placements placements,
+at::Tensor ShardTensor::redistribute(Placements placements,
                                       std::optional<ShardSizes> sizes) const {
   const ShardSpec& s = spec();
   auto dst = std::make_shared<const ShardSpec>(s.mesh(), std::move(placements), s.global_shape(),
@@ -267,7 +267,7 @@ std::vector<int64_t> shape_of(const int64_t* meta) {
 
 }  // namespace
 
-ShardTensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
+at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
                                     std::optional<ShardSizes> sizes) {
   TORCH_CHECK(mesh.defined(), "from_local: the mesh is undefined");
   // Every rank learns every rank's local shape, so that every rank reaches the
@@ -349,7 +349,7 @@ ShardTensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placement
   return from_local_unchecked(std::move(local), std::move(spec));
 }
 
-ShardTensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
+at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
                            Placements placements, bool requires_grad) {
   TORCH_CHECK(mesh.defined(), "scatter_tensor: the mesh is undefined");
   TORCH_CHECK(src >= 0 && src < mesh.size(), "scatter_tensor: src ", src,
@@ -401,7 +401,7 @@ ShardTensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& me
   return ShardTensor::from_local_unchecked(std::move(local), std::move(spec));
 }
 
-ShardTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
+at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
                               bool requires_grad, std::optional<ShardSizes> sizes) {
   TORCH_CHECK(full.defined(), "distribute_tensor: the input tensor is undefined");
   TORCH_CHECK(!ShardTensor::is_shard_tensor(full),

@@ -7,6 +7,14 @@
 /// autograd and sent to a sharding rule (see dispatch/). Only one library per
 /// process can own PrivateUse1.
 ///
+/// Note [factories return at::Tensor]: scatter_tensor, distribute_tensor,
+/// ShardTensor::from_local and redistribute return a plain `at::Tensor` handle
+/// whose impl is a ShardTensorImpl. libtorch's `AnyModule` (behind
+/// `torch::nn::Sequential`) checks the *static* argument type, so a
+/// `ShardTensor`-typed value would be rejected there; an at::Tensor goes
+/// wherever an at::Tensor goes. `ShardTensor(t)` is the typed view (local(),
+/// spec(), full_tensor(), grad(), redistribute()) and costs one refcount.
+///
 /// Autograd history lives on the local tensor (local()); the wrapper itself
 /// has none. So: use `loss.backward()` on plain (replicated) results, and
 /// shardtensor::backward() on sharded ones; read gradients with grad().
@@ -37,8 +45,13 @@ class ShardTensor : public at::Tensor {
   /// placements (ranks disagree on a non-sharded extent, or on ndim), or if
   /// `sizes` is invalid or does not match `local.sizes()`.
   /// A Partial placement means every rank holds a summand.
-  static ShardTensor from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
-                                std::optional<ShardSizes> sizes = std::nullopt);
+  ///
+  /// Returns a plain `at::Tensor` handle (that is a ShardTensor) so that the
+  /// result goes wherever an at::Tensor goes (`torch::nn::Sequential`,
+  /// `AnyModule`, `std::vector<at::Tensor>`, deduced templates); view it as
+  /// `ShardTensor(t)` for the typed accessors. See Note [factories return at::Tensor].
+  static at::Tensor from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
+                               std::optional<ShardSizes> sizes = std::nullopt);
 
   /// Local. Wraps `local` under `spec` without validation beyond local shape == spec.local_shape().
   static ShardTensor from_local_unchecked(at::Tensor local, std::shared_ptr<const ShardSpec> spec);
@@ -62,8 +75,9 @@ class ShardTensor : public at::Tensor {
   /// reduce-scatter), Replicate -> Partial, and Shard(a) -> Shard(a) with new
   /// explicit sizes (rebalancing). Throws on every rank, before communicating,
   /// for invalid placements or sizes, or for Shard -> Partial.
-  ShardTensor redistribute(Placements placements,
-                           std::optional<ShardSizes> sizes = std::nullopt) const;
+  /// Returns an at::Tensor handle (Note [factories return at::Tensor]).
+  at::Tensor redistribute(Placements placements,
+                          std::optional<ShardSizes> sizes = std::nullopt) const;
 
   /// Local. The gradient accumulated in local() as a ShardTensor with the same
   /// spec (Partial mesh dims become Replicate: every summand's gradient is the
@@ -85,15 +99,17 @@ std::ostream& operator<<(std::ostream& os, const ShardTensor& t);
 /// then each rank receives only its own piece (MPI_Scatterv), never the whole
 /// tensor. The local piece is a leaf that requires grad if `requires_grad`.
 /// Throws on every rank if `full` on src does not fit the placements.
-ShardTensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
-                           Placements placements, bool requires_grad = false);
+/// Returns an at::Tensor handle (Note [factories return at::Tensor]).
+at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
+                          Placements placements, bool requires_grad = false);
 
 /// Local (no communication): every rank has `full` and keeps a contiguous copy
 /// of its piece, a leaf that requires grad if `requires_grad`.
 /// Partial placements keep the value on coordinate 0 and zeros elsewhere.
-ShardTensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
-                              bool requires_grad = false,
-                              std::optional<ShardSizes> sizes = std::nullopt);
+/// Returns an at::Tensor handle (Note [factories return at::Tensor]).
+at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
+                             bool requires_grad = false,
+                             std::optional<ShardSizes> sizes = std::nullopt);
 
 /// Collective when `output` is a ShardTensor (as its backward is). Runs the
 /// backward pass from any tensor, sharded or plain. `grad_output` may be a
