@@ -17,6 +17,7 @@
 #include <sstream>
 #include <string>
 
+#include "comm/agree.h"
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -1174,4 +1175,41 @@ TEST(CommTransport, SplitPhaseExchangeKeepsOrderAndCountsPayload) {
                  c10::Error);
     EXPECT_THROW(transport::start_exchange({{0, at::zeros({4, 4}).t()}}, {}, a.comm), c10::Error);
   }
+}
+
+// Note [collective discipline]: a check that fails on one rank raises the same
+// error, with that rank's message, on every rank.
+TEST(Agree, CheckAllRaisesTheFailingRanksMessageEverywhere) {
+  auto mesh = test_mesh();
+  const int last = static_cast<int>(mesh.size()) - 1;
+  EXPECT_TRUE(comm::all_ok(mesh, true));
+  EXPECT_EQ(comm::all_ok(mesh, mesh.rank() != last), false);
+  comm::check_all(mesh, true, "agree_test");  // returns on every rank
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        comm::check_all(mesh, mesh.rank() != last, "agree_test",
+                        "piece " + std::to_string(mesh.rank()) + " is bad");
+      },
+      {"agree_test", "piece " + std::to_string(last) + " is bad",
+       "reported by mesh rank " + std::to_string(last)}));
+}
+
+TEST(Agree, RecordsGatherBroadcastAndReduce) {
+  auto mesh = test_mesh();
+  const int64_t r = mesh.rank();
+  std::vector<int64_t> mine(static_cast<size_t>(r), r);  // rank r sends r copies of r
+  auto all = comm::all_gather_records(mesh, mine);
+  ASSERT_EQ(static_cast<int64_t>(all.size()), mesh.size());
+  for (int64_t c = 0; c < mesh.size(); ++c) {
+    EXPECT_EQ(all[c], std::vector<int64_t>(static_cast<size_t>(c), c));
+  }
+  const int root = static_cast<int>(mesh.size()) - 1;
+  auto b = comm::broadcast_record(mesh, {r, 7, -r}, root);
+  EXPECT_EQ(b, (std::vector<int64_t>{root, 7, -root}));
+  std::vector<int64_t> v{r, 1}, w{r, 1};
+  comm::all_reduce_max(mesh, v);
+  comm::all_reduce_sum(mesh, w);
+  EXPECT_EQ(v, (std::vector<int64_t>{mesh.size() - 1, 1}));
+  EXPECT_EQ(w, (std::vector<int64_t>{mesh.size() * (mesh.size() - 1) / 2, mesh.size()}));
+  comm::barrier(mesh);
 }
