@@ -175,6 +175,15 @@ int mpi_thread_level() {
   return provided;
 }
 
+void abort(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (mpi_initialized() && !mpi_finalized()) {
+    MPI_Abort(MPI_COMM_WORLD, code);
+  }
+  std::_Exit(code);
+}
+
 Runtime::Runtime(int* argc, char*** argv) { init(argc, argv); }
 
 Runtime::~Runtime() {

@@ -25,6 +25,13 @@ int world_size();
 /// Local. The MPI thread level actually provided (MPI_THREAD_*).
 int mpi_thread_level();
 
+/// Ends the whole job now (every rank of MPI_COMM_WORLD) with exit code
+/// `code`: MPI_Abort if MPI is initialized and not finalized, otherwise
+/// std::_Exit. Flushes stdout and stderr first. For fatal errors on one rank
+/// (e.g. an uncaught Python exception) where the other ranks may be waiting in
+/// a collective and MPI_Finalize would hang. Not collective; never returns.
+[[noreturn]] void abort(int code);
+
 /// RAII wrapper around init()/finalize(). Collective on construction and destruction.
 class Runtime {
  public:

@@ -1,0 +1,57 @@
+"""shardtensor: domain parallelism for PyTorch, over the same C++ core as the C++ API.
+
+    import shardtensor as st
+    from shardtensor import ShardTensor, Shard, Replicate, Partial, DeviceMesh
+    mesh = DeviceMesh((-1,), ("domain",))
+    sx = st.scatter_tensor(x, 0, mesh, (Shard(2),), requires_grad=True)
+    out = torch.nn.Conv2d(8, 8, 3, padding=1)(sx)      # any torch.nn module / torch op
+
+Launch: ``mpirun -np 4 python3 app.py``. Importing initializes nothing; MPI is
+started (or mpi4py's adopted) by the first call that needs it. See docs/python.md.
+"""
+
+import torch  # noqa: F401  (first: loads libtorch_python, which _C links against)
+
+from . import _C, _runtime
+from ._manager import DistributedManager
+from ._mesh import DeviceMesh, init_device_mesh
+from ._nn import backward, distribute_module, halo_exchange, scaled_dot_product_attention
+from ._tensor import ShardTensor, distribute_tensor, scatter_tensor
+from .placement import Partial, Placement, Replicate, Shard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ShardTensor", "Shard", "Replicate", "Partial", "Placement", "DeviceMesh", "init_device_mesh",
+    "scatter_tensor", "distribute_tensor", "distribute_module", "backward",
+    "scaled_dot_product_attention", "halo_exchange", "DistributedManager", "comm_stats", "reset_comm_stats",
+    "memory_stats", "reset_peak_memory_stats", "world_rank", "world_size", "abort",
+]
+
+world_rank = _runtime.world_rank
+world_size = _runtime.world_size
+abort = _runtime.abort
+
+
+def comm_stats():
+    """This rank's communication counters since the last reset: dict with
+    bytes_sent, bytes_received, messages, comm_seconds. Local."""
+    return _C.comm_stats()
+
+
+def reset_comm_stats():
+    """Local."""
+    _C.reset_comm_stats()
+
+
+def memory_stats():
+    """This process's live CPU tensor memory: dict with current_bytes, peak_bytes. Local."""
+    return _C.memory_stats()
+
+
+def reset_peak_memory_stats():
+    """Local."""
+    _C.reset_peak_memory_stats()
+
+
+_runtime.install_excepthook()

@@ -1,0 +1,64 @@
+"""distribute_module, backward and ring attention (C++ nn/ and ops/)."""
+
+import torch
+
+from . import _C
+from ._tensor import _mesh_of, _wrap
+
+__all__ = ["distribute_module", "backward", "scaled_dot_product_attention", "halo_exchange"]
+
+
+def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None, output_fn=None,
+                      *, bucket_cap_mb=25, bucket_gradients=True):
+    """Makes every rank's copy of ``module`` identical (parameters and buffers
+    broadcast from mesh rank 0) and sums the parameters' gradients over the mesh
+    in buckets during backward, so that after ``loss.backward()`` every
+    ``p.grad`` equals the single-process gradient. Returns ``module``.
+
+    Collective over the mesh. Raises on every rank if the ranks' modules differ
+    (names, shapes, dtypes, requires_grad). ``partition_fn(name, submodule,
+    mesh)``, ``input_fn(module, inputs, mesh)`` and ``output_fn(module, outputs,
+    mesh)`` behave as in PyTorch's distribute_module. C++: distribute_module.
+    """
+    mesh = _mesh_of(device_mesh)
+    if partition_fn is not None:
+        for name, sub in module.named_modules():
+            partition_fn(name, sub, mesh)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+    params = [(n, p) for n, p in module.named_parameters()]
+    buffers = [(n, b) for n, b in module.named_buffers()]
+    _C.distribute_module(params, buffers, mesh._c, int(bucket_cap_mb * (1 << 20)),
+                         bool(bucket_gradients))
+    return module
+
+
+def backward(output, grad=None):
+    """Backward pass from any tensor, sharded or plain (``loss.backward()`` works
+    for plain scalars; use this for non-scalar sharded outputs). ``grad`` is a
+    ShardTensor with the output's layout, a plain tensor of the global shape, or
+    None for a single-element output. Collective when ``output`` is sharded.
+    C++: shardtensor::backward."""
+    _C.backward(output, grad)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None):
+    """Attention ``softmax(q k^T * scale + mask) v`` on (..., L, E) tensors; with the
+    sequence dim sharded it runs as ring attention (K/V blocks passed around the
+    ring, online softmax), never gathering the sequence. Collective over the
+    mesh dim that shards the sequence. Differentiable. C++:
+    shardtensor::scaled_dot_product_attention."""
+    return _wrap(_C.scaled_dot_product_attention(query, key, value, attn_mask, bool(is_causal),
+                                                 None if scale is None else float(scale)))
+
+
+def halo_exchange(tensor, dim, left, right, mode="constant", value=0.0):
+    """This rank's local piece of ShardTensor ``tensor`` extended along ``dim`` by
+    ``left``/``right`` elements from the neighbouring pieces (multi-hop when wider
+    than a neighbour); at the global edge filled per ``mode`` ("constant",
+    "reflect", "replicate", "circular"). Returns a plain local tensor connected to
+    autograd. Collective over the mesh dim that shards ``dim`` (local if none).
+    C++: shardtensor::halo_exchange."""
+    return _C.halo_exchange(tensor, int(dim), int(left), int(right), str(mode), float(value))

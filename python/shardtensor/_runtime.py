@@ -1,0 +1,96 @@
+"""MPI lifecycle from Python (Note [python MPI lifecycle]).
+
+Importing shardtensor initializes nothing. The first call that needs MPI
+(creating a DeviceMesh, DistributedManager.initialize(), world_rank()) calls
+``ensure_init()``: shardtensor._C.init() initializes MPI, or adopts the MPI that
+mpi4py (or another library) already initialized. An atexit handler finalizes
+MPI only if shardtensor started it, so mpirun sees a clean exit.
+
+An uncaught exception on one rank: ``sys.excepthook`` prints that rank's
+traceback as usual, then ends the whole job with MPI_Abort (shardtensor._C.abort)
+when more than one rank runs. Otherwise the other ranks could wait forever in a
+collective, and the atexit MPI_Finalize of the failing rank would wait for them.
+"""
+
+import atexit
+import os
+import sys
+import threading
+
+from . import _C
+
+_lock = threading.Lock()
+_started = False
+
+
+def ensure_init():
+    """Collective over MPI_COMM_WORLD on first call. Idempotent."""
+    global _started
+    if _started:
+        return
+    with _lock:
+        if _started:
+            return
+        _C.init()
+        atexit.register(_finalize_at_exit)
+        _started = True
+
+
+def _finalize_at_exit():
+    try:
+        _C.finalize()
+    except Exception as e:  # never turn a clean exit into a traceback
+        print(f"shardtensor: finalize failed: {e}", file=sys.stderr)
+
+
+def world_rank():
+    ensure_init()
+    return _C.world_rank()
+
+
+def world_size():
+    ensure_init()
+    return _C.world_size()
+
+
+def _mpi_is_up():
+    if _C.is_initialized():
+        return True
+    mpi4py = sys.modules.get("mpi4py.MPI")
+    return mpi4py is not None and mpi4py.Is_initialized() and not mpi4py.Is_finalized()
+
+
+def abort(code=1):
+    """Ends the whole job now (every rank). Not collective; never returns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _C.is_initialized():
+        _C.abort(code)
+    mpi4py = sys.modules.get("mpi4py.MPI")
+    if mpi4py is not None and mpi4py.Is_initialized() and not mpi4py.Is_finalized():
+        mpi4py.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(exc_type, exc, tb):
+    rank = None
+    size = 1
+    try:
+        if _mpi_is_up():
+            rank, size = _C.world_rank(), _C.world_size()
+    except Exception:
+        pass
+    if rank is not None and size > 1:
+        print(f"shardtensor: uncaught exception on rank {rank} of {size}; aborting the job",
+              file=sys.stderr)
+    _previous_excepthook(exc_type, exc, tb)
+    if size > 1:
+        abort(1)
+
+
+def install_excepthook():
+    if sys.excepthook is _previous_excepthook:
+        sys.excepthook = _excepthook

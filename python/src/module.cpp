@@ -1,0 +1,327 @@
+// shardtensor._C: the pybind11 binding of the public C++ API (python/ layer).
+//
+// The pure-Python package (python/shardtensor/) is the user's API; this module
+// is its thin, private back end. Tensors cross as ordinary torch tensors
+// (torch's own caster, libtorch_python): a ShardTensor made here is a
+// torch.Tensor whose impl is a ShardTensorImpl, and the Python layer gives it
+// the Python class shardtensor.ShardTensor (Note [python ShardTensor class] in
+// _tensor.py).
+//
+// Note [python GIL]
+// ~~~~~~~~~~~~~~~~~
+// Every entry point that may communicate (mesh creation, factories,
+// full_tensor, redistribute, backward, distribute_module, attention, init,
+// finalize) releases the GIL (py::call_guard<py::gil_scoped_release>): they run
+// no Python, and another Python thread of this rank keeps running while this
+// one waits in MPI. Arguments are converted before, and results after, the
+// guard, with the GIL held. torch's own bindings release the GIL around
+// dispatch and backward, so sharded ops called through torch do the same.
+//
+// Placements cross as (kind, dim) pairs: kind 0 = Shard(dim), 1 = Replicate,
+// 2 = Partial. Communicators cross as the integer handle mpi4py gives
+// (MPI._handleof(comm)); 0 means MPI_COMM_WORLD.
+#include <shardtensor/shardtensor.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+namespace st = shardtensor;
+
+namespace {
+
+using PlacementCode = std::pair<int, int64_t>;
+using Release = py::call_guard<py::gil_scoped_release>;
+
+st::Placements to_placements(const std::vector<PlacementCode>& codes) {
+  st::Placements out;
+  out.reserve(codes.size());
+  for (const auto& [kind, dim] : codes) {
+    switch (kind) {
+      case 0:
+        out.emplace_back(st::Shard{dim});
+        break;
+      case 1:
+        out.emplace_back(st::Replicate{});
+        break;
+      case 2:
+        out.emplace_back(st::Partial{});
+        break;
+      default:
+        TORCH_CHECK_VALUE(false, "shardtensor: unknown placement kind ", kind);
+    }
+  }
+  return out;
+}
+
+std::vector<PlacementCode> from_placements(const st::Placements& placements) {
+  std::vector<PlacementCode> out;
+  out.reserve(placements.size());
+  for (const auto& p : placements) {
+    if (st::is_shard(p)) {
+      out.emplace_back(0, st::shard_dim(p));
+    } else if (st::is_replicate(p)) {
+      out.emplace_back(1, 0);
+    } else {
+      out.emplace_back(2, 0);
+    }
+  }
+  return out;
+}
+
+// An mpi4py handle (MPI._handleof) as an MPI_Comm, without calling MPI:
+// OpenMPI's MPI_Comm is a pointer, MPICH's an int.
+template <typename Comm>
+Comm comm_cast(std::uintptr_t handle) {
+  if constexpr (std::is_pointer_v<Comm>) {
+    return reinterpret_cast<Comm>(handle);
+  } else {
+    return static_cast<Comm>(handle);
+  }
+}
+
+MPI_Comm comm_from_handle(std::uintptr_t handle) {
+  if (handle == 0) return MPI_COMM_WORLD;
+  return comm_cast<MPI_Comm>(handle);
+}
+
+st::ShardTensor view(const at::Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(st::ShardTensor::is_shard_tensor(t), "shardtensor.", what,
+                    ": expected a ShardTensor, got a plain tensor of shape ", t.sizes());
+  return st::ShardTensor(t);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "shardtensor's C++ core (private; use the shardtensor package)";
+
+  // c10 errors carry the op, shapes and placements: keep the message, drop the
+  // C++ backtrace, and map the c10 error kinds to the Python ones torch uses.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+
+  // ---- runtime ---------------------------------------------------------------
+  m.def(
+      "init", [] { st::init(); }, Release(),
+      "Collective over MPI_COMM_WORLD on first call: initializes MPI or adopts an MPI "
+      "already initialized (e.g. by mpi4py). Idempotent.");
+  m.def("finalize", &st::finalize, Release(),
+        "Collective. Frees the library's communicators; finalizes MPI only if init() started it.");
+  m.def("is_initialized", &st::is_initialized);
+  m.def("world_rank", &st::world_rank);
+  m.def("world_size", &st::world_size);
+  m.def("abort", &st::abort, py::arg("code"),
+        "Ends the whole job now (MPI_Abort if MPI is up). Never returns.");
+
+  // ---- mesh ------------------------------------------------------------------
+  py::class_<st::DeviceMesh>(m, "DeviceMesh")
+      .def_static(
+          "create",
+          [](std::vector<int64_t> shape, std::vector<std::string> names, std::uintptr_t comm) {
+            return st::DeviceMesh::create(std::move(shape), std::move(names),
+                                          comm_from_handle(comm));
+          },
+          py::arg("shape"), py::arg("names"), py::arg("comm") = 0, Release())
+      .def_property_readonly("ndim", &st::DeviceMesh::ndim)
+      .def_property_readonly("shape", &st::DeviceMesh::shape)
+      .def_property_readonly("dim_names", &st::DeviceMesh::dim_names)
+      .def("size", py::overload_cast<>(&st::DeviceMesh::size, py::const_))
+      .def("dim_size", py::overload_cast<int64_t>(&st::DeviceMesh::size, py::const_))
+      .def("dim_index", &st::DeviceMesh::dim_index)
+      .def("coordinate", &st::DeviceMesh::coordinate)
+      .def("rank", &st::DeviceMesh::rank)
+      .def("rank_of", &st::DeviceMesh::rank_of)
+      .def("same", [](const st::DeviceMesh& a, const st::DeviceMesh& b) { return a == b; })
+      .def("__repr__", &st::DeviceMesh::to_string);
+
+  // ---- ShardTensor -----------------------------------------------------------
+  m.def("is_shard_tensor", [](const py::handle& obj) {
+    // Cheap and never throws: called on every torch op result (_tensor.py).
+    if (!THPVariable_Check(obj.ptr())) return false;
+    return st::ShardTensor::is_shard_tensor(THPVariable_Unpack(obj.ptr()));
+  });
+  m.def(
+      "scatter_tensor",
+      [](std::optional<at::Tensor> full, int src, const st::DeviceMesh& mesh,
+         const std::vector<PlacementCode>& placements, bool requires_grad) {
+        return st::scatter_tensor(full.value_or(at::Tensor()), src, mesh, to_placements(placements),
+                                  requires_grad);
+      },
+      Release());
+  m.def(
+      "distribute_tensor",
+      [](const at::Tensor& full, const st::DeviceMesh& mesh,
+         const std::vector<PlacementCode>& placements, bool requires_grad,
+         std::optional<st::ShardSizes> sizes) {
+        return st::distribute_tensor(full, mesh, to_placements(placements), requires_grad,
+                                     std::move(sizes));
+      },
+      Release());
+  m.def(
+      "from_local",
+      [](const at::Tensor& local, const st::DeviceMesh& mesh,
+         const std::vector<PlacementCode>& placements, std::optional<st::ShardSizes> sizes) {
+        return st::ShardTensor::from_local(local, mesh, to_placements(placements),
+                                           std::move(sizes));
+      },
+      Release());
+  m.def(
+      "full_tensor", [](const at::Tensor& t) { return view(t, "full_tensor").full_tensor(); },
+      Release());
+  m.def(
+      "redistribute",
+      [](const at::Tensor& t, const std::vector<PlacementCode>& placements,
+         std::optional<st::ShardSizes> sizes) {
+        return view(t, "redistribute").redistribute(to_placements(placements), std::move(sizes));
+      },
+      Release());
+  m.def("local", [](const at::Tensor& t) { return view(t, "to_local").local(); });
+  m.def("grad", [](const at::Tensor& t) -> std::optional<at::Tensor> {
+    st::ShardTensor g = view(t, "grad").grad();
+    if (!g.defined()) return std::nullopt;
+    return at::Tensor(g);
+  });
+  m.def("set_grad", [](const at::Tensor& t, std::optional<at::Tensor> g) {
+    const at::Tensor& local = view(t, "grad").local();
+    if (!g.has_value()) {
+      local.mutable_grad() = at::Tensor();
+      return;
+    }
+    at::Tensor value = *g;
+    if (st::ShardTensor::is_shard_tensor(value)) {
+      st::ShardTensor sg(value);
+      TORCH_CHECK_VALUE(sg.spec().same_layout(st::ShardTensor(t).spec()),
+                        "shardtensor: the gradient's layout ", sg.spec().to_string(),
+                        " differs from the tensor's ", st::ShardTensor(t).spec().to_string());
+      value = sg.local();
+    }
+    TORCH_CHECK_VALUE(value.sizes() == local.sizes(), "shardtensor: a gradient of local shape ",
+                      value.sizes(), " does not fit the local shape ", local.sizes());
+    local.mutable_grad() = value;
+  });
+  m.def("requires_grad",
+        [](const at::Tensor& t) { return view(t, "requires_grad").requires_grad(); });
+  m.def("set_requires_grad", [](const at::Tensor& t, bool requires_grad) {
+    const at::Tensor& local = view(t, "requires_grad_").local();
+    TORCH_CHECK(local.is_leaf() || requires_grad,
+                "shardtensor.requires_grad_: you can only change requires_grad flags of leaf "
+                "ShardTensors (this one's local piece has autograd history)");
+    local.set_requires_grad(requires_grad);
+  });
+  m.def("is_leaf", [](const at::Tensor& t) { return view(t, "is_leaf").local().is_leaf(); });
+  m.def("placements",
+        [](const at::Tensor& t) { return from_placements(view(t, "placements").placements()); });
+  m.def("mesh", [](const at::Tensor& t) { return view(t, "device_mesh").mesh(); });
+  m.def("shard_sizes",
+        [](const at::Tensor& t) { return view(t, "sharding_shapes").spec().all_shard_sizes(); });
+  m.def("local_shape",
+        [](const at::Tensor& t) { return view(t, "local_shape").spec().local_shape(); });
+  m.def("local_offsets",
+        [](const at::Tensor& t) { return view(t, "local_offsets").spec().local_offsets(); });
+  m.def("to_string", [](const at::Tensor& t) { return view(t, "repr").to_string(); });
+  m.def(
+      "backward",
+      [](const at::Tensor& output, std::optional<at::Tensor> grad) {
+        st::backward(output, grad.value_or(at::Tensor()));
+      },
+      py::arg("output"), py::arg("grad") = py::none(), Release());
+
+  // ---- nn --------------------------------------------------------------------
+  // A Python module's parameters and buffers are registered on a throwaway C++
+  // torch::nn::Module (same TensorImpls, so the broadcast writes into the
+  // Python tensors and the gradient hooks sit on the Python parameters); the
+  // gradient reducer keeps what it needs alive. Names only feed the
+  // cross-rank fingerprint check.
+  m.def(
+      "distribute_module",
+      [](const std::vector<std::pair<std::string, at::Tensor>>& params,
+         const std::vector<std::pair<std::string, at::Tensor>>& buffers, const st::DeviceMesh& mesh,
+         int64_t bucket_cap_bytes, bool bucket_gradients) {
+        torch::nn::Module holder("PythonModule");
+        int64_t i = 0;
+        for (const auto& [name, p] : params) {
+          holder.register_parameter("p" + std::to_string(i++) + "_" + name, p, p.requires_grad());
+        }
+        i = 0;
+        for (const auto& [name, b] : buffers) {
+          holder.register_buffer("b" + std::to_string(i++) + "_" + name, b);
+        }
+        st::distribute_module(holder, mesh,
+                              st::DistributeOptions()
+                                  .bucket_cap_bytes(bucket_cap_bytes)
+                                  .bucket_gradients(bucket_gradients));
+      },
+      Release());
+
+  // ---- ops -------------------------------------------------------------------
+  m.def(
+      "scaled_dot_product_attention",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         std::optional<at::Tensor> mask, bool is_causal, std::optional<double> scale) {
+        return st::scaled_dot_product_attention(q, k, v, mask.value_or(at::Tensor()), is_causal,
+                                                scale);
+      },
+      Release());
+
+  m.def(
+      "halo_exchange",
+      [](const at::Tensor& t, int64_t dim, int64_t left, int64_t right, const std::string& mode,
+         double value) {
+        st::PadMode m = st::PadMode::Constant;
+        if (mode == "constant" || mode == "zeros") {
+          m = st::PadMode::Constant;
+        } else if (mode == "reflect") {
+          m = st::PadMode::Reflect;
+        } else if (mode == "replicate") {
+          m = st::PadMode::Replicate;
+        } else if (mode == "circular") {
+          m = st::PadMode::Circular;
+        } else {
+          TORCH_CHECK_VALUE(false,
+                            "shardtensor.halo_exchange: mode must be constant, reflect, "
+                            "replicate or circular, got '",
+                            mode, "'");
+        }
+        return st::halo_exchange(t, dim, left, right, m, value);
+      },
+      Release());
+
+  // ---- observability (local) -------------------------------------------------
+  m.def("comm_stats", [] {
+    const auto s = st::comm_stats();
+    py::dict d;
+    d["bytes_sent"] = s.bytes_sent;
+    d["bytes_received"] = s.bytes_received;
+    d["messages"] = s.messages;
+    d["comm_seconds"] = s.comm_seconds;
+    return d;
+  });
+  m.def("reset_comm_stats", &st::reset_comm_stats);
+  m.def("memory_stats", [] {
+    const auto s = st::memory_stats();
+    py::dict d;
+    d["current_bytes"] = s.current_bytes;
+    d["peak_bytes"] = s.peak_bytes;
+    return d;
+  });
+  m.def("reset_peak_memory_stats", &st::reset_peak_memory_stats);
+}
