@@ -28,8 +28,9 @@ def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None:
         module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
-    params = [(n, p) for n, p in module.named_parameters()]
-    buffers = [(n, b) for n, b in module.named_buffers()]
+    # names only feed the cross-rank fingerprint; C++ parameter names have no dots
+    params = [(n.replace(".", "_"), p) for n, p in module.named_parameters()]
+    buffers = [(n.replace(".", "_"), b) for n, b in module.named_buffers()]
     _C.distribute_module(params, buffers, mesh._c, int(bucket_cap_mb * (1 << 20)),
                          bool(bucket_gradients))
     return module

@@ -1,0 +1,173 @@
+"""The Python API surface: types, placements, factories, autograd flags, errors, stats."""
+
+import pytest
+import torch
+
+import shardtensor as st
+from conftest import assert_close, empty_first_sizes, placements, rnd
+from shardtensor import DeviceMesh, Partial, Replicate, Shard, ShardTensor
+
+
+def test_placements_print_and_compare():
+    assert repr(Shard(2)) == "Shard(dim=2)"
+    assert repr(Replicate()) == "Replicate()" and repr(Partial()) == "Partial()"
+    assert Shard(1) == Shard(1) and Shard(1) != Shard(2) and Replicate() == Replicate()
+    assert len({Shard(0), Shard(0), Replicate()}) == 2
+    assert Shard(3).is_shard() and Shard(3).is_shard(3) and not Shard(3).is_shard(2)
+
+
+def test_scatter_tensor_types_and_layout(mesh):
+    x = rnd((4, 3, 13, 6), 1)
+    pl = placements(mesh, 2)
+    sx = st.scatter_tensor(x if mesh.get_rank() == 0 else None, 0, mesh, pl, requires_grad=True)
+    assert isinstance(sx, ShardTensor) and isinstance(sx, torch.Tensor)
+    assert sx.shape == x.shape and sx.dtype == x.dtype and sx.device == x.device
+    assert sx.placements == pl and isinstance(sx.placements, tuple)
+    assert sx._spec.placements == pl
+    assert sx.device_mesh is mesh
+    assert sx.requires_grad and sx.is_leaf and sx.grad is None
+    assert_close(sx.full_tensor(), x, 0, 0, "full_tensor")
+    local = sx.to_local()
+    assert not isinstance(local, ShardTensor)
+    assert "ShardTensor(global=" in repr(sx) and "Shard(2)" in repr(sx)
+    sizes = sx._spec.sharding_shapes()
+    assert sum(s[2] for s in sizes[mesh.ndim - 1]) == 13
+
+
+def test_plain_results_are_not_shard_tensors(mesh):
+    x = rnd((4, 3, 9, 5), 2)
+    sx = st.distribute_tensor(x, mesh, placements(mesh, 2), requires_grad=True)
+    y = sx * 2 + 1
+    assert isinstance(y, ShardTensor) and not y.is_leaf and y.grad_fn is not None
+    loss = y.mean()
+    assert not isinstance(loss, ShardTensor) and type(loss) is torch.Tensor
+    assert_close(loss.detach(), (x * 2 + 1).mean(), 1e-6, 1e-6, "mean")
+    loss.backward()
+    assert isinstance(sx.grad, ShardTensor) and sx.grad.placements == sx.placements
+    assert_close(sx.grad.full_tensor(), torch.full_like(x, 2.0 / x.numel()), 1e-7, 1e-6, "grad")
+    sx.grad = None
+    assert sx.grad is None
+
+
+def test_requires_grad_and_detach(mesh):
+    x = rnd((4, 2, 8, 3), 3)
+    sx = st.distribute_tensor(x, mesh, placements(mesh, 2))
+    assert not sx.requires_grad
+    assert sx.requires_grad_() is sx and sx.requires_grad
+    d = sx.detach()
+    assert isinstance(d, ShardTensor) and not d.requires_grad
+    assert d.placements == sx.placements
+    sx.requires_grad_(False)
+    assert not sx.requires_grad
+
+
+def test_no_grad_and_inference_mode(mesh):
+    x = rnd((4, 2, 10, 4), 4)
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+    st.distribute_module(conv, mesh)
+    sx = st.distribute_tensor(x, mesh, placements(mesh, 2), requires_grad=True)
+    ref = conv(x)
+    with torch.no_grad():
+        y = conv(sx)
+        assert isinstance(y, ShardTensor) and not y.requires_grad
+        assert_close(y.full_tensor(), ref.detach(), 1e-5, 1e-5, "no_grad")
+    with torch.inference_mode():
+        y = conv(sx)
+        assert isinstance(y, ShardTensor)
+        assert_close(y.full_tensor(), ref.detach(), 1e-5, 1e-5, "inference_mode")
+
+
+def test_from_local_uneven_inferred_and_explicit(mesh):
+    # Local extents of dim 1 differ per rank (rank r holds r + 1 rows, or none on rank 0).
+    r = mesh.get_rank()
+    pl = (Shard(1),) + (Replicate(),) * (mesh.ndim - 1) if mesh.ndim == 1 else None
+    if mesh.ndim != 1:
+        pytest.skip("1-D mesh layout")
+    n = r  # rank 0: empty
+    local = torch.arange(n * 3, dtype=torch.float32).reshape(3, n) + 100 * r
+    sx = ShardTensor.from_local(local, mesh, pl)
+    total = sum(range(mesh.size()))
+    assert sx.shape == (3, total)
+    full = sx.full_tensor()
+    expected = torch.cat([torch.arange(k * 3, dtype=torch.float32).reshape(3, k) + 100 * k
+                          for k in range(mesh.size())], 1)
+    assert_close(full, expected, 0, 0, "from_local gathered")
+    sizes = [[k for k in range(mesh.size())]]
+    sy = ShardTensor.from_local(local, mesh, pl, sharding_shapes=sizes)
+    assert_close(sy.full_tensor(), expected, 0, 0, "from_local explicit")
+    sz = ShardTensor.from_local(local, mesh, pl, sharding_shapes=sx._spec.sharding_shapes())
+    assert sz.shape == sx.shape
+
+
+def test_redistribute_roundtrip(mesh):
+    x = rnd((4, 5, 11, 7), 5)
+    pl = placements(mesh, 2)
+    sx = st.distribute_tensor(x, mesh, pl)
+    rep = sx.redistribute((Replicate(),) * mesh.ndim)
+    assert rep.placements == (Replicate(),) * mesh.ndim
+    assert_close(rep.to_local(), x, 0, 0, "replicate")
+    other = sx.redistribute(mesh, placements(mesh, 3))
+    assert other.placements == placements(mesh, 3)
+    assert_close(other.full_tensor(), x, 0, 0, "shard(3)")
+
+
+def test_empty_shard_conv(mesh):
+    x = rnd((2, 2, 7, 5), 6)
+    pl = placements(mesh, 2)
+    sizes = empty_first_sizes(mesh, x.shape, pl)
+    conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+    st.distribute_module(conv, mesh)  # rank 0's weights everywhere
+    ref = conv(x)
+    sx = st.distribute_tensor(x, mesh, pl, sharding_shapes=sizes, requires_grad=True)
+    y = conv(sx)
+    assert_close(y.full_tensor(), ref.detach(), 1e-5, 1e-5, "conv on an empty shard")
+
+
+def test_errors_raise_on_every_rank(mesh):
+    x = rnd((4, 3, 8, 8), 8)
+    sx = st.distribute_tensor(x, mesh, placements(mesh, 2))
+    conv = torch.nn.Conv2d(5, 2, 3)  # wrong channel count
+    with pytest.raises(RuntimeError):
+        conv(sx)
+    with pytest.raises((RuntimeError, ValueError)) as e:
+        st.distribute_tensor(x, mesh, (Shard(7),) * mesh.ndim)
+    assert "Shard" in str(e.value) or "dim" in str(e.value)
+    with pytest.raises((RuntimeError, ValueError)):
+        # ranks disagree on a non-sharded extent
+        ShardTensor.from_local(torch.zeros(2 + (mesh.get_rank() == 0), 3), mesh,
+                               (Shard(1),) + (Replicate(),) * (mesh.ndim - 1))
+    with pytest.raises((RuntimeError, ValueError)):
+        DeviceMesh((mesh.size() + 1,))
+    # still usable afterwards
+    assert_close(sx.full_tensor(), x, 0, 0, "after errors")
+
+
+def test_stats(mesh):
+    x = rnd((4, 3, 8, 8), 9)
+    sx = st.distribute_tensor(x, mesh, placements(mesh, 2))
+    st.reset_comm_stats()
+    sx.full_tensor()
+    s = st.comm_stats()
+    if mesh.size() > 1:
+        assert s["bytes_received"] > 0 and s["messages"] > 0
+    st.reset_peak_memory_stats()
+    m = st.memory_stats()
+    assert m["peak_bytes"] >= 0 and m["current_bytes"] >= 0
+
+
+def test_distributed_manager_and_mesh_helpers(mesh):
+    dm = st.DistributedManager()
+    assert dm.world_size == st.world_size() and 0 <= dm.rank < dm.world_size
+    assert dm.device == torch.device("cpu")
+    m = st.init_device_mesh((-1,), ("x",))
+    assert m.size() == dm.world_size and m.mesh_dim_names == ("x",)
+    m2 = st.init_device_mesh("cpu", (-1,), mesh_dim_names=("y",))
+    assert m2.ndim == 1 and m2 != m
+
+
+def test_mpi4py_communicator(mesh):
+    mpi4py = pytest.importorskip("mpi4py.MPI")
+    m = DeviceMesh((-1,), ("w",), comm=mpi4py.COMM_WORLD)
+    x = rnd((6, 3), 10)
+    sx = st.distribute_tensor(x, m, (Shard(0),))
+    assert_close(sx.full_tensor(), x, 0, 0, "mesh over an mpi4py communicator")
