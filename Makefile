@@ -3,7 +3,8 @@
 #   make demo   install missing Debian packages, build, run the demo on $(NP) MPI ranks
 #   make test   install missing Debian packages, build, run every test (ctest)
 #
-# Also: make demo-vit (examples/vit_train on 4 ranks).
+# Also: make demo-vit (examples/vit_train on 4 ranks), make demo-py (examples/python/unet_train.py
+# on 4 ranks through the Python package; DEMO_PY_ARGS passes flags).
 # Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean,
 # bench-quick, bench, bench-report (see bench/run.sh and docs/benchmarks.md).
 # Overridable: DEMO, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
@@ -60,13 +61,14 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: help demo demo-vit test deps configure build install format format-check clean \
+.PHONY: help demo demo-vit demo-py test deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
         bench-overhead bench-attention bench-report bench-deps
 
 help:
 	@echo "make demo     build and run examples/$(DEMO) on $(NP) ranks"
 	@echo "make demo-vit build and run examples/vit_train (vision transformer, ring attention) on 4 ranks"
+	@echo "make demo-py  build the Python package and run examples/python/unet_train.py on 4 ranks"
 	@echo "make test     build and run all tests (ctest)"
 	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
 	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
@@ -83,6 +85,15 @@ demo: configure
 demo-vit: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target vit_train
 	$(MPIRUN) $(MPIRUN_FLAGS) -np 4 $(BUILD_ABS)/examples/vit_train
+
+# The main job through the Python package (python/): same model, data and MATCH check.
+# The interpreter is the one CMake found with `import torch` (not whatever python3 is first on PATH).
+DEMO_PY_ARGS ?= --size 256 --steps 20 --solver-steps 100
+demo-py: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_python
+	py=$$(sed -n 's/^Python3_EXECUTABLE:FILEPATH=//p' $(BUILD_ABS)/CMakeCache.txt); \
+	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-/usr/bin/python3} \
+	  $(REPO_ROOT)/examples/python/unet_train.py $(DEMO_PY_ARGS)
 
 test: build
 	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error \
