@@ -137,7 +137,7 @@ build: configure
 install: build
 	cmake --install $(BUILD_ABS) --prefix $(PREFIX)
 
-FORMAT_DIRS := include src tests examples bench
+FORMAT_DIRS := include src tests examples bench python
 # Only the folders that exist (git does not keep empty ones, e.g. bench/ before it has files).
 format-files = cd $(REPO_ROOT) && find $(wildcard $(addprefix $(REPO_ROOT)/,$(FORMAT_DIRS))) \
   -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' -o -name '*.cc' \) | sort

@@ -286,11 +286,12 @@ def scatter_tensor(tensor, global_src, mesh, placements, global_shape=None, dtyp
     every rank if the tensor does not fit the placements. C++: scatter_tensor."""
     mesh = _mesh_of(mesh)
     placements = _placements_tuple(placements)
-    ndim = tensor.dim() if tensor is not None else (len(global_shape) if global_shape else None)
     if tensor is not None and dtype is not None:
         tensor = tensor.to(dtype)
-    return _wrap(_C.scatter_tensor(tensor, int(global_src), mesh._c,
-                                   _to_codes(placements, ndim), bool(requires_grad)))
+    # Placements go to C++ exactly as given on every rank (only src knows ndim;
+    # C++ checks them against the broadcast shape on every rank).
+    return _wrap(_C.scatter_tensor(tensor, int(global_src), mesh._c, _to_codes(placements),
+                                   bool(requires_grad)))
 
 
 def distribute_tensor(tensor, device_mesh=None, placements=None, *, requires_grad=None,
