@@ -32,6 +32,13 @@ def test_scatter_tensor_types_and_layout(mesh):
     assert "ShardTensor(global=" in repr(sx) and "Shard(2)" in repr(sx)
     sizes = sx._spec.sharding_shapes()
     assert sum(s[2] for s in sizes[mesh.ndim - 1]) == 13
+    # PhysicsNeMo's tutorial passes a tensor that itself requires grad, and _local_tensor
+    xg = x.clone().requires_grad_(True)
+    sg = st.scatter_tensor(xg, 0, mesh, pl, requires_grad=True)
+    assert sg.is_leaf and sg._local_tensor.shape == sg.to_local().shape
+    sg.mean().backward()
+    assert isinstance(sg.grad, ShardTensor) and sg.grad._spec.placements == pl
+    assert_close(sg.grad.full_tensor(), torch.full_like(x, 1.0 / x.numel()), 1e-9, 1e-6, "grad")
 
 
 def test_plain_results_are_not_shard_tensors(mesh):
