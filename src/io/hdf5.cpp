@@ -624,7 +624,15 @@ HaloRead read_dataset(File& file, const std::string& dataset, const DeviceMesh& 
   } else if (nd > 0) {
     sel_ok = select_runs(fspace.get(), runs, start);
   }
-  Hid dxpl = make_dxpl(file, opts.transfer());
+  // Note [overlapping collective reads]: Open MPI 4.1's OMPIO returned wrong
+  // data (tests/test_io.cpp, ReadHdf5.Halo* on a 2x2 mesh; ROMIO was right)
+  // for collective reads whose non-contiguous selections overlap across
+  // ranks, which halos make them do. Halo reads therefore use independent
+  // transfers; reads without halo (disjoint or identical selections) keep
+  // the requested mode.
+  bool any_halo = false;
+  for (int64_t h : opts.halo()) any_halo = any_halo || h > 0;
+  Hid dxpl = make_dxpl(file, any_halo ? Transfer::Independent : opts.transfer());
   // Selections fail only on arguments the agreed checks above rule out; a
   // rank whose selection failed still joins the collective read with an
   // empty selection, and the verdict below is agreed.
