@@ -8,6 +8,8 @@
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/runtime.h>
 #include <shardtensor/core/stats.h>
+#include <shardtensor/io/checkpoint.h>
+#include <shardtensor/io/hdf5.h>
 #include <shardtensor/mesh/device_mesh.h>
 #include <shardtensor/nn/module.h>
 #include <shardtensor/ops/attention.h>

@@ -32,6 +32,10 @@ std::atomic<int64_t> g_bytes_received{0};
 std::atomic<int64_t> g_messages{0};
 std::atomic<int64_t> g_comm_nanoseconds{0};
 std::atomic<int64_t> g_current_bytes{0};
+std::atomic<int64_t> g_io_bytes_read{0};
+std::atomic<int64_t> g_io_bytes_written{0};
+std::atomic<int64_t> g_io_reads{0};
+std::atomic<int64_t> g_io_writes{0};
 std::atomic<int64_t> g_peak_bytes{0};
 
 void raise_peak_to(int64_t value) {
@@ -132,7 +136,29 @@ void reset_peak_memory_stats() {
   g_peak_bytes.store(g_current_bytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
+IoStats io_stats() {
+  IoStats s;
+  s.bytes_read = g_io_bytes_read.load(std::memory_order_relaxed);
+  s.bytes_written = g_io_bytes_written.load(std::memory_order_relaxed);
+  s.reads = g_io_reads.load(std::memory_order_relaxed);
+  s.writes = g_io_writes.load(std::memory_order_relaxed);
+  return s;
+}
+
+void reset_io_stats() {
+  g_io_bytes_read.store(0, std::memory_order_relaxed);
+  g_io_bytes_written.store(0, std::memory_order_relaxed);
+  g_io_reads.store(0, std::memory_order_relaxed);
+  g_io_writes.store(0, std::memory_order_relaxed);
+}
+
 namespace detail {
+void record_io(int64_t bytes_read, int64_t bytes_written, int64_t reads, int64_t writes) {
+  g_io_bytes_read.fetch_add(bytes_read, std::memory_order_relaxed);
+  g_io_bytes_written.fetch_add(bytes_written, std::memory_order_relaxed);
+  g_io_reads.fetch_add(reads, std::memory_order_relaxed);
+  g_io_writes.fetch_add(writes, std::memory_order_relaxed);
+}
 void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages) {
   g_bytes_sent.fetch_add(bytes_sent, std::memory_order_relaxed);
   g_bytes_received.fetch_add(bytes_received, std::memory_order_relaxed);

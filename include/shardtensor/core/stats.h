@@ -38,7 +38,28 @@ MemoryStats memory_stats();
 /// Local. Sets the peak to the current value.
 void reset_peak_memory_stats();
 
+/// Bytes this rank moved between files and memory through the io/ layer
+/// (read_hdf5, write_hdf5, checkpoints). Counted per transfer as the number
+/// of elements this rank selected times the element size of the dataset's
+/// type in the file, so the count is exactly the rank's hyperslab (plus its
+/// halo) whatever MPI-IO does underneath, and independent of dtype conversion
+/// in memory. Metadata (headers, attributes) is not counted.
+struct IoStats {
+  int64_t bytes_read = 0;
+  int64_t bytes_written = 0;
+  /// Dataset read / write calls this rank took part in (empty selections included).
+  int64_t reads = 0;
+  int64_t writes = 0;
+};
+
+/// Local. Counters since the last reset_io_stats().
+IoStats io_stats();
+/// Local. Sets all I/O counters to zero.
+void reset_io_stats();
+
 namespace detail {
+/// Local. Adds to the I/O counters (used by io/ only).
+void record_io(int64_t bytes_read, int64_t bytes_written, int64_t reads, int64_t writes);
 /// Local. Adds to the communication counters (used by comm/ only).
 void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages);
 /// Local. Adds to comm_seconds (used by comm/ only).
