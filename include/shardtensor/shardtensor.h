@@ -13,6 +13,7 @@
 #include <shardtensor/mesh/device_mesh.h>
 #include <shardtensor/nn/module.h>
 #include <shardtensor/ops/attention.h>
+#include <shardtensor/ops/fft.h>
 #include <shardtensor/ops/halo.h>
 #include <shardtensor/spec/placement.h>
 #include <shardtensor/spec/shard_spec.h>

@@ -81,8 +81,9 @@ int comm_rank(MPI_Comm comm);
 /// Collective over `comm`. In-place element-wise reduction of `t` (contiguous,
 /// CPU) over all ranks. Supports float, double, int8/16/32/64, uint8 and bool
 /// (Sum/Max are logical or, Min/Product logical and); half and bfloat16 are
-/// reduced in float and rounded back. Throws c10::Error for other dtypes,
-/// non-contiguous or non-CPU tensors, and MPI failures.
+/// reduced in float and rounded back; complex64/complex128 support Sum and
+/// Product only. Throws c10::Error for other dtypes, non-contiguous or non-CPU tensors, and MPI
+/// failures.
 void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
 
 /// Collective over `comm`. All-gatherv of bytes: rank c contributes `send`

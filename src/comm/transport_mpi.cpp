@@ -105,6 +105,12 @@ std::pair<MPI_Datatype, MPI_Op> reduction_type(at::ScalarType dtype, ReduceOp op
       return {MPI_INT8_T, mpi_op};
     case at::kShort:
       return {MPI_INT16_T, mpi_op};
+    case at::kComplexFloat:
+    case at::kComplexDouble:
+      // Sum (and product) of complex numbers; there is no order for max/min.
+      TORCH_CHECK(op == ReduceOp::Sum || op == ReduceOp::Product,
+                  "shardtensor transport: max/min reductions are not defined for dtype ", dtype);
+      return {dtype == at::kComplexFloat ? MPI_C_FLOAT_COMPLEX : MPI_C_DOUBLE_COMPLEX, mpi_op};
     case at::kBool:
       // Stored as one byte holding 0 or 1: or = max, and = min.
       return {MPI_UINT8_T, (op == ReduceOp::Sum || op == ReduceOp::Max) ? MPI_MAX : MPI_MIN};
