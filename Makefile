@@ -175,3 +175,9 @@ bench-deps:
 
 bench-report: bench-deps
 	$(REPO_ROOT)/bench/report.sh
+
+# docs/ops.md: how every aten op is handled on a ShardTensor (shardtensor::op_coverage()).
+.PHONY: docs-ops
+docs-ops: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_op_coverage
+	$(BUILD_ABS)/bench/shardtensor_op_coverage > $(REPO_ROOT)/docs/ops.md

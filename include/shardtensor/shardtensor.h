@@ -6,6 +6,7 @@
 
 #include <shardtensor/comm/primitives.h>
 #include <shardtensor/core/error.h>
+#include <shardtensor/core/policy.h>
 #include <shardtensor/core/runtime.h>
 #include <shardtensor/core/stats.h>
 #include <shardtensor/io/checkpoint.h>

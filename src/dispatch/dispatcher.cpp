@@ -10,7 +10,9 @@
 // table (ops/registry.h); without a rule, an op that has a
 // CompositeImplicitAutograd kernel is re-dispatched below the autograd key into
 // its decomposition, whose pieces come back here one by one; any other op
-// raises a c10::Error naming the op and the arguments' placements. Those
+// runs through the generic fallback on gathered tensors (Note [generic
+// fallback], dispatch/fallback.cpp), or in strict mode raises a c10::Error
+// naming the op and the arguments' placements. Those
 // decisions depend only on metadata that is identical on every rank, so every
 // rank throws, and none is left in a collective.
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -22,6 +24,7 @@
 #include <string>
 
 #include "comm/transport.h"
+#include "dispatch/fallback.h"
 #include "ops/common.h"
 
 namespace shardtensor::dispatch {
@@ -52,12 +55,37 @@ void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValu
   }
 }
 
-void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (debug_enabled()) {
-    const size_t n = op.schema().arguments().size();
-    std::vector<c10::IValue> args(stack->end() - n, stack->end());
-    check_agreement(op, args);
+bool is_view_op(const c10::FunctionSchema& schema) {
+  for (const auto& r : schema.returns()) {
+    if (r.alias_info() && !r.alias_info()->isWrite()) return true;
   }
+  return false;
+}
+
+// Note [view write-back] (tensor/shard_tensor_impl.h): the result of a view op
+// on a source that writes back writes back through it too.
+void chain_write_back(const at::Tensor& self, const at::Tensor& r) {
+  auto* ri = detail::shard_impl(r);
+  auto* si = detail::shard_impl(self);
+  if (!ri || !si || ri == si || !si->write_back()) return;
+  const auto parent = si->write_back();
+  const auto own = ri->write_back();
+  auto wb = std::make_shared<detail::WriteBack>();
+  if (own && !own->fn) return;  // already refused
+  if (!parent->fn) {
+    wb->refusal = parent->refusal;
+  } else if (own) {
+    wb->fn = [own, parent, self](const at::Tensor& t) {
+      own->fn(t);
+      parent->fn(self);
+    };
+  } else {
+    wb->fn = [parent, self](const at::Tensor&) { parent->fn(self); };
+  }
+  ri->set_write_back(std::move(wb));
+}
+
+void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (const ops::Rule* rule = ops::find_rule(op.operator_name())) {
     (*rule)(op, stack);
     return;
@@ -68,9 +96,50 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
                        stack);
     return;
   }
-  const size_t n = op.schema().arguments().size();
-  std::vector<c10::IValue> args(stack->end() - n, stack->end());
-  ops::fail(op, args, "no sharding rule for this op");
+  generic_fallback(op, stack);
+}
+
+void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  if (debug_enabled()) {
+    std::vector<c10::IValue> args(stack->end() - n, stack->end());
+    check_agreement(op, args);
+  }
+  // Written ShardTensor arguments that are views needing a write-back, and the
+  // source of a view op (Note [view write-back]).
+  std::vector<at::Tensor> written;
+  at::Tensor view_source;
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = (*stack)[stack->size() - n + i];
+    if (!v.isTensor()) continue;
+    auto* impl = detail::shard_impl(v.toTensor());
+    if (!impl || !impl->write_back()) continue;
+    const auto* a = schema.arguments()[i].alias_info();
+    if (a && a->isWrite()) {
+      if (!impl->write_back()->fn) {
+        std::vector<c10::IValue> args(stack->end() - n, stack->end());
+        ops::fail(op, args,
+                  "cannot write in place into this ShardTensor: " + impl->write_back()->refusal);
+      }
+      written.push_back(v.toTensor());
+    } else if (i == 0 && is_view_op(schema)) {
+      view_source = v.toTensor();
+    }
+  }
+  run(op, ks, stack);
+  for (const auto& t : written) detail::shard_impl(t)->write_back()->fn(t);
+  if (view_source.defined()) {
+    const size_t nret = schema.returns().size();
+    for (size_t j = stack->size() - nret; j < stack->size(); ++j) {
+      const c10::IValue& r = (*stack)[j];
+      if (r.isTensor()) {
+        chain_write_back(view_source, r.toTensor());
+      } else if (r.isTensorList()) {
+        for (const at::Tensor& t : r.toTensorList()) chain_write_back(view_source, t);
+      }
+    }
+  }
 }
 
 // Note [below-autograd interception]: code that excludes the autograd keys

@@ -1,5 +1,7 @@
 #include "ops/common.h"
 
+#include <shardtensor/core/policy.h>
+
 #include <sstream>
 
 namespace shardtensor::ops {
@@ -217,6 +219,30 @@ void push_results(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
       stack->push_back(std::move(r));
     }
   }
+}
+
+bool gathers(const ShardSpec& src, const ShardSpec& dst) {
+  for (int64_t m = 0; m < src.mesh().ndim(); ++m) {
+    if (is_shard(src.placements()[m]) && !is_shard(dst.placements()[m])) return true;
+  }
+  return false;
+}
+
+int64_t gathered_bytes(const ShardSpec& src, const ShardSpec& dst, int64_t itemsize) {
+  const int64_t grown =
+      c10::multiply_integers(dst.local_shape()) - c10::multiply_integers(src.local_shape());
+  return grown > 0 ? grown * itemsize : 0;
+}
+
+void note_gather(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                 const DeviceMesh& mesh, int64_t bytes, const std::string& what) {
+  if (strict()) {
+    fail(op, args,
+         what + ", which strict mode (SHARDTENSOR_STRICT / shardtensor::set_strict) refuses");
+  }
+  std::ostringstream name;
+  name << op.operator_name();
+  detail::record_gather(name.str(), bytes, mesh.rank() == 0, what);
 }
 
 }  // namespace shardtensor::ops

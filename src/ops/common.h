@@ -71,4 +71,20 @@ SpecPtr make_spec(const DeviceMesh& mesh, Placements placements, std::vector<int
 void push_results(const c10::OperatorHandle& op, const std::vector<c10::IValue>& orig_args,
                   Stack* results, const SpecPtr& spec, Stack* stack);
 
+/// Local. Whether converting a piece laid out as `src` to `dst` replicates
+/// more than the piece (some mesh dim goes from Shard to Replicate).
+/// Depends on metadata only, so every rank agrees.
+bool gathers(const ShardSpec& src, const ShardSpec& dst);
+
+/// Local. Bytes this rank receives beyond its piece when converting `src` to
+/// `dst` (0 if the piece does not grow).
+int64_t gathered_bytes(const ShardSpec& src, const ShardSpec& dst, int64_t itemsize);
+
+/// Note [visible gathers] for rules that replicate more than a rank's piece.
+/// Call before the communication, on every rank: in strict mode throws (on
+/// every rank, naming the op, `what` and the arguments); otherwise counts
+/// `bytes` in CommStats::gathered_bytes and warns once per op on mesh rank 0.
+void note_gather(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                 const DeviceMesh& mesh, int64_t bytes, const std::string& what);
+
 }  // namespace shardtensor::ops

@@ -772,6 +772,16 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   plan->out_local_shape = out_spec->local_shape();
   if (!batched) plan->out_local_shape.insert(plan->out_local_shape.begin(), 1);
 
+  // A channel-sharded input is replicated along channels: a visible gather
+  // (Note [visible gathers]).
+  {
+    const ShardSpec own = without_partial(in_spec);
+    if (gathers(own, compute)) {
+      note_gather(op, args, mesh, gathered_bytes(own, compute, c.input.element_size()),
+                  "conv replicates a channel-sharded input");
+    }
+  }
+
   // Communication starts here (all validation above is metadata only).
   at::Tensor local = to_layout(c.input, compute, compute);
   at::Tensor weight = to_layout(c.weight, w_rep, compute);

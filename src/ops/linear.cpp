@@ -446,6 +446,23 @@ void linalg_rule(const c10::OperatorHandle& op, Stack* stack) {
     need(!target_spec->has_partial(), "the in-place or out= tensor must not be Partial");
   }
 
+  // An operand replicated beyond its piece is a visible gather (Note [visible gathers]).
+  {
+    bool gather = false;
+    int64_t bytes = 0;
+    for (const Operand* X : {&A, &B}) {
+      const ShardSpec* s = spec_of(X->t);
+      if (!s) continue;
+      const ShardSpec own = without_partial(*s);
+      const ShardSpec& tgt = X == &A ? *plan.ta : *plan.tb;
+      if (gathers(own, tgt)) {
+        gather = true;
+        bytes += gathered_bytes(own, tgt, X->t.element_size());
+      }
+    }
+    if (gather) note_gather(op, args, mesh, bytes, "matmul replicates a sharded operand");
+  }
+
   // ---- communication starts here; every check above ran on every rank alike ----
   at::Tensor res = run_product(A, B, plan, mesh);
   if (inplace) {

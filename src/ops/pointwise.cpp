@@ -177,7 +177,7 @@ const RuleRegistrar pointwise_ops(
      "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "selu_", "celu", "celu_", "softplus",
      "mish", "mish_", "hardtanh", "hardtanh_", "hardsigmoid", "hardsigmoid_", "hardswish",
      "hardswish_", "logsigmoid", "log_sigmoid", "softshrink", "hardshrink", "threshold",
-     "threshold_", "prelu", "rrelu",
+     "threshold_", "rrelu",
      // clamping, selection, comparison, logic
      "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "clip", "clip_",
      "where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar", "where.self_out",

@@ -178,6 +178,50 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
   stack->push_back(c10::IValue(out));
 }
 
+// Note [view write-back] (tensor/shard_tensor_impl.h) for a view result whose
+// local piece is a view of `rep`, which holds the piece of `base` except along
+// the tensor dims in `dims`, where it holds the global range starting at
+// dims[i].second, replicated over the mesh dims that shard them in `base`.
+// After an in-place op on the result, `rep` is changed; the part of it that
+// `base`'s piece owns is copied back. With `copied` the result's piece is a
+// contiguous copy of `rep` (same elements in row-major order) that is copied
+// into `rep` first. `rep` is replicated over those mesh dims but only its
+// owner's part is used, so it goes through comm::use_replicated (its gradient
+// is summed over them: Note [replicated gradients]), and ranks that own none
+// of it still copy an empty slice so that every rank's backward makes that
+// all-reduce. Forward is local.
+void set_write_back(const at::Tensor& result, const at::Tensor& base, const at::Tensor& rep,
+                    std::vector<std::pair<int64_t, int64_t>> dims, bool copied) {
+  auto wb = std::make_shared<detail::WriteBack>();
+  wb->fn = [base, rep, dims, copied](const at::Tensor& r) {
+    if (copied) rep.copy_(local_of(r).reshape(rep.sizes()));
+    const ShardSpec& bs = *spec_of(base);
+    at::Tensor dst = local_of(base);
+    if (dst.is_same(rep)) return;
+    const auto offs = bs.local_offsets();
+    const auto shape = bs.local_shape();
+    at::Tensor src = rep;
+    std::vector<int64_t> mesh_dims;
+    for (const auto& d : dims) mesh_dims.push_back(bs.mesh_dim_of(d.first));
+    if (!mesh_dims.empty() && src.requires_grad()) {
+      src = comm::use_replicated(src, bs.mesh(), mesh_dims);
+    }
+    for (const auto& [d, start] : dims) {
+      const int64_t lo = std::max(offs[d], start);
+      const int64_t hi = std::min(offs[d] + shape[d], start + rep.size(d));
+      if (hi <= lo) {  // this piece holds none of the viewed elements
+        dst = dst.narrow(d, 0, 0);
+        src = src.narrow(d, 0, 0);
+      } else {
+        dst = dst.narrow(d, lo - offs[d], hi - lo);
+        src = src.narrow(d, lo - start, hi - lo);
+      }
+    }
+    dst.copy_(src);
+  };
+  detail::shard_impl(result)->set_write_back(std::move(wb));
+}
+
 // ---------------------------------------------------------------- view / reshape
 
 // Note [view layout]: a view/reshape maps the input's global shape to the
@@ -348,6 +392,8 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
   auto [mid, out] = plan_view(op, args, s, to, kind);
   at::Tensor local = local_of(self);
   if (mid) local = detail::redistribute_local(local, s, *mid);
+  const at::Tensor rep = local;
+  bool copied = false;
   const auto shape = out->local_shape();
   switch (kind) {
     case ViewKind::View:
@@ -367,6 +413,7 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
       try {
         const auto strides =
             at::detail::computeStride(local.sizes(), local.strides(), c10::IntArrayRef(shape));
+        copied = !strides;
         local = strides ? local.view(shape) : local.contiguous().view(shape);
       } catch (const c10::Error& e) {
         fail(op, args,
@@ -381,7 +428,21 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
       local = at::_unsafe_view(local, shape);
       break;
   }
-  return wrap(local, out);
+  at::Tensor result = wrap(local, out);
+  if (kind == ViewKind::View && (mid || copied)) {
+    // Not a view of the piece (a replicated mesh dim, or a contiguous copy):
+    // writes go back through Note [view write-back]. `mid` only replicates.
+    std::vector<std::pair<int64_t, int64_t>> back;
+    if (mid) {
+      for (int64_t m = 0; m < s.mesh().ndim(); ++m) {
+        if (is_shard(s.placements()[m]) && !is_shard(mid->placements()[m])) {
+          back.emplace_back(shard_dim(s.placements()[m]), 0);
+        }
+      }
+    }
+    set_write_back(result, self, rep, back, copied);
+  }
+  return result;
 }
 
 // view(self, size) and view.dtype(self, dtype).
@@ -538,7 +599,16 @@ void squeeze_rule(const c10::OperatorHandle& op, Stack* stack) {
   for (int64_t d = 0; d < s.ndim(); ++d) {
     if (!std::binary_search(dims.begin(), dims.end(), d)) shape.push_back(s.global_shape()[d]);
   }
-  stack->push_back(wrap(local, drop_dims(*x.spec, dims, shape)));
+  at::Tensor out = wrap(local, drop_dims(*x.spec, dims, shape));
+  if (!rep.empty()) {
+    // Sharded size-1 dims were replicated: writes go back to their owners.
+    std::vector<std::pair<int64_t, int64_t>> back;
+    for (int64_t d : dims) {
+      if (s.mesh_dim_of(d) >= 0) back.emplace_back(d, 0);
+    }
+    set_write_back(out, args[0].toTensor(), x.local, back, /*copied=*/false);
+  }
+  stack->push_back(out);
 }
 
 SpecPtr unsqueeze_spec(const ShardSpec& s, int64_t dim) {
@@ -714,7 +784,20 @@ void select_rule(const c10::OperatorHandle& op, Stack* stack) {
                     " out of range for tensor of size ", c10::IntArrayRef(s.global_shape()),
                     " at dimension ", dim);
   if (index < 0) index += size;
-  push_piece(stack, select_piece(piece_of(args[0].toTensor()), dim, index));
+  const at::Tensor& self = args[0].toTensor();
+  const int64_t m = s.mesh_dim_of(dim);
+  if (m < 0) {
+    push_piece(stack, select_piece(piece_of(self), dim, index));
+    return;
+  }
+  // Along a sharded dim the result is replicated over m: writes through it go
+  // back to the coordinate that owns `index` (Note [view write-back]).
+  Piece rep = replicate_mesh_dims(slice_piece(piece_of(self), dim, index, index + 1, 1), {m});
+  std::vector<int64_t> shape = s.global_shape();
+  shape.erase(shape.begin() + dim);
+  at::Tensor out = wrap(rep.local.select(dim, 0), drop_dims(*rep.spec, {dim}, shape));
+  set_write_back(out, self, rep.local, {{dim, index}}, /*copied=*/false);
+  stack->push_back(out);
 }
 
 // ---------------------------------------------------------------- expand
@@ -813,6 +896,38 @@ void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
   push_pieces(stack, out);
 }
 
+// diagonal(self, offset, dim1, dim2): a view of the piece when neither dim is
+// sharded (the diagonal becomes the last dim, unsharded). Mesh dims sharding
+// dim1 or dim2 are replicated first (collective); writes through the result
+// then go back to the owners (Note [view write-back]).
+void diagonal_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  reject_named(op, args);
+  const ShardSpec& s = self_spec(op, args);
+  TORCH_CHECK(s.ndim() >= 2, "diagonal() requires a tensor with at least 2 dims");
+  const int64_t offset = args[1].toInt();
+  const int64_t d1 = at::maybe_wrap_dim(args[2].toInt(), s.ndim());
+  const int64_t d2 = at::maybe_wrap_dim(args[3].toInt(), s.ndim());
+  TORCH_CHECK(d1 != d2, "diagonal dimensions cannot be identical ", d1, ", ", d2);
+  const at::Tensor& self = args[0].toTensor();
+  std::vector<int64_t> rep_dims;
+  std::vector<std::pair<int64_t, int64_t>> back;
+  for (int64_t d : {d1, d2}) {
+    if (s.mesh_dim_of(d) >= 0) {
+      rep_dims.push_back(s.mesh_dim_of(d));
+      back.emplace_back(d, 0);
+    }
+  }
+  Piece x = replicate_mesh_dims(piece_of(self), rep_dims);
+  const auto meta =
+      at::empty(s.global_shape(), self.options().device(at::kMeta)).diagonal(offset, d1, d2);
+  at::Tensor out =
+      wrap(x.local.diagonal(offset, d1, d2),
+           drop_dims(*x.spec, {std::min(d1, d2), std::max(d1, d2)}, meta.sizes().vec()));
+  if (!rep_dims.empty()) set_write_back(out, self, x.local, back, /*copied=*/false);
+  stack->push_back(out);
+}
+
 const RuleRegistrar view_ops({"view"}, view_rule);
 const RuleRegistrar reshape_ops({"reshape"}, reshape_rule);
 const RuleRegistrar unsafe_view_ops({"_unsafe_view"}, unsafe_view_rule);
@@ -833,6 +948,7 @@ const RuleRegistrar split_ops({"split.Tensor", "split_with_sizes", "unsafe_split
                                "unsafe_split_with_sizes"},
                               split_rule);
 const RuleRegistrar unbind_ops({"unbind.int"}, unbind_rule);
+const RuleRegistrar diagonal_ops({"diagonal"}, diagonal_rule);
 
 }  // namespace
 }  // namespace shardtensor::ops

@@ -4,8 +4,10 @@
 
 #include <ATen/ATen.h>
 #include <shardtensor/comm/primitives.h>
+#include <shardtensor/core/policy.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace shardtensor {
@@ -62,7 +64,10 @@ at::Tensor make_shard_tensor(at::Tensor local, std::shared_ptr<const ShardSpec> 
   TORCH_CHECK(local.sizes().vec() == spec->local_shape(), "ShardTensor: local shape ",
               local.sizes(), " does not match ", spec->to_string(), " whose local shape here is ",
               c10::IntArrayRef(spec->local_shape()));
-  return at::detail::make_tensor<ShardTensorImpl>(std::move(local), std::move(spec));
+  const bool grad = local.requires_grad();
+  at::Tensor t = at::detail::make_tensor<ShardTensorImpl>(std::move(local), std::move(spec));
+  if (grad) mirror_requires_grad(t);
+  return t;
 }
 
 at::Tensor local_slice(const at::Tensor& full, const ShardSpec& spec) {
@@ -139,27 +144,56 @@ at::Tensor redistribute_local(const at::Tensor& local, const ShardSpec& src, con
       pending.push_back(m);
     }
   }
-  at::Tensor out = local;
-  // Apply transitions whose intermediate layout is valid (no tensor dim sharded
-  // twice); when none is, go through Replicate on the first pending dim.
-  while (!pending.empty()) {
-    bool progressed = false;
-    for (auto it = pending.begin(); it != pending.end();) {
-      const int64_t m = *it;
-      Placements trial = cur;
-      trial[m] = dst.placements()[m];
-      if (valid_placements(trial, src.ndim())) {
-        out = transition(out, mesh, m, cur, cur_sizes, dst.placements()[m], dst.shard_sizes(m));
-        it = pending.erase(it);
-        progressed = true;
-      } else {
-        ++it;
+  // Plan the transitions on metadata first (so strict mode refuses before any
+  // communication): apply transitions whose intermediate layout is valid (no
+  // tensor dim sharded twice); when none is, go through Replicate on the first
+  // pending dim (a shard-dim swap: a visible gather, Note [visible gathers]).
+  struct Step {
+    int64_t m;
+    Placement to;
+    std::vector<int64_t> sizes;
+  };
+  std::vector<Step> steps;
+  bool through_replicate = false;
+  {
+    Placements sim = cur;
+    while (!pending.empty()) {
+      bool progressed = false;
+      for (auto it = pending.begin(); it != pending.end();) {
+        const int64_t m = *it;
+        Placements trial = sim;
+        trial[m] = dst.placements()[m];
+        if (valid_placements(trial, src.ndim())) {
+          steps.push_back({m, dst.placements()[m], dst.shard_sizes(m)});
+          sim = trial;
+          it = pending.erase(it);
+          progressed = true;
+        } else {
+          ++it;
+        }
+      }
+      if (!progressed) {
+        const int64_t m = pending.front();
+        steps.push_back({m, Replicate{}, {}});
+        sim[m] = Replicate{};
+        through_replicate = true;
       }
     }
-    if (!progressed) {
-      const int64_t m = pending.front();
-      out = transition(out, mesh, m, cur, cur_sizes, Replicate{}, {});
-    }
+  }
+  TORCH_CHECK(!through_replicate || !strict(), "redistribute: from ", src.to_string(), " to ",
+              dst.to_string(),
+              " swaps shard dims through Replicate (a gather), which strict mode "
+              "(SHARDTENSOR_STRICT / shardtensor::set_strict) refuses");
+  at::Tensor out = local;
+  int64_t peak_numel = local.numel();
+  for (const auto& st : steps) {
+    out = transition(out, mesh, st.m, cur, cur_sizes, st.to, st.sizes);
+    peak_numel = std::max<int64_t>(peak_numel, out.numel());
+  }
+  if (through_replicate) {
+    detail::record_gather("redistribute (shard-dim swap through Replicate)",
+                          (peak_numel - local.numel()) * local.element_size(), mesh.rank() == 0,
+                          "from " + src.to_string() + " to " + dst.to_string());
   }
   return out;
 }
@@ -200,8 +234,7 @@ at::Tensor ShardTensor::full_tensor() const {
   return detail::redistribute_local(local(), s, dst);
 }
 
-at::Tensor ShardTensor::redistribute(Placements placements,
-                                      std::optional<ShardSizes> sizes) const {
+at::Tensor ShardTensor::redistribute(Placements placements, std::optional<ShardSizes> sizes) const {
   const ShardSpec& s = spec();
   auto dst = std::make_shared<const ShardSpec>(s.mesh(), std::move(placements), s.global_shape(),
                                                std::move(sizes));
@@ -268,7 +301,7 @@ std::vector<int64_t> shape_of(const int64_t* meta) {
 }  // namespace
 
 at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
-                                    std::optional<ShardSizes> sizes) {
+                                   std::optional<ShardSizes> sizes) {
   TORCH_CHECK(mesh.defined(), "from_local: the mesh is undefined");
   // Every rank learns every rank's local shape, so that every rank reaches the
   // same verdict (Note [collective discipline]).
@@ -350,7 +383,7 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
 }
 
 at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
-                           Placements placements, bool requires_grad) {
+                          Placements placements, bool requires_grad) {
   TORCH_CHECK(mesh.defined(), "scatter_tensor: the mesh is undefined");
   TORCH_CHECK(src >= 0 && src < mesh.size(), "scatter_tensor: src ", src,
               " is not a rank of the mesh ", mesh.to_string());
@@ -402,7 +435,7 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
 }
 
 at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
-                              bool requires_grad, std::optional<ShardSizes> sizes) {
+                             bool requires_grad, std::optional<ShardSizes> sizes) {
   TORCH_CHECK(full.defined(), "distribute_tensor: the input tensor is undefined");
   TORCH_CHECK(!ShardTensor::is_shard_tensor(full),
               "distribute_tensor: the input is already a ShardTensor; use redistribute()");

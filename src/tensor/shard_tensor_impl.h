@@ -3,9 +3,27 @@
 #include <c10/core/TensorImpl.h>
 #include <shardtensor/tensor/shard_tensor.h>
 
+#include <functional>
 #include <memory>
+#include <string>
 
 namespace shardtensor::detail {
+
+/// Note [view write-back]: a view op on a ShardTensor gives a view of the
+/// local piece where it can (slice, narrow, transpose, unsqueeze, ...), so
+/// in-place ops through it reach the source. Where the rule had to copy or
+/// communicate (select or squeeze of a sharded dim, a view that redistributes
+/// or copies a piece), the result carries a WriteBack: after an in-place op on
+/// the result, the dispatcher calls `fn(result)`, which writes the new values
+/// back into the source (and, through the source's own WriteBack, further up a
+/// chain of views). `fn` is collective only where the rule's decision to
+/// copy depended on metadata alone (so every rank holds one). A result that
+/// cannot write back carries a WriteBack without `fn`: an in-place op on it
+/// raises `refusal` instead of being silently lost.
+struct WriteBack {
+  std::function<void(const at::Tensor& result)> fn;
+  std::string refusal;
+};
 
 /// A TensorImpl with the global sizes, no storage (access throws), dispatch
 /// keys {PrivateUse1, AutogradPrivateUse1}, holding the local tensor and the
@@ -24,15 +42,30 @@ class ShardTensorImpl final : public c10::TensorImpl {
       c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
   void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
 
+  /// Note [view write-back]; nullptr for tensors that are not such views.
+  const std::shared_ptr<const WriteBack>& write_back() const { return write_back_; }
+  void set_write_back(std::shared_ptr<const WriteBack> wb) { write_back_ = std::move(wb); }
+
+  /// Note [wrapper autograd]: the local piece's gradient accumulator, kept
+  /// alive while a hook mirrors its gradient into this wrapper's grad().
+  std::shared_ptr<void>& grad_mirror() { return grad_mirror_; }
+
  private:
   const char* tensorimpl_type_name() const override { return "ShardTensorImpl"; }
 
   at::Tensor local_;
   std::shared_ptr<const ShardSpec> spec_;
+  std::shared_ptr<const WriteBack> write_back_;
+  std::shared_ptr<void> grad_mirror_;
 };
 
 /// Local. The impl of `t` if it is a ShardTensor, else nullptr.
 ShardTensorImpl* shard_impl(const at::Tensor& t);
+
+/// Local. Note [wrapper autograd]: mirrors local().requires_grad() on the
+/// wrapper's own (libtorch) autograd meta, and for a leaf piece that requires
+/// grad makes the wrapper's grad() follow the piece's gradient.
+void mirror_requires_grad(const at::Tensor& wrapper);
 
 /// Local. Wraps `local` (whose shape must equal spec->local_shape()) as a ShardTensor.
 at::Tensor make_shard_tensor(at::Tensor local, std::shared_ptr<const ShardSpec> spec);

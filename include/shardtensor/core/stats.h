@@ -19,6 +19,11 @@ struct CommStats {
   /// it includes time spent waiting for slower ranks. Always on (one
   /// steady_clock read before and after each call).
   double comm_seconds = 0.0;
+  /// Bytes this rank received beyond its own piece because an op was run on
+  /// gathered (replicated) data: the generic fallback, or a rule that
+  /// replicates more than a rank's piece (Note [visible gathers] in
+  /// <shardtensor/core/policy.h>). Also counted in bytes_received.
+  int64_t gathered_bytes = 0;
 };
 
 /// Local. Counters since the last reset_comm_stats().
@@ -64,6 +69,8 @@ void record_io(int64_t bytes_read, int64_t bytes_written, int64_t reads, int64_t
 void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages);
 /// Local. Adds to comm_seconds (used by comm/ only).
 void record_comm_time(int64_t nanoseconds);
+/// Local. Adds to gathered_bytes (Note [visible gathers]).
+void record_gathered(int64_t bytes);
 }  // namespace detail
 
 }  // namespace shardtensor

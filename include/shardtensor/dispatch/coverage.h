@@ -1,0 +1,31 @@
+#pragma once
+/// \file Which aten ops a ShardTensor handles, and how (docs/ops.md is
+/// generated from op_coverage() by `make docs-ops`).
+
+#include <string>
+#include <vector>
+
+namespace shardtensor {
+
+/// How the dispatcher handles an aten op called with a ShardTensor argument.
+enum class OpHandling {
+  Rule,        ///< a sharding rule (src/ops/) runs it on the local pieces
+  Decomposes,  ///< no rule; its CompositeImplicitAutograd decomposition runs, piece by piece
+  Fallback,    ///< no rule, no decomposition: the generic fallback gathers (Note [visible gathers])
+};
+
+/// Local. "rule", "decomposes" or "falls back".
+std::string to_string(OpHandling h);
+
+struct OpCoverage {
+  std::string name;  ///< "aten::add.Tensor" (overload after the dot; none for the default)
+  OpHandling handling = OpHandling::Fallback;
+};
+
+/// Local (no communication). Every aten op registered with libtorch's
+/// dispatcher in this process, sorted by name, with how a ShardTensor call is
+/// handled. A rule may still refuse some arguments (with a clear error); a
+/// decomposition's pieces may themselves fall back.
+std::vector<OpCoverage> op_coverage();
+
+}  // namespace shardtensor

@@ -1,0 +1,45 @@
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <shardtensor/dispatch/coverage.h>
+
+#include <algorithm>
+
+#include "ops/registry.h"
+
+namespace shardtensor {
+
+std::string to_string(OpHandling h) {
+  switch (h) {
+    case OpHandling::Rule:
+      return "rule";
+    case OpHandling::Decomposes:
+      return "decomposes";
+    case OpHandling::Fallback:
+      return "falls back";
+  }
+  return "?";
+}
+
+std::vector<OpCoverage> op_coverage() {
+  std::vector<OpCoverage> out;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    OpCoverage c;
+    c.name = name.name;
+    if (!name.overload_name.empty()) c.name += "." + name.overload_name;
+    auto op = dispatcher.findOp(name);
+    if (ops::find_rule(name)) {
+      c.handling = OpHandling::Rule;
+    } else if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+      c.handling = OpHandling::Decomposes;
+    } else {
+      c.handling = OpHandling::Fallback;
+    }
+    out.push_back(std::move(c));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const OpCoverage& a, const OpCoverage& b) { return a.name < b.name; });
+  return out;
+}
+
+}  // namespace shardtensor

@@ -1,0 +1,196 @@
+// Scans along any dim: cumsum, cumprod, logcumsumexp, cummax, cummin
+// (Note [distributed scan]).
+//
+// Note [distributed scan]: along a dim that no mesh dim shards, the scan is
+// local. Along a dim sharded by mesh dim m, every rank scans its piece, takes
+// its piece's total (the last slice of its local scan, or the identity of the
+// combine for an empty piece), and all-gathers the totals over m (one slice
+// per coordinate: P slices of the piece's cross-section). Each rank then
+// combines the totals of the coordinates before it (an exclusive scan) and
+// folds that prefix into its local scan: prefix + local (cumsum), prefix *
+// local (cumprod), logaddexp(prefix, local) (logcumsumexp), and for
+// cummax/cummin the prefix wins where it is strictly better (ties keep the
+// later index, as libtorch does). The gathered totals are used differently on
+// every rank, so they are marked with comm::use_replicated over m: their
+// gradient is summed over m before all-gather's adjoint hands every rank the
+// gradient of its own total (Note [replicated gradients]). Every rank runs the
+// same ops (an empty prefix is an empty narrow), so backward makes the same
+// collective calls everywhere. Cost: one all-gather of P cross-sections in
+// forward, one all-reduce of P cross-sections in backward.
+#include <ATen/ATen.h>
+
+#include <limits>
+
+#include "ops/common.h"
+
+namespace shardtensor::ops {
+namespace {
+
+enum class Scan { Sum, Prod, LogSumExp, Max, Min };
+
+at::Tensor local_scan(Scan kind, const at::Tensor& x, int64_t d) {
+  switch (kind) {
+    case Scan::Sum:
+      return at::cumsum(x, d);
+    case Scan::Prod:
+      return at::cumprod(x, d);
+    case Scan::LogSumExp:
+      return at::logcumsumexp(x, d);
+    default:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unexpected scan");
+  return at::Tensor();
+}
+
+// The identity of the combine, as a tensor shaped like `like`.
+at::Tensor identity_like(Scan kind, const at::Tensor& like) {
+  switch (kind) {
+    case Scan::Sum:
+      return at::zeros_like(like);
+    case Scan::Prod:
+      return at::ones_like(like);
+    case Scan::LogSumExp:
+    case Scan::Max:
+      return at::full_like(like, -std::numeric_limits<double>::infinity());
+    case Scan::Min:
+      return at::full_like(like, std::numeric_limits<double>::infinity());
+  }
+  TORCH_INTERNAL_ASSERT(false, "unexpected scan");
+  return at::Tensor();
+}
+
+// The last slice along d of `scanned`, or the identity if the piece is empty.
+// The identity stays connected to `scanned` (plus an empty sum), so that every
+// rank's totals require grad alike and backward runs the same collectives.
+at::Tensor total_of(Scan kind, const at::Tensor& scanned, int64_t d) {
+  if (scanned.size(d) > 0) return scanned.narrow(d, scanned.size(d) - 1, 1);
+  auto shape = scanned.sizes().vec();
+  shape[d] = 1;
+  at::Tensor id = identity_like(kind, at::empty(shape, scanned.options()));
+  return scanned.is_floating_point() || scanned.is_complex() ? id + scanned.sum(d, /*keepdim=*/true)
+                                                             : id;
+}
+
+// All-gathered totals over mesh dim m (one slice per coordinate), marked so
+// that their gradient is summed over m.
+at::Tensor gather_totals(const at::Tensor& total, const DeviceMesh& mesh, int64_t m, int64_t d) {
+  const std::vector<int64_t> ones(static_cast<size_t>(mesh.size(m)), 1);
+  at::Tensor g = comm::all_gather(total, mesh, m, d, ones);
+  if (g.requires_grad()) g = comm::use_replicated(g, mesh, {m});
+  return g;
+}
+
+struct Prepared {
+  SpecPtr spec;    // layout of input and output (Partial summed)
+  at::Tensor x;    // local piece in that layout
+  int64_t d = 0;   // wrapped dim
+  int64_t m = -1;  // mesh dim sharding d, or -1
+  int64_t coord = 0;
+};
+
+Prepared prepare(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  const DeviceMesh mesh = common_mesh(op, args);
+  if (!op.operator_name().overload_name.empty()) {
+    fail(op, args, "no sharding rule for this overload (use the functional form)");
+  }
+  const at::Tensor& self = args[0].toTensor();
+  const ShardSpec* s = spec_of(self);
+  if (!s) fail(op, args, "the scanned tensor must be a ShardTensor");
+  Prepared p;
+  p.spec = std::make_shared<const ShardSpec>(without_partial(*s));
+  const int64_t nd = std::max<int64_t>(self.dim(), 1);
+  const int64_t dim = args[1].toInt();
+  if (dim < -nd || dim >= nd) {
+    fail(op, args,
+         "dim " + std::to_string(dim) + " is out of range for " + std::to_string(nd) + " dims");
+  }
+  p.d = dim < 0 ? dim + nd : dim;
+  if (self.dim() == 0) p.d = 0;
+  p.m = self.dim() == 0 ? -1 : p.spec->mesh_dim_of(p.d);
+  if (p.m >= 0) p.coord = mesh.coordinate()[p.m];
+  p.x = to_layout(self, *p.spec, *p.spec);
+  return p;
+}
+
+// cumsum / cumprod / logcumsumexp (self, dim[, dtype]).
+void scan_rule(Scan kind, const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  Prepared p = prepare(op, args);
+  at::Tensor x = p.x;
+  if (args.size() > 2 && !args[2].isNone()) x = x.to(args[2].toScalarType());
+  at::Tensor y = local_scan(kind, x, p.d);
+  if (p.m >= 0) {
+    const DeviceMesh& mesh = p.spec->mesh();
+    at::Tensor g = gather_totals(total_of(kind, y, p.d), mesh, p.m, p.d);
+    at::Tensor before = g.narrow(p.d, 0, p.coord);
+    switch (kind) {
+      case Scan::Sum:
+        y = y + before.sum(p.d, /*keepdim=*/true);
+        break;
+      case Scan::Prod:
+        y = y * before.prod(p.d, /*keepdim=*/true);
+        break;
+      case Scan::LogSumExp: {
+        // logsumexp of no element is -inf; logaddexp(y, -inf) = y.
+        at::Tensor pre = at::cat({identity_like(kind, g.narrow(p.d, 0, 1)), before}, p.d);
+        y = at::logaddexp(y, pre.logsumexp(p.d, /*keepdim=*/true));
+        break;
+      }
+      default:
+        TORCH_INTERNAL_ASSERT(false);
+    }
+  }
+  stack->push_back(wrap(y, p.spec));
+}
+
+// cummax / cummin (self, dim) -> (values, indices).
+void scan_arg_rule(bool is_max, const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  Prepared p = prepare(op, args);
+  const Scan kind = is_max ? Scan::Max : Scan::Min;
+  auto [v, i] = is_max ? at::cummax(p.x, p.d) : at::cummin(p.x, p.d);
+  if (p.m >= 0 && p.x.dim() > 0) {
+    const DeviceMesh& mesh = p.spec->mesh();
+    const int64_t off = p.spec->local_offsets()[p.d];
+    i = i + off;  // global indices
+    at::Tensor tv = total_of(kind, v, p.d);
+    at::Tensor ti =
+        v.size(p.d) > 0 ? i.narrow(p.d, v.size(p.d) - 1, 1) : at::full(tv.sizes(), -1, i.options());
+    at::Tensor gv = gather_totals(tv, mesh, p.m, p.d);
+    const std::vector<int64_t> ones(static_cast<size_t>(mesh.size(p.m)), 1);
+    at::Tensor gi = comm::all_gather(ti, mesh, p.m, p.d, ones);
+    // Prefix over the coordinates before this one: position `coord` of the
+    // scan of [identity, totals...].
+    at::Tensor cv = at::cat({identity_like(kind, gv.narrow(p.d, 0, 1)), gv}, p.d);
+    at::Tensor ci = at::cat({at::full(ti.sizes(), -1, gi.options()), gi}, p.d);
+    auto [sv, si] = is_max ? at::cummax(cv, p.d) : at::cummin(cv, p.d);
+    at::Tensor pv = sv.narrow(p.d, p.coord, 1);
+    at::Tensor pi = ci.gather(p.d, si.narrow(p.d, p.coord, 1));
+    // The prefix wins only where strictly better (ties keep the later index).
+    at::Tensor prefix_wins = is_max ? pv > v : pv < v;
+    v = at::where(prefix_wins, pv.expand_as(v), v);
+    i = at::where(prefix_wins, pi.expand_as(i), i);
+  }
+  stack->push_back(wrap(v, p.spec));
+  stack->push_back(wrap(i, p.spec));
+}
+
+const RuleRegistrar cumsum_ops({"cumsum"}, [](const c10::OperatorHandle& op, Stack* s) {
+  scan_rule(Scan::Sum, op, s);
+});
+const RuleRegistrar cumprod_ops({"cumprod"}, [](const c10::OperatorHandle& op, Stack* s) {
+  scan_rule(Scan::Prod, op, s);
+});
+const RuleRegistrar logcumsumexp_ops({"logcumsumexp"}, [](const c10::OperatorHandle& op, Stack* s) {
+  scan_rule(Scan::LogSumExp, op, s);
+});
+const RuleRegistrar cummax_ops({"cummax"}, [](const c10::OperatorHandle& op, Stack* s) {
+  scan_arg_rule(true, op, s);
+});
+const RuleRegistrar cummin_ops({"cummin"}, [](const c10::OperatorHandle& op, Stack* s) {
+  scan_arg_rule(false, op, s);
+});
+
+}  // namespace
+}  // namespace shardtensor::ops

@@ -1,0 +1,239 @@
+// The generic fallback (Note [generic fallback]) and visible gathers
+// (Note [visible gathers]): ops with no rule give the single-process results
+// and gradients on gathered data, warn once per op on mesh rank 0, count
+// gathered_bytes, and strict mode refuses them on every rank.
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+using shardtensor::DeviceMesh;
+using shardtensor::Placements;
+
+namespace {
+
+// Collects c10 warnings while alive.
+struct WarningCapture : c10::WarningHandler {
+  std::vector<std::string> msgs;
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& w) override { msgs.push_back(w.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    msgs.push_back(msg);
+  }
+#endif
+  int64_t count(const std::string& needle) const {
+    int64_t n = 0;
+    for (const auto& m : msgs) n += m.find(needle) != std::string::npos;
+    return n;
+  }
+};
+
+#if TORCH_VERSION_MAJOR >= 2
+namespace warn_api = c10::WarningUtils;
+#else
+namespace warn_api = c10::Warning;
+#endif
+
+// Installs a warning handler while alive.
+struct HandlerGuard {
+  c10::WarningHandler* prev;
+  explicit HandlerGuard(c10::WarningHandler* h) : prev(warn_api::get_warning_handler()) {
+    warn_api::set_warning_handler(h);
+  }
+  ~HandlerGuard() { warn_api::set_warning_handler(prev); }
+};
+
+// Restores the strict flag on scope exit.
+struct StrictGuard {
+  bool prev;
+  explicit StrictGuard(bool on) : prev(st::strict()) { st::set_strict(on); }
+  ~StrictGuard() { st::set_strict(prev); }
+};
+
+using Fn1 = std::function<at::Tensor(const at::Tensor&)>;
+
+void sweep(const DeviceMesh& mesh, const std::string& name, const Fn1& f, const at::Tensor& x,
+           const std::vector<Placements>& layouts, bool grad = true) {
+  for (const auto& p : layouts) {
+    for (bool empty : {false, true}) {
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        auto full = x.to(dtype);
+        auto in =
+            empty ? empty_first_input(mesh, full, p, grad) : sharded_input(mesh, full, p, grad);
+        auto fn = [&](const std::vector<at::Tensor>& v, const std::vector<at::Tensor>&) {
+          return f(v[0]);
+        };
+        EXPECT_TRUE(reference_check(fn, {in}, mesh, {}, 1e-5, 1e-6, grad))
+            << name << " on " << st::to_string(*in.placements) << (empty ? " empty-first" : "")
+            << " " << c10::toString(dtype);
+      }
+    }
+  }
+}
+
+const std::vector<Placements> kLayouts = {{S0, S1}, {S1, S0}, {R, S1}, {S0, R}};
+
+}  // namespace
+
+TEST(Fallback, OpsWithoutRuleMatchSingleProcess) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({6, 5}, 1);
+  // Same shape as the input: re-sharded like it.
+  sweep(
+      mesh, "renorm", [](const at::Tensor& t) { return at::renorm(t, 2, 0, 1.5); }, x, kLayouts);
+  sweep(
+      mesh, "sort values", [](const at::Tensor& t) { return std::get<0>(at::sort(t, 0)); }, x,
+      kLayouts);
+  // Another shape: returned replicated (plain).
+  sweep(
+      mesh, "trace", [](const at::Tensor& t) { return at::trace(t); }, x, kLayouts);
+  sweep(
+      mesh, "diag", [](const at::Tensor& t) { return at::diag(t, 1) * 2.0; }, x, kLayouts);
+  // Integer results (no gradient).
+  sweep(
+      mesh, "sort indices",
+      [](const at::Tensor& t) { return std::get<1>(at::sort(t, 1)).to(t.scalar_type()); }, x,
+      kLayouts, false);
+}
+
+TEST(Fallback, ResultLayouts) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({6, 5}, 2);
+  auto p = fit_placements(mesh, {S0, S1});
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
+  auto r = at::renorm(sx, 2, 0, 1.5);
+  ASSERT_TRUE(st::ShardTensor::is_shard_tensor(r));
+  EXPECT_EQ(st::ShardTensor(r).spec(), sx.spec());
+  auto t = at::trace(sx);
+  EXPECT_FALSE(st::ShardTensor::is_shard_tensor(t));
+  EXPECT_TRUE(all_close(t, at::trace(x)));
+}
+
+TEST(Fallback, InPlaceWritesIntoTheShardTensor) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({6, 5}, 3);
+  for (const auto& wanted : kLayouts) {
+    auto p = fit_placements(mesh, wanted);
+    st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
+    auto before = sx.local().data_ptr();
+    auto& same = sx.renorm_(2, 1, 0.5);
+    EXPECT_TRUE(same.is_same(sx));
+    EXPECT_EQ(sx.local().data_ptr(), before);
+    EXPECT_TRUE(all_close(sx.full_tensor(), at::renorm(x, 2, 1, 0.5)));
+  }
+}
+
+TEST(Fallback, WarnsOncePerOpOnRankZeroAndCountsBytes) {
+  st::set_strict(false);
+  st::detail::reset_gather_warnings();
+  auto mesh = test_mesh();
+  auto x = rnd({8, 4}, 4);
+  auto p = fit_placements(mesh, {S0, S1});
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
+  WarningCapture cap;
+  HandlerGuard guard(&cap);
+  st::reset_comm_stats();
+  auto a = at::trace(sx);
+  const auto s1 = st::comm_stats();
+  const int64_t expect = (x.numel() - sx.local().numel()) * 4;
+  EXPECT_EQ(s1.gathered_bytes, expect);
+  auto b = at::trace(sx);
+  auto c = at::renorm(sx, 2, 0, 1.0);
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 3 * expect);
+  const int64_t want = mesh.rank() == 0 ? 1 : 0;
+  EXPECT_EQ(cap.count("aten::trace"), want);
+  EXPECT_EQ(cap.count("aten::renorm"), want);
+  if (mesh.rank() == 0) {
+    EXPECT_EQ(cap.count("gathered " + std::to_string(expect) + " bytes per rank"), 2);
+  }
+}
+
+TEST(Fallback, StrictModeRefusesOnEveryRank) {
+  StrictGuard strict(true);
+  auto mesh = test_mesh();
+  auto x = rnd({6, 4}, 5);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, fit_placements(mesh, {S0})));
+  st::reset_comm_stats();
+  EXPECT_TRUE(throws_everywhere([&] { auto y = at::trace(sx); },
+                                {"no sharding rule", "aten::trace", "Shard(0)", "strict"}));
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  // Collectives still work afterwards.
+  EXPECT_TRUE(all_close(st::ShardTensor(sx * 2.0).full_tensor(), x * 2.0));
+}
+
+TEST(VisibleGathers, MatmulReplicatingAnOperand) {
+  auto mesh = test_mesh();
+  if (mesh.size() == 1) GTEST_SKIP() << "needs two ranks";
+  // Q @ K^T with both sequence-sharded: K^T is sharded along its columns... the
+  // planner replicates one operand.
+  auto q = rnd({7, 3}, 6), k = rnd({9, 3}, 7);
+  auto p = fit_placements(mesh, {S0, R});
+  st::ShardTensor sq(st::distribute_tensor(q, mesh, p));
+  st::ShardTensor sk(st::distribute_tensor(k, mesh, p));
+  {
+    st::set_strict(false);
+    st::reset_comm_stats();
+    auto y = at::matmul(sq, sk.t());
+    EXPECT_TRUE(all_close(gathered(y), at::matmul(q, k.t())));
+    EXPECT_GT(st::comm_stats().gathered_bytes, 0);
+  }
+  {
+    StrictGuard strict(true);
+    EXPECT_TRUE(throws_everywhere([&] { auto y = at::matmul(sq, sk.t()); },
+                                  {"aten::matmul", "replicates", "strict"}));
+  }
+  // No gather: row-sharded times a plain weight.
+  st::set_strict(false);
+  st::reset_comm_stats();
+  auto w = rnd({3, 5}, 8);
+  auto y = at::matmul(sq, w);
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+}
+
+TEST(VisibleGathers, ChannelShardedConvInput) {
+  auto mesh = test_mesh();
+  if (mesh.size() == 1) GTEST_SKIP() << "needs two ranks";
+  auto x = rnd({1, 4, 6, 6}, 9);
+  auto w = rnd({2, 4, 3, 3}, 10);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, fit_placements(mesh, {S1, S2})));
+  {
+    st::set_strict(false);
+    st::reset_comm_stats();
+    auto y = at::conv2d(sx, w, {}, 1, 1);
+    EXPECT_TRUE(all_close(gathered(y), at::conv2d(x, w, {}, 1, 1), 1e-5, 1e-5));
+    EXPECT_GT(st::comm_stats().gathered_bytes, 0);
+  }
+  {
+    StrictGuard strict(true);
+    EXPECT_TRUE(throws_everywhere([&] { auto y = at::conv2d(sx, w, {}, 1, 1); },
+                                  {"conv", "channel", "strict"}));
+  }
+}
+
+TEST(VisibleGathers, ShardDimSwapThroughReplicate) {
+  auto mesh = test_mesh();
+  if (mesh.ndim() < 2) GTEST_SKIP() << "needs the 2x2 mesh";
+  auto x = rnd({5, 6}, 11);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, {S0, S1}));
+  {
+    st::set_strict(false);
+    st::reset_comm_stats();
+    st::ShardTensor y(sx.redistribute({S1, S0}));
+    EXPECT_TRUE(all_close(y.full_tensor(), x));
+    EXPECT_GT(st::comm_stats().gathered_bytes, 0);
+  }
+  {
+    StrictGuard strict(true);
+    EXPECT_TRUE(throws_everywhere(
+        [&] {
+          auto y = sx.redistribute({S1, S0});
+        },
+        {"redistribute", "Replicate", "strict"}));
+  }
+}

@@ -1,0 +1,194 @@
+// Scans along sharded and unsharded dims (Note [distributed scan]) and prelu
+// with per-channel weights (Note [prelu layout]), against single-process
+// libtorch: forward and gradients, float32 and float64, balanced and
+// empty-first shards.
+#include <torch/torch.h>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+using shardtensor::DeviceMesh;
+using shardtensor::Placements;
+
+namespace {
+
+using Fn1 = std::function<at::Tensor(const at::Tensor&)>;
+
+void sweep(const DeviceMesh& mesh, const std::string& name, const Fn1& f, const at::Tensor& x,
+           const std::vector<Placements>& layouts, bool grad = true,
+           const std::vector<at::Tensor>& params = {}) {
+  for (const auto& p : layouts) {
+    for (bool empty : {false, true}) {
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        auto full = x.to(dtype);
+        auto in =
+            empty ? empty_first_input(mesh, full, p, grad) : sharded_input(mesh, full, p, grad);
+        std::vector<at::Tensor> ps;
+        for (const auto& q : params) ps.push_back(q.to(dtype).detach().requires_grad_(true));
+        auto fn = [&](const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& w) {
+          return w.empty() ? f(v[0]) : at::prelu(v[0], w[0]);
+        };
+        const double rtol = dtype == at::kFloat ? 1e-4 : 1e-10;
+        const double atol = dtype == at::kFloat ? 1e-5 : 1e-12;
+        EXPECT_TRUE(reference_check(fn, {in}, mesh, ps, rtol, atol, grad))
+            << name << " on " << st::to_string(*in.placements) << (empty ? " empty-first" : "")
+            << " " << c10::toString(dtype);
+      }
+    }
+  }
+}
+
+const std::vector<Placements> kLayouts = {{S0, S1}, {S1, S0}, {S2, S1}, {R, S1}};
+
+}  // namespace
+
+TEST(Scan, CumsumCumprodLogcumsumexp) {
+  auto mesh = test_mesh();
+  auto x = rnd({7, 9, 3}, 1, 0.5, 1.0);  // positive-ish values keep cumprod tame
+  for (int64_t d : {0, 1, -1}) {
+    const std::string ds = std::to_string(d);
+    sweep(
+        mesh, "cumsum " + ds, [d](const at::Tensor& t) { return t.cumsum(d); }, x, kLayouts);
+    sweep(
+        mesh, "cumprod " + ds, [d](const at::Tensor& t) { return at::cumprod(t, d); }, x, kLayouts);
+    sweep(
+        mesh, "logcumsumexp " + ds, [d](const at::Tensor& t) { return t.logcumsumexp(d); },
+        rnd({7, 9, 3}, 2, 3.0), kLayouts);
+  }
+  sweep(
+      mesh, "cumsum dtype",
+      [](const at::Tensor& t) { return at::cumsum(t, 1, at::kDouble).to(t.scalar_type()); }, x,
+      kLayouts);
+}
+
+TEST(Scan, CummaxCummin) {
+  auto mesh = test_mesh();
+  // Rounded values: many ties, which must keep the later index as libtorch does.
+  auto x = at::round(rnd({9, 7, 2}, 3, 2.0));
+  for (int64_t d : {0, 1}) {
+    for (bool is_max : {true, false}) {
+      const std::string name = std::string(is_max ? "cummax " : "cummin ") + std::to_string(d);
+      sweep(
+          mesh, name + " values",
+          [=](const at::Tensor& t) {
+            return std::get<0>(is_max ? at::cummax(t, d) : at::cummin(t, d));
+          },
+          x, kLayouts);
+      sweep(
+          mesh, name + " indices",
+          [=](const at::Tensor& t) {
+            return std::get<1>(is_max ? at::cummax(t, d) : at::cummin(t, d)).to(t.scalar_type());
+          },
+          x, kLayouts, false);
+    }
+  }
+}
+
+TEST(Scan, ResultsKeepTheInputLayout) {
+  auto mesh = test_mesh();
+  auto x = rnd({6, 5}, 4);
+  auto p = fit_placements(mesh, {S0, S1});
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, p));
+  st::ShardTensor y(at::cumsum(sx, 0));
+  EXPECT_EQ(y.spec(), sx.spec());
+  st::reset_comm_stats();
+  auto z = at::cumsum(sx, 0);
+  // No gather: at most one cross-section per coordinate arrives.
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  EXPECT_TRUE(throws_everywhere([&] { auto w = at::cumsum(sx, 5); }, {"cumsum", "out of range"}));
+}
+
+TEST(Prelu, PerChannelAndScalarWeights) {
+  auto mesh = test_mesh();
+  auto x = rnd({2, 5, 6, 4}, 5);
+  const std::vector<Placements> layouts = {{S1, S2}, {S2, S1}, {S0, S3}, {R, S1}, {S3, R}};
+  sweep(mesh, "prelu per-channel", nullptr, x, layouts, true, {rnd({5}, 6, 0.3)});
+  sweep(mesh, "prelu scalar", nullptr, x, layouts, true, {rnd({1}, 7, 0.3)});
+  sweep(mesh, "prelu 2-d", nullptr, rnd({7, 3}, 8), {{S0, S1}, {S1, S0}}, true, {rnd({3}, 9)});
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S1}));
+  EXPECT_TRUE(throws_everywhere([&] { auto y = at::prelu(sx, at::ones({3})); },
+                                {"prelu", "one per channel"}));
+}
+
+TEST(Prelu, Module) {
+  auto mesh = test_mesh();
+  auto x = rnd({1, 4, 5, 5}, 10);
+  torch::nn::PReLU ref(torch::nn::PReLUOptions().num_parameters(4).init(0.1));
+  torch::nn::PReLU sh(torch::nn::PReLUOptions().num_parameters(4).init(0.1));
+  st::distribute_module(*sh, mesh);
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S1}), true);
+  auto xr = x.clone().requires_grad_(true);
+  auto yr = ref(xr);
+  auto ys = sh(sx);
+  EXPECT_TRUE(all_close(gathered(ys), yr));
+  yr.pow(2).sum().backward();
+  ys.pow(2).sum().backward();
+  EXPECT_TRUE(all_close(sh->weight.grad(), ref->weight.grad(), 1e-5, 1e-5));
+  EXPECT_TRUE(all_close(gathered(st::ShardTensor(sx).grad()), xr.grad()));
+}
+
+// Note [reorder by repartition] and Note [triangular with offsets].
+TEST(Reorder, FlipRollTrilTriu) {
+  auto mesh = test_mesh();
+  auto x = rnd({7, 9, 3}, 11);
+  for (const auto& dims : std::vector<std::vector<int64_t>>{{0}, {-1, 0, 1}}) {
+    sweep(
+        mesh, "flip", [&](const at::Tensor& t) { return at::flip(t, dims) * 1.5; }, x, kLayouts);
+  }
+  for (int64_t s : {3, -2, 20}) {
+    sweep(
+        mesh, "roll " + std::to_string(s),
+        [s](const at::Tensor& t) { return at::roll(t, {s}, {0}) * 1.5; }, x, kLayouts);
+    sweep(
+        mesh, "roll 2 dims " + std::to_string(s),
+        [s](const at::Tensor& t) {
+          return at::roll(t, {s, -s}, {1, 2}) * 1.5;
+        },
+        x, kLayouts);
+  }
+  auto m = rnd({3, 7, 6}, 12);
+  for (int64_t k : {1, -2}) {
+    sweep(
+        mesh, "triu " + std::to_string(k), [k](const at::Tensor& t) { return at::triu(t, k); }, m,
+        kLayouts);
+    sweep(
+        mesh, "tril " + std::to_string(k), [k](const at::Tensor& t) { return t.tril(k); }, m,
+        kLayouts);
+  }
+  // No gather: flip along a sharded dim moves at most the piece.
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, S1}));
+  st::reset_comm_stats();
+  auto y = at::flip(sx, {0});
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  EXPECT_LE(st::comm_stats().bytes_received, st::ShardTensor(sx).local().numel() * 4);
+}
+
+// Note [distributed topk].
+TEST(Selection, Topk) {
+  auto mesh = test_mesh();
+  auto x = rnd({9, 7, 3}, 13);  // continuous values: no ties
+  for (int64_t d : {0, 1}) {
+    for (int64_t k : {2, 7}) {
+      for (bool largest : {true, false}) {
+        const std::string name = "topk d=" + std::to_string(d) + " k=" + std::to_string(k) +
+                                 (largest ? " largest" : " smallest");
+        sweep(
+            mesh, name + " values",
+            [=](const at::Tensor& t) { return std::get<0>(at::topk(t, k, d, largest)); }, x,
+            kLayouts);
+        sweep(
+            mesh, name + " indices",
+            [=](const at::Tensor& t) {
+              return std::get<1>(at::topk(t, k, d, largest)).to(t.scalar_type());
+            },
+            x, kLayouts, false);
+      }
+    }
+  }
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, S1}));
+  st::reset_comm_stats();
+  auto y = at::topk(sx, 2, 0);
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  EXPECT_TRUE(throws_everywhere([&] { auto z = at::topk(sx, 10, 0); }, {"topk", "out of range"}));
+}
