@@ -14,6 +14,7 @@
 // decisions depend only on metadata that is identical on every rank, so every
 // rank throws, and none is left in a collective.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <shardtensor/core/runtime.h>
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -53,6 +54,9 @@ void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValu
 }
 
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  // Names the op in watchdog messages (Note [watchdog]); the schema's name lives
+  // as long as the operator registration.
+  const OpLabel label(op.operator_name().name.c_str());
   if (debug_enabled()) {
     const size_t n = op.schema().arguments().size();
     std::vector<c10::IValue> args(stack->end() - n, stack->end());
