@@ -143,7 +143,7 @@ TEST(ChunkedShardTensor, RoundTripsWithTinyMessages) {
   auto mesh = test_mesh();
   const SmallCount limit(5);
   at::Tensor full = rnd({7, 5, 6}, 3);
-  const Placements pl = fit_placements(mesh, {S0, S2});
+  const st::Placements pl = fit_placements(mesh, {S0, S2});
   at::Tensor x = st::scatter_tensor(mesh.rank() == 0 ? full : at::Tensor(), 0, mesh, pl);
   EXPECT_TRUE(all_close(st::ShardTensor(x).full_tensor(), full, 0, 0));
   at::Tensor y = st::ShardTensor(x).redistribute(fit_placements(mesh, {S1, S0}));
@@ -221,7 +221,7 @@ TEST(NonFinite, OneRanksNaNReachesEveryRank) {
   for (double bad : {nan, inf, -inf}) {
     at::Tensor full = rnd({6, 5}, 8).to(at::kDouble);
     full.index_put_({5, 4}, bad);  // the last element: on the last rank of every split
-    const Placements pl = fit_placements(mesh, {S0, S1});
+    const st::Placements pl = fit_placements(mesh, {S0, S1});
     at::Tensor x = st::distribute_tensor(full, mesh, pl);
     EXPECT_TRUE(all_close(x.sum(), full.sum())) << bad;
     EXPECT_TRUE(all_close(x.mean(), full.mean())) << bad;
@@ -310,7 +310,7 @@ TEST(Randomness, SameGlobalValuesAtAnyLayoutAndIdenticalReplicas) {
 
 TEST(Randomness, DistributionsAndSeeds) {
   auto mesh = test_mesh();
-  const Placements pl = fit_placements(mesh, {S0, S1});
+  const st::Placements pl = fit_placements(mesh, {S0, S1});
   at::Tensor x = st::distribute_tensor(at::zeros({128, 96}), mesh, pl);
   torch::manual_seed(5);
   at::Tensor u = st::ShardTensor(at::rand_like(x)).full_tensor();

@@ -11,6 +11,7 @@ set(_watchdog_expect_throw_mid_op "during op 'aten::sum'.*every rank of the comm
 set(_watchdog_expect_skip_collective "during op 'aten::sum'")
 set(_watchdog_expect_rank_exits "during op 'aten::sum'")
 set(_watchdog_expect_skip_exchange "exchange finish.*for peers \\[")
+set(_watchdog_launcher_rank_exits "without calling \"finalize\"")
 set(_watchdog_expect_backward_one_rank "during op 'distribute_module gradient buckets")
 foreach(scenario throw_mid_op skip_collective rank_exits skip_exchange backward_one_rank)
   foreach(np 2 3)
@@ -19,7 +20,7 @@ foreach(scenario throw_mid_op skip_collective rank_exits skip_exchange backward_
               ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np ${np}
               $<TARGET_FILE:watchdog_scenario> ${scenario})
     set_tests_properties(watchdog.${scenario}.np${np} PROPERTIES
-      ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=3;WATCHDOG_EXPECT=${_watchdog_expect_${scenario}}"
+      ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=3;WATCHDOG_EXPECT=${_watchdog_expect_${scenario}};WATCHDOG_OR_LAUNCHER=${_watchdog_launcher_${scenario}}"
       TIMEOUT 60 PROCESSORS 2 LABELS "mpi;watchdog")
   endforeach()
 endforeach()

@@ -160,7 +160,7 @@ TEST(Fuzz, RandomProgramsMatchLibtorch) {
     const int64_t nops = pick(1, 3);
     for (int64_t i = 0; i < nops; ++i) add_op(rng, prog, c, dtype, seed * 1000 + i * 10);
     // Placements: random Shard{2}/Shard{3}/Replicate per mesh dim, no dim twice.
-    Placements pl;
+    st::Placements pl;
     std::vector<bool> used(4, false);
     for (int64_t m = 0; m < mesh.ndim(); ++m) {
       const int64_t r = pick(0, 2);
