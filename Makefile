@@ -6,6 +6,7 @@
 # Also: make demo-vit (examples/vit_train on 4 ranks), make demo-py (examples/python/unet_train.py
 # on 4 ranks through the Python package; DEMO_PY_ARGS passes flags).
 # Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean,
+# test-asan (ASAN_TESTS=regex for a subset), fuzz SECONDS=... NP=... (randomized differential tests),
 # bench-quick, bench, bench-report (see bench/run.sh and docs/benchmarks.md).
 # Overridable: DEMO, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
 # CMAKE_ARGS, MPIRUN_FLAGS, SKIP_DEPS=1 (do not touch the system's packages).
@@ -61,7 +62,7 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: help demo demo-vit demo-py test deps configure build install format format-check clean \
+.PHONY: fuzz test-asan help demo demo-vit demo-py test deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
         bench-overhead bench-attention bench-report bench-deps
 
@@ -71,6 +72,8 @@ help:
 	@echo "make demo-py  build the Python package and run examples/python/unet_train.py on 4 ranks"
 	@echo "make test     build and run all tests (ctest)"
 	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
+	@echo "make fuzz SECONDS=300 NP=4  randomized differential tests (sharded vs libtorch)"
+	@echo "make test-asan     AddressSanitizer + UBSan build in build-asan/, runs the suite (ASAN_TESTS=regex: a subset)"
 	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
 	@echo "make bench         every benchmark scenario -> bench/results/*.json"
 	@echo "make bench-fixed | bench-weak | bench-strong | bench-maxsize | bench-overhead | bench-attention"
@@ -98,6 +101,36 @@ demo-py: configure
 test: build
 	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error \
 	  --timeout $(TEST_TIMEOUT) -j $(TEST_JOBS)
+
+# AddressSanitizer + UndefinedBehaviorSanitizer: a separate build in
+# $(ASAN_DIR) (examples and benchmarks off), then the suite with leak checking on
+# and suppressions for third-party libraries only (tests/sanitizers/*.supp).
+# ASAN_TESTS=regex runs a subset (ctest -R); the Python and install tests are
+# skipped (the interpreter is not instrumented). Slow: about 3x the normal suite.
+ASAN_DIR   ?= build-asan
+ASAN_TESTS ?=
+ASAN_ABS   := $(if $(filter /%,$(ASAN_DIR)),$(ASAN_DIR),$(REPO_ROOT)/$(ASAN_DIR))
+SAN_FLAGS  := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+test-asan: deps
+	cd $(REPO_ROOT) && cmake -S . -B $(ASAN_ABS) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DSHARDTENSOR_BUILD_EXAMPLES=OFF -DSHARDTENSOR_BUILD_BENCH=OFF \
+	  -DCMAKE_CXX_FLAGS="$(SAN_FLAGS)" -DCMAKE_EXE_LINKER_FLAGS="$(SAN_FLAGS)" \
+	  -DCMAKE_SHARED_LINKER_FLAGS="$(SAN_FLAGS)" $(CMAKE_ARGS)
+	cmake --build $(ASAN_ABS) -j $(JOBS)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_init_order=1:detect_stack_use_after_return=0 \
+	LSAN_OPTIONS=suppressions=$(REPO_ROOT)/tests/sanitizers/lsan.supp:print_suppressions=0 \
+	UBSAN_OPTIONS=suppressions=$(REPO_ROOT)/tests/sanitizers/ubsan.supp:print_stacktrace=1:halt_on_error=1 \
+	ctest --test-dir $(ASAN_ABS) --output-on-failure --no-tests=error -LE "install|large|python" \
+	  --timeout $(TEST_TIMEOUT) -j $(TEST_JOBS) $(if $(ASAN_TESTS),-R '$(ASAN_TESTS)')
+
+# Randomized differential tester (tests/fuzz/): random programs, sharded vs
+# plain libtorch, for SECONDS seconds on NP ranks (FUZZ_SEED picks the first seed).
+SECONDS   ?= 300
+FUZZ_SEED ?= $(shell date +%s)
+fuzz: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target test_fuzz
+	FUZZ_SEED=$(FUZZ_SEED) FUZZ_COUNT=100000000 FUZZ_SECONDS=$(SECONDS) \
+	  $(MPIRUN) $(MPIRUN_FLAGS) -np $(NP) $(BUILD_ABS)/tests/test_fuzz
 
 # Checks every package with dpkg-query; apt-get runs only when one is missing.
 deps:

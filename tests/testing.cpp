@@ -112,9 +112,20 @@ bool all_ranks(bool ok) {
     auto diff = (a - b).abs();
     // diff / tolerance, with exact matches counting 0 even when the tolerance is 0.
     auto err = torch::where(diff == 0, torch::zeros_like(diff), diff / (atol + rtol * b.abs()));
-    if (!torch::isfinite(a).equal(torch::isfinite(b))) {
+    // NaN and +-Inf must sit at exactly the same positions (a NaN is not
+    // "close" to an Inf, nor +Inf to -Inf).
+    const auto nan_a = torch::isnan(a), nan_b = torch::isnan(b);
+    const auto pinf_a = torch::isposinf(a), pinf_b = torch::isposinf(b);
+    const auto ninf_a = torch::isneginf(a), ninf_b = torch::isneginf(b);
+    if (!nan_a.equal(nan_b) || !pinf_a.equal(pinf_b) || !ninf_a.equal(ninf_b)) {
       worst = 1e300;
-      why = "non-finite values differ";
+      std::ostringstream os;
+      os << "non-finite values differ: NaN at " << nan_a.sum().item<int64_t>() << " vs "
+         << nan_b.sum().item<int64_t>() << " positions (" << (nan_a != nan_b).sum().item<int64_t>()
+         << " differ), +Inf " << pinf_a.sum().item<int64_t>() << " vs "
+         << pinf_b.sum().item<int64_t>() << ", -Inf " << ninf_a.sum().item<int64_t>() << " vs "
+         << ninf_b.sum().item<int64_t>();
+      why = os.str();
     } else {
       auto fin = torch::isfinite(b);
       auto e = torch::where(fin, err, torch::zeros_like(err));

@@ -169,6 +169,8 @@ class PendingExchange {
   std::vector<int64_t> expected_bytes_;  // per receive
   std::vector<at::Tensor> buffers_;      // keep-alive
   std::vector<MPI_Status> statuses_;     // kept by a test() that saw completion
+  std::vector<int> peers_;               // per request, for the watchdog's message
+  MPI_Comm comm_ = MPI_COMM_NULL;
   bool completed_ = false;
 };
 
@@ -204,8 +206,9 @@ class PendingReduce {
  private:
   friend PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
   MPI_Request request_ = MPI_REQUEST_NULL;
-  at::Tensor buffer_;  // keep-alive (the caller's tensor)
-  at::Tensor wide_;    // float staging buffer for half/bfloat16, copied back by finish()
+  MPI_Comm comm_ = MPI_COMM_NULL;  // for the watchdog's message
+  at::Tensor buffer_;              // keep-alive (the caller's tensor)
+  at::Tensor wide_;  // float staging buffer for half/bfloat16, copied back by finish()
 };
 
 /// Collective over `comm`: starts all_reduce_() of `t` without waiting
@@ -214,5 +217,13 @@ class PendingReduce {
 /// finish(). Counted like all_reduce_() when started. Same dtypes and errors
 /// as all_reduce_(); tensors above INT_MAX elements are reduced blocking.
 PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+
+/// Local, for tests only. Sets the largest count (elements for reductions,
+/// bytes otherwise) that one MPI call may carry (Note [large counts] in
+/// transport_mpi.cpp; default and maximum INT_MAX) and returns the previous
+/// value, so that the chunked and point-to-point paths can be exercised with
+/// small tensors. Set the same value on every rank. Throws c10::Error outside
+/// [1, INT_MAX].
+int64_t set_max_count_for_testing(int64_t max_count);
 
 }  // namespace shardtensor::comm::transport

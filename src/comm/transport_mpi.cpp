@@ -2,10 +2,13 @@
 // of the library that moves tensor data through MPI.
 #include "comm/transport.h"
 
+#include "comm/watchdog.h"
+
 #include <ATen/ATen.h>
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/stats.h>
 
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstring>
@@ -120,6 +123,82 @@ std::pair<MPI_Datatype, MPI_Op> reduction_type(at::ScalarType dtype, ReduceOp op
   return {MPI_BYTE, mpi_op};  // unreachable
 }
 
+/// Waits for a non-blocking collective under the watchdog (Note [watchdog]).
+void wait_collective(MPI_Request* request, const char* primitive, MPI_Comm comm) {
+  watchdog::WaitSite site;
+  site.primitive = primitive;
+  site.comm = comm;
+  SHARDTENSOR_MPI_CHECK(watchdog::wait(request, MPI_STATUS_IGNORE, site));
+}
+
+// Note [large counts]
+// ~~~~~~~~~~~~~~~~~~~
+// MPI-3 counts and displacements are ints, and this OpenMPI (4.1) has no MPI-4
+// `_c` calls. No transport call refuses a size: every call whose count could
+// exceed the limit (INT_MAX, or a smaller one set for tests) is split so that
+// each MPI call stays within it, and the choice of path depends only on
+// values every rank of the communicator holds (or on nothing), so ranks never
+// disagree on which MPI calls to make:
+//  - all_reduce_, start_all_reduce_, broadcast_: consecutive element / byte
+//    chunks of at most the limit, one collective per chunk (same numel
+//    everywhere);
+//  - all_gatherv: MPI_Iallgatherv when every count and the total fit (the
+//    counts are the same on every rank), else point-to-point;
+//  - all_to_allv and scatterv: always point-to-point (Irecv/Isend, what
+//    OpenMPI's linear algorithms do), since a rank does not know the other
+//    ranks' counts; each message is split into pieces of at most the limit,
+//    posted in order on both sides (MPI keeps them in order per pair and tag);
+//  - reduce_scatter: MPI_Ireduce_scatter when every piece fits, else a
+//    chunked all-reduce of a copy of the send buffer, keeping this rank's piece;
+//  - start_exchange: each message split into pieces of at most the limit.
+
+std::atomic<int64_t> g_max_count{INT_MAX};
+
+int64_t max_count() { return g_max_count.load(std::memory_order_relaxed); }
+
+// Tags of the point-to-point forms of collectives (distinct from the exchange
+// and ring tags, so an exchange in flight on the same communicator never
+// matches them).
+constexpr int kAllGathervTag = 7301;
+constexpr int kAllToAllvTag = 7302;
+constexpr int kScattervTag = 7303;
+
+/// Point-to-point requests of one transport call, with their peers for the
+/// watchdog's message.
+struct PeerRequests {
+  std::vector<MPI_Request> requests;
+  std::vector<int> peers;
+
+  void recv(void* data, int64_t n, int peer, int tag, MPI_Comm comm) {
+    auto* p = static_cast<char*>(data);
+    for (int64_t done = 0; done < n; done += max_count()) {
+      const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
+      requests.push_back(MPI_REQUEST_NULL);
+      peers.push_back(peer);
+      SHARDTENSOR_MPI_CHECK(MPI_Irecv(p + done, k, MPI_BYTE, peer, tag, comm, &requests.back()));
+    }
+  }
+  void send(const void* data, int64_t n, int peer, int tag, MPI_Comm comm) {
+    const auto* p = static_cast<const char*>(data);
+    for (int64_t done = 0; done < n; done += max_count()) {
+      const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
+      requests.push_back(MPI_REQUEST_NULL);
+      peers.push_back(peer);
+      SHARDTENSOR_MPI_CHECK(MPI_Isend(p + done, k, MPI_BYTE, peer, tag, comm, &requests.back()));
+    }
+  }
+  void wait(const char* primitive, MPI_Comm comm) {
+    watchdog::WaitSite site;
+    site.primitive = primitive;
+    site.comm = comm;
+    site.peers = &peers;
+    SHARDTENSOR_MPI_CHECK(watchdog::wait_all(static_cast<int>(requests.size()), requests.data(),
+                                             MPI_STATUSES_IGNORE, site));
+    requests.clear();
+    peers.clear();
+  }
+};
+
 bool needs_upcast(at::ScalarType dtype) { return dtype == at::kHalf || dtype == at::kBFloat16; }
 
 void record_all_reduce(int64_t numel, int64_t elem, int size, int rank) {
@@ -163,9 +242,12 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
       auto [type, mpi_op] = reduction_type(at::kFloat, op);
       auto* data = static_cast<float*>(ptr(wide));
       CommTimer timer;
-      for (int64_t done = 0; done < wide.numel(); done += INT_MAX) {
-        const int n = static_cast<int>(std::min<int64_t>(INT_MAX, wide.numel() - done));
-        SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done, n, type, mpi_op, comm));
+      for (int64_t done = 0; done < wide.numel(); done += max_count()) {
+        const int n = static_cast<int>(std::min<int64_t>(max_count(), wide.numel() - done));
+        MPI_Request request = MPI_REQUEST_NULL;
+        SHARDTENSOR_MPI_CHECK(
+            MPI_Iallreduce(MPI_IN_PLACE, data + done, n, type, mpi_op, comm, &request));
+        wait_collective(&request, "all_reduce_ (MPI_Iallreduce)", comm);
       }
       t.copy_(wide);
     }
@@ -174,13 +256,17 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
   }
   auto [type, mpi_op] = reduction_type(t.scalar_type(), op);
   if (size > 1 && t.numel() > 0) {
-    // Counts are elements: chunk so that no single call exceeds INT_MAX.
+    // Counts are elements: chunk so that no single call exceeds the limit
+    // (Note [large counts]).
     auto* data = static_cast<char*>(ptr(t));
     const int64_t elem = t.element_size();
     CommTimer timer;
-    for (int64_t done = 0; done < t.numel(); done += INT_MAX) {
-      const int n = static_cast<int>(std::min<int64_t>(INT_MAX, t.numel() - done));
-      SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data + done * elem, n, type, mpi_op, comm));
+    for (int64_t done = 0; done < t.numel(); done += max_count()) {
+      const int n = static_cast<int>(std::min<int64_t>(max_count(), t.numel() - done));
+      MPI_Request request = MPI_REQUEST_NULL;
+      SHARDTENSOR_MPI_CHECK(
+          MPI_Iallreduce(MPI_IN_PLACE, data + done * elem, n, type, mpi_op, comm, &request));
+      wait_collective(&request, "all_reduce_ (MPI_Iallreduce)", comm);
     }
   }
   record_all_reduce(t.numel(), t.element_size(), size, rank);
@@ -201,18 +287,48 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
   const int64_t total = std::accumulate(recv_bytes.begin(), recv_bytes.end(), int64_t{0});
   TORCH_CHECK(nbytes(recv) >= total, "shardtensor transport: all_gatherv receive buffer holds ",
               nbytes(recv), " bytes, needs ", total);
-  std::vector<int> counts = to_counts(recv_bytes, "all_gatherv piece");
-  std::vector<int> displs = prefix_displs(recv_bytes, "all_gatherv displacement");
+  for (int c = 0; c < size; ++c) {
+    TORCH_CHECK(recv_bytes[c] >= 0, "shardtensor transport: all_gatherv: negative byte count ",
+                recv_bytes[c], " for rank ", c);
+  }
   if (size == 1) {
     if (mine > 0) {
       std::memcpy(recv.data_ptr(), send.data_ptr(), mine);
     }
     return;
   }
-  {
+  const bool fits = total <= max_count();  // then every count and displacement fits too
+  if (!fits) {
+    // Note [large counts]: point-to-point, decided from recv_bytes (the same everywhere).
     CommTimer timer;
-    SHARDTENSOR_MPI_CHECK(MPI_Allgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv),
-                                         counts.data(), displs.data(), MPI_BYTE, comm));
+    PeerRequests p2p;
+    auto* base = static_cast<char*>(recv.data_ptr());
+    int64_t offset = 0;
+    for (int c = 0; c < size; ++c) {
+      if (c != rank && recv_bytes[c] > 0) {
+        p2p.recv(base + offset, recv_bytes[c], c, kAllGathervTag, comm);
+      }
+      offset += recv_bytes[c];
+    }
+    for (int c = 0; c < size; ++c) {
+      if (c != rank && mine > 0) {
+        p2p.send(send.data_ptr(), mine, c, kAllGathervTag, comm);
+      }
+    }
+    const int64_t my_offset =
+        std::accumulate(recv_bytes.begin(), recv_bytes.begin() + rank, int64_t{0});
+    if (mine > 0) {
+      std::memcpy(base + my_offset, send.data_ptr(), mine);
+    }
+    p2p.wait("all_gatherv (point-to-point MPI_Irecv/MPI_Isend)", comm);
+  } else {
+    std::vector<int> counts = to_counts(recv_bytes, "all_gatherv piece");
+    std::vector<int> displs = prefix_displs(recv_bytes, "all_gatherv displacement");
+    CommTimer timer;
+    MPI_Request request = MPI_REQUEST_NULL;
+    SHARDTENSOR_MPI_CHECK(MPI_Iallgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv),
+                                          counts.data(), displs.data(), MPI_BYTE, comm, &request));
+    wait_collective(&request, "all_gatherv (MPI_Iallgatherv)", comm);
   }
   detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
 }
@@ -232,6 +348,8 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
       "shardtensor transport: all_to_allv needs ", size, " counts and displacements on each side");
   int64_t sent = 0, received = 0, messages = 0;
   for (int c = 0; c < size; ++c) {
+    TORCH_CHECK(send_bytes[c] >= 0 && recv_bytes[c] >= 0,
+                "shardtensor transport: all_to_allv: negative byte count for rank ", c);
     TORCH_CHECK(send_displs[c] >= 0 && send_displs[c] + send_bytes[c] <= nbytes(send),
                 "shardtensor transport: all_to_allv send range for rank ", c,
                 " lies outside the send buffer");
@@ -247,21 +365,32 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
   TORCH_CHECK(send_bytes[rank] == recv_bytes[rank],
               "shardtensor transport: all_to_allv sends itself ", send_bytes[rank],
               " bytes but expects ", recv_bytes[rank]);
-  std::vector<int> sc = to_counts(send_bytes, "all_to_allv send count");
-  std::vector<int> sd = to_counts(send_displs, "all_to_allv send displacement");
-  std::vector<int> rc = to_counts(recv_bytes, "all_to_allv receive count");
-  std::vector<int> rd = to_counts(recv_displs, "all_to_allv receive displacement");
-  if (size == 1) {
-    if (sc[0] > 0) {
-      std::memcpy(static_cast<char*>(recv.data_ptr()) + rd[0],
-                  static_cast<const char*>(send.data_ptr()) + sd[0], sc[0]);
-    }
-    return;
-  }
+  auto* rbase = static_cast<char*>(recv.numel() == 0 ? nullptr : recv.data_ptr());
+  const auto* sbase = static_cast<const char*>(send.numel() == 0 ? nullptr : send.data_ptr());
   {
+    // Note [large counts]: point-to-point, so that no rank needs the others' counts.
     CommTimer timer;
-    SHARDTENSOR_MPI_CHECK(MPI_Alltoallv(ptr(send), sc.data(), sd.data(), MPI_BYTE, ptr(recv),
-                                        rc.data(), rd.data(), MPI_BYTE, comm));
+    PeerRequests p2p;
+    for (int c = 0; c < size; ++c) {
+      if (c != rank && recv_bytes[c] > 0) {
+        p2p.recv(rbase + recv_displs[c], recv_bytes[c], c, kAllToAllvTag, comm);
+      }
+    }
+    for (int k = 1; k < size; ++k) {
+      const int c = (rank + k) % size;  // staggered, so rank 0 is not everyone's first target
+      if (send_bytes[c] > 0) {
+        p2p.send(sbase + send_displs[c], send_bytes[c], c, kAllToAllvTag, comm);
+      }
+    }
+    if (send_bytes[rank] > 0) {
+      std::memcpy(rbase + recv_displs[rank], sbase + send_displs[rank], send_bytes[rank]);
+    }
+    if (size > 1) {
+      p2p.wait("all_to_allv (point-to-point MPI_Irecv/MPI_Isend)", comm);
+    }
+  }
+  if (size == 1) {
+    return;
   }
   detail::record_comm(sent, received, messages);
 }
@@ -278,7 +407,13 @@ void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
   }
   {
     CommTimer timer;
-    SHARDTENSOR_MPI_CHECK(MPI_Bcast(ptr(t), to_count(n, "broadcast size"), MPI_BYTE, root, comm));
+    auto* data = static_cast<char*>(ptr(t));
+    for (int64_t done = 0; done < n; done += max_count()) {
+      const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
+      MPI_Request request = MPI_REQUEST_NULL;
+      SHARDTENSOR_MPI_CHECK(MPI_Ibcast(data + done, k, MPI_BYTE, root, comm, &request));
+      wait_collective(&request, "broadcast_ (MPI_Ibcast)", comm);
+    }
   }
   if (rank == root) {
     detail::record_comm(static_cast<int64_t>(size - 1) * n, 0, size - 1);
@@ -295,7 +430,6 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
   TORCH_CHECK(root >= 0 && root < size, "shardtensor transport: scatterv root ", root,
               " is not a rank of a communicator of size ", size);
   const int64_t mine = nbytes(recv);
-  std::vector<int> counts, displs;
   int64_t sent = 0, messages = 0;
   if (rank == root) {
     check_buffer(send, "scatterv send buffer");
@@ -306,8 +440,6 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     const int64_t total = std::accumulate(send_bytes.begin(), send_bytes.end(), int64_t{0});
     TORCH_CHECK(nbytes(send) >= total, "shardtensor transport: scatterv send buffer holds ",
                 nbytes(send), " bytes, needs ", total);
-    counts = to_counts(send_bytes, "scatterv piece");
-    displs = prefix_displs(send_bytes, "scatterv displacement");
     for (int c = 0; c < size; ++c) {
       if (c != rank) {
         sent += send_bytes[c];
@@ -321,11 +453,26 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     }
     return;
   }
-  CommTimer timer;
-  SHARDTENSOR_MPI_CHECK(MPI_Scatterv(rank == root ? ptr(send) : nullptr,
-                                     rank == root ? counts.data() : nullptr,
-                                     rank == root ? displs.data() : nullptr, MPI_BYTE, ptr(recv),
-                                     to_count(mine, "scatterv piece"), MPI_BYTE, root, comm));
+  {
+    // Note [large counts]: point-to-point; a non-root rank knows only its own count.
+    CommTimer timer;
+    PeerRequests p2p;
+    if (rank == root) {
+      const auto* base = static_cast<const char*>(ptr(send));
+      int64_t offset = 0;
+      for (int c = 0; c < size; ++c) {
+        if (c != rank && send_bytes[c] > 0) {
+          p2p.send(base + offset, send_bytes[c], c, kScattervTag, comm);
+        } else if (c == rank && mine > 0) {
+          std::memcpy(recv.data_ptr(), base + offset, mine);
+        }
+        offset += send_bytes[c];
+      }
+    } else if (mine > 0) {
+      p2p.recv(recv.data_ptr(), mine, root, kScattervTag, comm);
+    }
+    p2p.wait("scatterv (point-to-point MPI_Irecv/MPI_Isend)", comm);
+  }
   if (rank == root) {
     detail::record_comm(sent, 0, messages);
   } else {
@@ -356,20 +503,46 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
     recv.view(-1).copy_(send.view(-1).narrow(0, offset, recv.numel()));
     return;
   }
-  std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
-  (void)prefix_displs(recv_numel, "reduce_scatter offset (elements)");
+  bool fits = true;
+  for (int c = 0; c < size; ++c) {
+    TORCH_CHECK(recv_numel[c] >= 0, "shardtensor transport: reduce_scatter: negative count ",
+                recv_numel[c], " for rank ", c);
+    fits = fits && recv_numel[c] <= max_count();
+  }
   CommTimer timer;
-  if (needs_upcast(send.scalar_type())) {
+  if (!fits) {
+    // Note [large counts]: a chunked all-reduce of a copy, keeping this rank's
+    // piece (decided from recv_numel, the same on every rank).
+    const bool upcast = needs_upcast(send.scalar_type());
+    at::Tensor work = upcast ? send.to(at::kFloat).contiguous() : send.clone();
+    auto [type, mpi_op] = reduction_type(work.scalar_type(), op);
+    auto* data = static_cast<char*>(ptr(work));
+    const int64_t welem = work.element_size();
+    for (int64_t done = 0; done < work.numel(); done += max_count()) {
+      const int n = static_cast<int>(std::min<int64_t>(max_count(), work.numel() - done));
+      MPI_Request request = MPI_REQUEST_NULL;
+      SHARDTENSOR_MPI_CHECK(
+          MPI_Iallreduce(MPI_IN_PLACE, data + done * welem, n, type, mpi_op, comm, &request));
+      wait_collective(&request, "reduce_scatter (chunked MPI_Iallreduce)", comm);
+    }
+    recv.view(-1).copy_(work.view(-1).narrow(0, offset, recv.numel()));
+  } else if (needs_upcast(send.scalar_type())) {
     at::Tensor wide_send = send.to(at::kFloat).contiguous();
     at::Tensor wide_recv = at::empty(recv.sizes(), recv.options().dtype(at::kFloat));
     auto [type, mpi_op] = reduction_type(at::kFloat, op);
-    SHARDTENSOR_MPI_CHECK(
-        MPI_Reduce_scatter(ptr(wide_send), ptr(wide_recv), counts.data(), type, mpi_op, comm));
+    std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
+    MPI_Request request = MPI_REQUEST_NULL;
+    SHARDTENSOR_MPI_CHECK(MPI_Ireduce_scatter(ptr(wide_send), ptr(wide_recv), counts.data(), type,
+                                              mpi_op, comm, &request));
+    wait_collective(&request, "reduce_scatter (MPI_Ireduce_scatter)", comm);
     recv.copy_(wide_recv);
   } else {
     auto [type, mpi_op] = reduction_type(send.scalar_type(), op);
+    std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
+    MPI_Request request = MPI_REQUEST_NULL;
     SHARDTENSOR_MPI_CHECK(
-        MPI_Reduce_scatter(ptr(send), ptr(recv), counts.data(), type, mpi_op, comm));
+        MPI_Ireduce_scatter(ptr(send), ptr(recv), counts.data(), type, mpi_op, comm, &request));
+    wait_collective(&request, "reduce_scatter (MPI_Ireduce_scatter)", comm);
   }
   const int64_t elem = send.element_size();
   int64_t sent = 0, messages = 0;
@@ -386,9 +559,11 @@ void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm) {
   if (values.empty() || comm_size(comm) == 1) {
     return;
   }
-  SHARDTENSOR_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values.data(),
-                                      to_count(static_cast<int64_t>(values.size()), "values"),
-                                      MPI_INT64_T, MPI_MAX, comm));
+  MPI_Request request = MPI_REQUEST_NULL;
+  SHARDTENSOR_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, values.data(),
+                                       to_count(static_cast<int64_t>(values.size()), "values"),
+                                       MPI_INT64_T, MPI_MAX, comm, &request));
+  wait_collective(&request, "diagnostic_max_ (MPI_Iallreduce)", comm);
 }
 
 // ---- split-phase point-to-point ---------------------------------------------
@@ -398,8 +573,11 @@ PendingExchange::PendingExchange(PendingExchange&& other) noexcept
       expected_bytes_(std::move(other.expected_bytes_)),
       buffers_(std::move(other.buffers_)),
       statuses_(std::move(other.statuses_)),
+      peers_(std::move(other.peers_)),
+      comm_(other.comm_),
       completed_(other.completed_) {
   other.requests_.clear();
+  other.peers_.clear();
   other.completed_ = false;
 }
 
@@ -410,8 +588,11 @@ PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
     expected_bytes_ = std::move(other.expected_bytes_);
     buffers_ = std::move(other.buffers_);
     statuses_ = std::move(other.statuses_);
+    peers_ = std::move(other.peers_);
+    comm_ = other.comm_;
     completed_ = other.completed_;
     other.requests_.clear();
+    other.peers_.clear();
     other.completed_ = false;
   }
   return *this;
@@ -431,8 +612,14 @@ void PendingExchange::abandon() noexcept {
       MPI_Cancel(&requests_[i]);
     }
   }
-  MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+  watchdog::WaitSite site;
+  site.primitive = "abandoned exchange (MPI_Cancel + MPI_Waitall)";
+  site.comm = comm_;
+  site.peers = &peers_;
+  watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE,
+                     site);
   requests_.clear();
+  peers_.clear();
   expected_bytes_.clear();
   buffers_.clear();
 }
@@ -448,12 +635,18 @@ void PendingExchange::finish() {
   } else {
     statuses.resize(requests_.size());
     CommTimer timer;
-    rc = MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), statuses.data());
+    watchdog::WaitSite site;
+    site.primitive = "exchange finish (MPI_Waitall of MPI_Irecv/MPI_Isend)";
+    site.comm = comm_;
+    site.peers = &peers_;
+    rc = watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(), statuses.data(),
+                            site);
   }
   completed_ = false;
   statuses_.clear();
   std::vector<int64_t> expected = std::move(expected_bytes_);
   requests_.clear();
+  peers_.clear();
   expected_bytes_.clear();
   buffers_.clear();
   if (rc == MPI_ERR_IN_STATUS) {
@@ -503,11 +696,11 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
       TORCH_CHECK(pb.peer >= 0 && pb.peer < size, "shardtensor transport: exchange peer ", pb.peer,
                   " is not a rank of a communicator of size ", size);
       check_buffer(pb.buffer, "exchange buffer");
-      (void)to_count(nbytes(pb.buffer), "exchange message");
     }
   }
   CommTimer timer;
   PendingExchange ex;
+  ex.comm_ = comm;
   int64_t sent = 0, received = 0, messages = 0;
   ex.requests_.reserve(sends.size() + recvs.size());
   for (const auto& pb : recvs) {
@@ -515,11 +708,16 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
     if (n == 0) {
       continue;
     }
-    ex.requests_.push_back(MPI_REQUEST_NULL);
-    ex.expected_bytes_.push_back(n);
     ex.buffers_.push_back(pb.buffer);
-    SHARDTENSOR_MPI_CHECK(MPI_Irecv(pb.buffer.data_ptr(), static_cast<int>(n), MPI_BYTE, pb.peer,
-                                    tag, comm, &ex.requests_.back()));
+    auto* data = static_cast<char*>(pb.buffer.data_ptr());
+    for (int64_t done = 0; done < n; done += max_count()) {  // Note [large counts]
+      const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
+      ex.requests_.push_back(MPI_REQUEST_NULL);
+      ex.expected_bytes_.push_back(k);
+      ex.peers_.push_back(pb.peer);
+      SHARDTENSOR_MPI_CHECK(
+          MPI_Irecv(data + done, k, MPI_BYTE, pb.peer, tag, comm, &ex.requests_.back()));
+    }
     received += pb.peer != rank ? n : 0;
   }
   for (const auto& pb : sends) {
@@ -527,10 +725,15 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
     if (n == 0) {
       continue;
     }
-    ex.requests_.push_back(MPI_REQUEST_NULL);
     ex.buffers_.push_back(pb.buffer);
-    SHARDTENSOR_MPI_CHECK(MPI_Isend(pb.buffer.data_ptr(), static_cast<int>(n), MPI_BYTE, pb.peer,
-                                    tag, comm, &ex.requests_.back()));
+    const auto* data = static_cast<const char*>(pb.buffer.data_ptr());
+    for (int64_t done = 0; done < n; done += max_count()) {  // Note [large counts]
+      const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
+      ex.requests_.push_back(MPI_REQUEST_NULL);
+      ex.peers_.push_back(pb.peer);
+      SHARDTENSOR_MPI_CHECK(
+          MPI_Isend(data + done, k, MPI_BYTE, pb.peer, tag, comm, &ex.requests_.back()));
+    }
     if (pb.peer != rank) {
       sent += n;
       messages += 1;
@@ -542,16 +745,29 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
 
 // ---- non-blocking all-reduce ---------------------------------------------------
 
+namespace {
+int wait_reduce(MPI_Request* request, MPI_Comm comm) {
+  watchdog::WaitSite site;
+  site.primitive = "pending all-reduce finish (MPI_Iallreduce)";
+  site.comm = comm;
+  return watchdog::wait(request, MPI_STATUS_IGNORE, site);
+}
+}  // namespace
+
 PendingReduce::PendingReduce(PendingReduce&& other) noexcept
-    : request_(other.request_), buffer_(std::move(other.buffer_)), wide_(std::move(other.wide_)) {
+    : request_(other.request_),
+      comm_(other.comm_),
+      buffer_(std::move(other.buffer_)),
+      wide_(std::move(other.wide_)) {
   other.request_ = MPI_REQUEST_NULL;
   other.wide_ = at::Tensor();
 }
 
 PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
   if (this != &other) {
-    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+    if (request_ != MPI_REQUEST_NULL) wait_reduce(&request_, comm_);
     request_ = other.request_;
+    comm_ = other.comm_;
     buffer_ = std::move(other.buffer_);
     wide_ = std::move(other.wide_);
     other.request_ = MPI_REQUEST_NULL;
@@ -561,7 +777,7 @@ PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
 }
 
 PendingReduce::~PendingReduce() {
-  if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  if (request_ != MPI_REQUEST_NULL) wait_reduce(&request_, comm_);
 }
 
 bool PendingReduce::test() {
@@ -573,7 +789,7 @@ bool PendingReduce::test() {
 
 void PendingReduce::finish() {
   if (request_ != MPI_REQUEST_NULL) {
-    SHARDTENSOR_MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+    SHARDTENSOR_MPI_CHECK(wait_reduce(&request_, comm_));
   }
   if (wide_.defined()) {
     buffer_.copy_(wide_);
@@ -589,7 +805,7 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
   if (size <= 1 || t.numel() == 0) {
     return pending;
   }
-  if (t.numel() > INT_MAX) {
+  if (t.numel() > max_count()) {  // Note [large counts]
     all_reduce_(t, op, comm);
     return pending;
   }
@@ -601,10 +817,20 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
   }
   auto [type, mpi_op] = reduction_type(data.scalar_type(), op);
   pending.buffer_ = t;
+  pending.comm_ = comm;
   SHARDTENSOR_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, ptr(data), static_cast<int>(data.numel()),
                                        type, mpi_op, comm, &pending.request_));
   record_all_reduce(t.numel(), t.element_size(), size, rank);
   return pending;
+}
+
+// ---- appended: test hook for Note [large counts] --------------------------------
+
+int64_t set_max_count_for_testing(int64_t max_count) {
+  TORCH_CHECK(max_count >= 1 && max_count <= INT_MAX,
+              "shardtensor transport: set_max_count_for_testing(", max_count,
+              ") must be in [1, INT_MAX]");
+  return g_max_count.exchange(max_count);
 }
 
 }  // namespace shardtensor::comm::transport

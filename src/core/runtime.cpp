@@ -4,7 +4,9 @@
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/runtime.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -183,6 +185,61 @@ void abort(int code) {
   }
   std::_Exit(code);
 }
+
+// ---- watchdog settings (Note [watchdog]) ----------------------------------------
+
+namespace {
+
+constexpr double kDefaultTimeoutSeconds = 600.0;
+
+double timeout_from_env() {
+  const char* value = std::getenv("SHARDTENSOR_TIMEOUT");
+  if (value == nullptr || *value == '\0') {
+    return kDefaultTimeoutSeconds;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const double t = std::strtod(value, &end);
+  while (end != nullptr && (*end == ' ' || *end == '\t')) {
+    ++end;
+  }
+  TORCH_CHECK(
+      errno == 0 && end != value && end != nullptr && *end == '\0' && std::isfinite(t) && t >= 0,
+      "shardtensor: environment variable SHARDTENSOR_TIMEOUT='", value,
+      "' is not a non-negative number of seconds (0 disables the watchdog)");
+  return t;
+}
+
+// Negative: not read yet.
+std::atomic<double> g_timeout{-1.0};
+
+thread_local const char* t_op_label = nullptr;
+
+}  // namespace
+
+void set_timeout(double seconds) {
+  TORCH_CHECK(std::isfinite(seconds) && seconds >= 0, "shardtensor::set_timeout: ", seconds,
+              " is not a non-negative number of seconds (0 disables the watchdog)");
+  g_timeout.store(seconds);
+}
+
+double timeout() {
+  double t = g_timeout.load();
+  if (t < 0) {
+    t = timeout_from_env();
+    double expected = -1.0;
+    if (!g_timeout.compare_exchange_strong(expected, t)) {
+      t = expected;  // set concurrently
+    }
+  }
+  return t;
+}
+
+OpLabel::OpLabel(const char* label) : previous_(t_op_label) { t_op_label = label; }
+
+OpLabel::~OpLabel() { t_op_label = previous_; }
+
+const char* OpLabel::current() { return t_op_label == nullptr ? "" : t_op_label; }
 
 Runtime::Runtime(int* argc, char*** argv) { init(argc, argv); }
 

@@ -16,6 +16,7 @@
 // decisions depend only on metadata that is identical on every rank, so every
 // rank throws, and none is left in a collective.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <shardtensor/core/runtime.h>
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -100,6 +101,9 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stac
 }
 
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  // Names the op in watchdog messages (Note [watchdog]); the schema's name lives
+  // as long as the operator registration.
+  const OpLabel label(op.operator_name().name.c_str());
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   if (debug_enabled()) {

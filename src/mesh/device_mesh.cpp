@@ -251,6 +251,10 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
       MPI_Cart_create(dup, ndims, dims.data(), periods.data(), /*reorder=*/0, &state->cart);
   MPI_Comm_free(&dup);
   SHARDTENSOR_MPI_CHECK(rc);
+  {
+    const std::string comm_name = "whole mesh " + list_string(state->shape);
+    SHARDTENSOR_MPI_CHECK(MPI_Comm_set_name(state->cart, comm_name.c_str()));
+  }
   // The state owns the communicators from here, so an error below frees them.
   register_mesh(state.get());
 
@@ -269,6 +273,10 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
     MPI_Comm sub = MPI_COMM_NULL;
     SHARDTENSOR_MPI_CHECK(MPI_Cart_sub(state->cart, remain.data(), &sub));
     state->dim_comms.push_back(sub);
+    // Named for the watchdog's messages (Note [watchdog]).
+    const std::string comm_name = "mesh dim " + std::to_string(d) + " ('" + state->names[d] +
+                                  "') of mesh " + list_string(state->shape);
+    SHARDTENSOR_MPI_CHECK(MPI_Comm_set_name(sub, comm_name.c_str()));
     int sub_rank = -1;
     SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(sub, &sub_rank));
     TORCH_INTERNAL_ASSERT(sub_rank == coords[d], "sub-communicator rank ", sub_rank,

@@ -1,6 +1,7 @@
 // distribute_module: make every rank's copy of a module identical, and sum the
 // parameters' gradients over the mesh in buckets (Note [gradient buckets]).
 #include <shardtensor/core/error.h>
+#include <shardtensor/core/runtime.h>
 #include <shardtensor/nn/module.h>
 #include <shardtensor/tensor/shard_tensor.h>
 #include <torch/csrc/autograd/engine.h>
@@ -210,6 +211,9 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
   }
 
   void finish_backward() {
+    // Named in watchdog messages (Note [watchdog]): a backward that reached
+    // the parameters on some ranks only leaves these all-reduces waiting.
+    const OpLabel label("distribute_module gradient buckets (end of backward)");
     // Parameters without a gradient in this backward contribute their zeros.
     while (next_start_ < buckets_.size()) start(next_start_++);
     std::string error;

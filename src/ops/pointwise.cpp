@@ -106,40 +106,6 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
   push_results(op, args, &results, out_spec, stack);
 }
 
-// Dropout draws its mask from a per-rank generator: seeded from the default
-// generator (so a manual_seed makes runs reproducible) and the mesh rank (so
-// ranks draw different masks for their different pieces).
-void dropout_rule(const c10::OperatorHandle& op, Stack* stack) {
-  auto args = pop_args(op, stack);
-  const at::Tensor& x = args[0].toTensor();
-  const double p = args[1].toDouble();
-  const bool train = args[2].toBool();
-  const ShardSpec* s = spec_of(x);
-  if (!train || p == 0.0) {
-    stack->push_back(x);
-    return;
-  }
-  SpecPtr spec = std::make_shared<const ShardSpec>(without_partial(*s));
-  at::Tensor local = to_layout(x, *spec, *spec);
-  at::Tensor out;
-  if (p == 1.0) {
-    out = local * 0.0;
-  } else {
-    uint64_t base;
-    {
-      auto gen = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      base = at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
-    }
-    auto rank_gen = at::make_generator<at::CPUGeneratorImpl>(
-        base + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(s->mesh().rank() + 1));
-    at::Tensor mask =
-        at::empty_like(local, at::MemoryFormat::Contiguous).bernoulli_(1.0 - p, rank_gen);
-    out = local * mask.div_(1.0 - p);
-  }
-  stack->push_back(wrap(out, spec));
-}
-
 // Single-input ops whose result has the input's layout, with Partial resolved:
 // *_like factories (a fresh tensor per piece).
 void like_rule(const c10::OperatorHandle& op, Stack* stack) {
@@ -185,17 +151,15 @@ const RuleRegistrar pointwise_ops(
      "ge", "ge_", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "logical_and",
      "logical_and_", "logical_or", "logical_or_", "logical_not", "logical_not_", "logical_xor",
      "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "signbit", "heaviside",
-     // in-place fills and randomness (per-rank RNG)
-     "fill_", "zero_", "bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "random_",
+     // in-place fills; exponential_ and random_ draw per rank (uniform_, normal_,
+     // bernoulli, dropout, rand_like, randn_like: ops/random.cpp)
+     "fill_", "zero_", "exponential_", "random_",
      // conversions
      "_to_copy", "clone", "detach", "detach_", "contiguous", "alias", "copy_", "lift_fresh",
      "resolve_conj", "resolve_neg", "positive", "_conj", "conj_physical", "real", "imag"},
     pointwise_rule);
 
-const RuleRegistrar dropout_ops({"dropout"}, dropout_rule);
-
-const RuleRegistrar like_ops({"empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
-                              "randn_like", "randint_like"},
+const RuleRegistrar like_ops({"empty_like", "zeros_like", "ones_like", "full_like", "randint_like"},
                              like_rule);
 
 }  // namespace

@@ -280,22 +280,25 @@ namespace {
 constexpr int64_t kMaxDims = 16;
 
 // Local metadata record exchanged by from_local / scatter_tensor:
-// [ok, ndim, dtype, shape[0..kMaxDims)].
+// [ok, ndim, dtype, requires_grad, shape[0..kMaxDims)].
+constexpr int64_t kMetaHeader = 4;
+
 std::vector<int64_t> meta_of(const at::Tensor& t) {
-  std::vector<int64_t> m(3 + kMaxDims, 0);
+  std::vector<int64_t> m(kMetaHeader + kMaxDims, 0);
   const bool ok = t.defined() && !ShardTensor::is_shard_tensor(t) && t.dim() <= kMaxDims &&
                   t.layout() == at::kStrided && t.device().is_cpu();
   m[0] = ok ? 1 : 0;
   if (ok) {
     m[1] = t.dim();
     m[2] = static_cast<int64_t>(t.scalar_type());
-    for (int64_t d = 0; d < t.dim(); ++d) m[3 + d] = t.size(d);
+    m[3] = t.requires_grad() ? 1 : 0;
+    for (int64_t d = 0; d < t.dim(); ++d) m[kMetaHeader + d] = t.size(d);
   }
   return m;
 }
 
 std::vector<int64_t> shape_of(const int64_t* meta) {
-  return std::vector<int64_t>(meta + 3, meta + 3 + meta[1]);
+  return std::vector<int64_t>(meta + kMetaHeader, meta + kMetaHeader + meta[1]);
 }
 
 }  // namespace
@@ -306,7 +309,7 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
   // Every rank learns every rank's local shape, so that every rank reaches the
   // same verdict (Note [collective discipline]).
   const int64_t p = mesh.size();
-  const int64_t rec = 3 + kMaxDims;
+  const int64_t rec = kMetaHeader + kMaxDims;
   auto mine = at::tensor(meta_of(local), at::kLong);
   auto all = at::empty({p * rec}, at::kLong);
   comm::transport::all_gatherv(mine, all, std::vector<int64_t>(p, rec * 8), mesh.comm());
@@ -322,6 +325,13 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
                 "from_local: ranks disagree on ndim or dtype: mesh rank 0 has shape ",
                 c10::IntArrayRef(shape_of(meta)), ", mesh rank ", r, " has shape ",
                 c10::IntArrayRef(shape_of(meta + r * rec)));
+    // requires_grad is part of the agreement: a rank whose piece does not
+    // require grad would skip the backward's collectives that the others make.
+    TORCH_CHECK(meta[r * rec + 3] == meta[3],
+                "from_local: ranks disagree on requires_grad: the local tensor on mesh rank 0 ",
+                meta[3] ? "requires" : "does not require", " grad, on mesh rank ", r, " it ",
+                meta[r * rec + 3] ? "does" : "does not", " (placements ",
+                shardtensor::to_string(placements), ")");
   }
   TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(),
               "from_local: ", placements.size(), " placements ", shardtensor::to_string(placements),
@@ -389,8 +399,8 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
               " is not a rank of the mesh ", mesh.to_string());
   const int me = mesh.rank();
   // Shape and dtype travel from src first, so every rank can validate alike.
-  auto meta =
-      at::tensor(me == src ? meta_of(full) : std::vector<int64_t>(3 + kMaxDims, 0), at::kLong);
+  auto meta = at::tensor(
+      me == src ? meta_of(full) : std::vector<int64_t>(kMetaHeader + kMaxDims, 0), at::kLong);
   comm::transport::broadcast_(meta, src, mesh.comm());
   const int64_t* m = meta.data_ptr<int64_t>();
   TORCH_CHECK(m[0] == 1, "scatter_tensor: the tensor on src rank ", src,

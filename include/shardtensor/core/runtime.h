@@ -31,6 +31,54 @@ int mpi_thread_level();
 /// (e.g. an uncaught Python exception) where the other ranks may be waiting in
 /// a collective and MPI_Finalize would hang. Not collective; never returns.
 [[noreturn]] void abort(int code);
+/// Note [watchdog]
+/// ~~~~~~~~~~~~~~~
+/// Every blocking wait of the transport (collectives, split-phase exchanges,
+/// ring steps, the gradient reducer's pending all-reduces) polls its MPI
+/// requests against a deadline instead of blocking forever. When a wait
+/// exceeds the timeout, the rank prints one line to stderr naming the op being
+/// run (see OpLabel), the transport primitive and MPI call, the communicator
+/// (its name, e.g. the mesh dim, its size and this rank's place in it), the
+/// peers still outstanding for point-to-point waits, and how long it waited,
+/// then ends the whole job with MPI_Abort(MPI_COMM_WORLD, kWatchdogExitCode),
+/// so that `mpirun`/`srun` return promptly instead of burning an allocation.
+/// Typical causes: a rank raised an error (or exited) between collectives that
+/// the others entered, or ranks called collectives in different orders.
+/// The timeout is read from the environment variable `SHARDTENSOR_TIMEOUT`
+/// (seconds, default 600, 0 disables the watchdog) the first time it is
+/// needed, and set_timeout() overrides it at any time.
+
+/// Exit code of a job ended by the watchdog (MPI_Abort's error code; mpirun
+/// returns it). Distinct from timeout(1)'s 124.
+constexpr int kWatchdogExitCode = 85;
+
+/// Local. Sets the watchdog timeout in seconds for every later wait of this
+/// process (0 disables the watchdog: waits block as long as MPI does). Set the
+/// same value on every rank. Throws c10::Error if `seconds` is negative or not
+/// finite.
+void set_timeout(double seconds);
+
+/// Local. The current watchdog timeout in seconds (0 = disabled): the last
+/// set_timeout(), else `SHARDTENSOR_TIMEOUT`, else 600. Throws c10::Error if
+/// `SHARDTENSOR_TIMEOUT` is not a non-negative number.
+double timeout();
+
+/// Local. RAII label of the operation this thread is running (e.g.
+/// "aten::conv2d"), named in watchdog messages. Scopes nest; the innermost
+/// label is reported. `label` must outlive the scope (a string literal or an
+/// op schema's name).
+class OpLabel {
+ public:
+  explicit OpLabel(const char* label);
+  ~OpLabel();
+  OpLabel(const OpLabel&) = delete;
+  OpLabel& operator=(const OpLabel&) = delete;
+  /// Local. The innermost label of this thread, or "" if none.
+  static const char* current();
+
+ private:
+  const char* previous_;
+};
 
 /// RAII wrapper around init()/finalize(). Collective on construction and destruction.
 class Runtime {

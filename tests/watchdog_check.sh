@@ -1,0 +1,39 @@
+#!/bin/sh
+# usage: watchdog_check.sh <max-seconds> <command...>
+# Runs a watchdog scenario (tests/watchdog_scenario.cpp) and passes only if the
+# job ended with the watchdog's exit code (kWatchdogExitCode = 85, Note
+# [watchdog]) and one-line message within <max-seconds>; a hang is killed by
+# timeout(1) and fails.
+max=$1
+shift
+log=$(mktemp)
+start=$(date +%s)
+timeout -k 5 "$max" "$@" >"$log" 2>&1
+rc=$?
+end=$(date +%s)
+cat "$log"
+echo "watchdog_check: exit code $rc after $((end - start)) s"
+fail=0
+# A rank that exits without finalizing is caught by the launcher itself
+# (OpenMPI's mpirun ends the job at once, before the watchdog's deadline):
+# WATCHDOG_OR_LAUNCHER names the launcher's message that is accepted instead.
+if [ -n "$WATCHDOG_OR_LAUNCHER" ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] &&
+  grep -q "$WATCHDOG_OR_LAUNCHER" "$log"; then
+  echo "watchdog_check: the launcher ended the job (exit code $rc): ok"
+  rm -f "$log"
+  exit 0
+fi
+if [ "$rc" -ne 85 ]; then
+  echo "watchdog_check: FAIL: expected exit code 85 (the watchdog's), got $rc"
+  fail=1
+fi
+if ! grep -q "shardtensor watchdog: world rank .* waited .* s (SHARDTENSOR_TIMEOUT = .* s) in " "$log"; then
+  echo "watchdog_check: FAIL: no watchdog message in the output"
+  fail=1
+fi
+if [ -n "$WATCHDOG_EXPECT" ] && ! grep -q "$WATCHDOG_EXPECT" "$log"; then
+  echo "watchdog_check: FAIL: the output does not contain '$WATCHDOG_EXPECT'"
+  fail=1
+fi
+rm -f "$log"
+exit $fail

@@ -1,0 +1,86 @@
+// Scenarios for the watchdog tests (Note [watchdog]): one rank misbehaves while
+// the others enter a collective or an exchange; the job must end within the
+// timeout with the watchdog's message and exit code, never hang. Run by
+// tests/watchdog_check.sh, which asserts the exit code, the message and the time.
+#include <shardtensor/shardtensor.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+namespace st = shardtensor;
+
+int main(int argc, char** argv) {
+  st::Runtime runtime(&argc, &argv);
+  const std::string scenario = argc > 1 ? argv[1] : "";
+  auto mesh = st::DeviceMesh::create({-1}, {"domain"});
+  const int rank = st::world_rank();
+  const int culprit = st::world_size() - 1;
+  torch::manual_seed(0);
+  at::Tensor x =
+      st::distribute_tensor(torch::randn({4 * st::world_size(), 3}), mesh, {st::Shard{0}});
+  // A first collective that every rank makes, so the job is fully up.
+  at::Tensor warm = x.sum();
+  (void)warm;
+
+  if (scenario == "throw_mid_op") {
+    // The culprit raises (as a rule or user callback would) after the others
+    // have entered the op's collective; it handles the error and carries on
+    // with something else (a REPL, a retry loop) instead of dying.
+    if (rank == culprit) {
+      try {
+        TORCH_CHECK(false, "simulated failure inside an op on rank ", rank);
+      } catch (const c10::Error& e) {
+        std::fprintf(stderr, "rank %d caught: %s\n", rank, e.what_without_backtrace());
+      }
+      std::this_thread::sleep_for(std::chrono::seconds(120));
+    } else {
+      at::Tensor s = (x * 2).sum();  // all-reduce: waits for the culprit
+      std::printf("rank %d: unexpected: sum completed %f\n", rank, s.item<float>());
+    }
+  } else if (scenario == "skip_collective") {
+    // The culprit skips the reduction and goes on to finalize.
+    if (rank != culprit) {
+      at::Tensor s = x.sum();
+      std::printf("rank %d: unexpected: sum completed %f\n", rank, s.item<float>());
+    }
+  } else if (scenario == "rank_exits") {
+    // The culprit leaves the job without finalizing, as after a crash handler.
+    if (rank == culprit) {
+      std::fflush(stdout);
+      std::_Exit(0);
+    }
+    at::Tensor s = x.sum();
+    std::printf("rank %d: unexpected: sum completed %f\n", rank, s.item<float>());
+  } else if (scenario == "skip_exchange") {
+    // Point-to-point: the culprit skips a halo exchange; its neighbours wait for it.
+    if (rank != culprit) {
+      at::Tensor h = st::halo_exchange(x, 0, 1, 1);
+      std::printf("rank %d: unexpected: exchange completed %lld\n", rank,
+                  static_cast<long long>(h.size(0)));
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(120));
+    }
+  } else if (scenario == "backward_one_rank") {
+    // A backward that reaches the registered parameters on some ranks only:
+    // the gradient buckets' all-reduces wait for the culprit.
+    torch::nn::Linear lin(3, 2);
+    st::distribute_module(*lin, mesh);
+    at::Tensor xin = st::distribute_tensor(torch::randn({4 * st::world_size(), 3}), mesh,
+                                           {st::Shard{0}}, /*requires_grad=*/true);
+    at::Tensor loss = lin(xin).sum();
+    if (rank != culprit) {
+      loss.backward();
+      std::printf("rank %d: unexpected: backward completed\n", rank);
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(120));
+    }
+  } else {
+    std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
+    return 2;
+  }
+  return 0;
+}
