@@ -1,6 +1,6 @@
 #include "tensor/shard_tensor_impl.h"
 
-#include "comm/transport.h"
+#include "comm/plain.h"
 
 #include <ATen/ATen.h>
 #include <shardtensor/comm/primitives.h>
@@ -200,8 +200,7 @@ at::Tensor ShardTensor::full_tensor() const {
   return detail::redistribute_local(local(), s, dst);
 }
 
-at::Tensor ShardTensor::redistribute(Placements placements,
-                                      std::optional<ShardSizes> sizes) const {
+at::Tensor ShardTensor::redistribute(Placements placements, std::optional<ShardSizes> sizes) const {
   const ShardSpec& s = spec();
   auto dst = std::make_shared<const ShardSpec>(s.mesh(), std::move(placements), s.global_shape(),
                                                std::move(sizes));
@@ -268,7 +267,7 @@ std::vector<int64_t> shape_of(const int64_t* meta) {
 }  // namespace
 
 at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements placements,
-                                    std::optional<ShardSizes> sizes) {
+                                   std::optional<ShardSizes> sizes) {
   TORCH_CHECK(mesh.defined(), "from_local: the mesh is undefined");
   // Every rank learns every rank's local shape, so that every rank reaches the
   // same verdict (Note [collective discipline]).
@@ -276,7 +275,7 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
   const int64_t rec = 3 + kMaxDims;
   auto mine = at::tensor(meta_of(local), at::kLong);
   auto all = at::empty({p * rec}, at::kLong);
-  comm::transport::all_gatherv(mine, all, std::vector<int64_t>(p, rec * 8), mesh.comm());
+  comm::all_gather_same(mine, all, mesh);
   const int64_t* meta = all.data_ptr<int64_t>();
   for (int64_t r = 0; r < p; ++r) {
     TORCH_CHECK(meta[r * rec] == 1, "from_local: the local tensor on mesh rank ", r,
@@ -350,7 +349,7 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
 }
 
 at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
-                           Placements placements, bool requires_grad) {
+                          Placements placements, bool requires_grad) {
   TORCH_CHECK(mesh.defined(), "scatter_tensor: the mesh is undefined");
   TORCH_CHECK(src >= 0 && src < mesh.size(), "scatter_tensor: src ", src,
               " is not a rank of the mesh ", mesh.to_string());
@@ -358,7 +357,7 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
   // Shape and dtype travel from src first, so every rank can validate alike.
   auto meta =
       at::tensor(me == src ? meta_of(full) : std::vector<int64_t>(3 + kMaxDims, 0), at::kLong);
-  comm::transport::broadcast_(meta, src, mesh.comm());
+  comm::broadcast_(meta, src, mesh);
   const int64_t* m = meta.data_ptr<int64_t>();
   TORCH_CHECK(m[0] == 1, "scatter_tensor: the tensor on src rank ", src,
               " is undefined, a ShardTensor, not strided, not on CPU or has more than ", kMaxDims,
@@ -394,15 +393,14 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
   }
   at::Tensor local = at::empty(spec->local_shape(), at::TensorOptions().dtype(dtype));
   const bool zero = zero_piece(mesh.coordinate());
-  comm::transport::scatterv(send, send_bytes, zero ? at::empty({0}, local.options()) : local, src,
-                            mesh.comm());
+  comm::scatter_(send, send_bytes, zero ? at::empty({0}, local.options()) : local, src, mesh);
   if (zero) local.zero_();
   if (requires_grad) local.requires_grad_(true);
   return ShardTensor::from_local_unchecked(std::move(local), std::move(spec));
 }
 
 at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
-                              bool requires_grad, std::optional<ShardSizes> sizes) {
+                             bool requires_grad, std::optional<ShardSizes> sizes) {
   TORCH_CHECK(full.defined(), "distribute_tensor: the input tensor is undefined");
   TORCH_CHECK(!ShardTensor::is_shard_tensor(full),
               "distribute_tensor: the input is already a ShardTensor; use redistribute()");
