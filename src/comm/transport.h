@@ -226,4 +226,17 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
 /// [1, INT_MAX].
 int64_t set_max_count_for_testing(int64_t max_count);
 
+// ---- communicator management (appended; issue 10) ---------------------------
+
+/// Collective over `comm`. A duplicate of `comm` (MPI_Comm_dup) for a stream
+/// of operations that must not match anyone else's (e.g. the gradient buckets'
+/// non-blocking reductions). Free it with free_duplicate(). Throws c10::Error
+/// on MPI failure.
+MPI_Comm duplicate(MPI_Comm comm);
+
+/// Local (MPI_Comm_free is collective in name only). Frees a communicator
+/// made by duplicate() and sets it to MPI_COMM_NULL; does nothing for
+/// MPI_COMM_NULL or once MPI is finalized. Never throws.
+void free_duplicate(MPI_Comm& comm) noexcept;
+
 }  // namespace shardtensor::comm::transport

@@ -833,4 +833,19 @@ int64_t set_max_count_for_testing(int64_t max_count) {
   return g_max_count.exchange(max_count);
 }
 
+// ---- communicator management (appended; issue 10) ---------------------------
+
+MPI_Comm duplicate(MPI_Comm comm) {
+  MPI_Comm dup = MPI_COMM_NULL;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(comm, &dup));
+  return dup;
+}
+
+void free_duplicate(MPI_Comm& comm) noexcept {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+  comm = MPI_COMM_NULL;
+}
+
 }  // namespace shardtensor::comm::transport

@@ -19,25 +19,18 @@
 #include <shardtensor/core/runtime.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
 
-#include "comm/transport.h"
+#include "comm/diagnostic.h"
+#include "core/debug.h"
+#include "core/fingerprint.h"
 #include "dispatch/fallback.h"
 #include "ops/common.h"
 
 namespace shardtensor::dispatch {
 namespace {
-
-bool debug_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("SHARDTENSOR_DEBUG");
-    return e != nullptr && std::string(e) != "0" && std::string(e) != "";
-  }();
-  return on;
-}
 
 // Debug mode: every rank must be running the same op on the same global
 // shapes and placements; a mismatch throws on every rank instead of hanging.
@@ -45,13 +38,10 @@ void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValu
   auto shards = ops::shard_args(args);
   std::string fp = op.operator_name().name + "." + op.operator_name().overload_name;
   for (const auto& t : shards) fp += "|" + ops::spec_of(t)->to_string();
-  const auto h = static_cast<int64_t>(std::hash<std::string>{}(fp) >> 2);
   const DeviceMesh& mesh = ops::spec_of(shards[0])->mesh();
   // Uncounted (Note [traffic accounting]): CommStats are the same with and
-  // without SHARDTENSOR_DEBUG.
-  std::vector<int64_t> v{h, -h};
-  comm::transport::diagnostic_max_(v, mesh.comm());
-  if (v[0] != -v[1]) {
+  // without SHARDTENSOR_DEBUG. FNV-1a, identical on every rank (std::hash is not).
+  if (!comm::diagnostic_agree(mesh, detail::fingerprint(fp)).same) {
     ops::fail(op, args, "SHARDTENSOR_DEBUG: ranks disagree on the op or its layouts");
   }
 }
@@ -106,7 +96,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   const OpLabel label(op.operator_name().name.c_str());
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
-  if (debug_enabled()) {
+  if (detail::debug_enabled()) {
     std::vector<c10::IValue> args(stack->end() - n, stack->end());
     check_agreement(op, args);
   }

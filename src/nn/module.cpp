@@ -16,8 +16,11 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "comm/agree.h"
+#include "comm/async_reduce.h"
 #include "comm/grad_sink.h"
-#include "comm/transport.h"
+#include "comm/plain.h"
+#include "core/fingerprint.h"
 
 // Note [gradient buckets]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -49,7 +52,7 @@
 //    next graph otherwise. The hook runs even when the accumulator's input is
 //    undefined (every use was sharded).
 //  - A bucket whose parameters are all ready is started with MPI_Iallreduce
-//    (transport::start_all_reduce_) on the reducer's own duplicate of the
+//    (comm::ReduceChannel::start_sum_) on the reducer's own duplicate of the
 //    mesh communicator, strictly in bucket order, so every rank starts the
 //    same reductions in the same order even if hooks fire in another order;
 //    later hooks MPI_Test the started ones to drive progress while the rest of
@@ -78,8 +81,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
                     public std::enable_shared_from_this<GradReducer> {
  public:
   GradReducer(std::vector<at::Tensor> params, const DeviceMesh& mesh, int64_t cap_bytes)
-      : mesh_(mesh) {
-    SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(mesh.comm(), &comm_));
+      : mesh_(mesh), channel_(mesh) {
     // Reverse registration order; a new bucket when the dtype changes or the cap is reached.
     std::map<at::ScalarType, size_t> open;  // dtype -> bucket being filled
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
@@ -106,12 +108,6 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
       b.flat = at::zeros({b.bytes / c10::elementSize(b.dtype)}, at::TensorOptions().dtype(b.dtype));
       b.pending = b.params.size();
     }
-  }
-
-  ~GradReducer() override {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
   /// Hooks the accumulators and registers the parameters as sink targets.
@@ -171,7 +167,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
     at::Tensor flat;
     size_t pending = 0;
     bool started = false;
-    comm::transport::PendingReduce request;
+    comm::PendingSum request;
   };
 
   struct ReadyHook : autograd::FunctionPostHook {
@@ -207,7 +203,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
   void start(size_t i) {
     Bucket& b = buckets_[i];
     b.started = true;
-    b.request = comm::transport::start_all_reduce_(b.flat, ReduceOp::Sum, comm_);
+    b.request = channel_.start_sum_(b.flat);
   }
 
   void finish_backward() {
@@ -248,7 +244,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
   }
 
   DeviceMesh mesh_;
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  comm::ReduceChannel channel_;  // destroyed after the buckets' pending sums
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
   std::unordered_map<const at::TensorImpl*, size_t> index_;
@@ -286,10 +282,11 @@ void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
     fp << name << ':' << t.sizes() << ':' << t.scalar_type() << ':' << t.requires_grad() << ';';
   }
   fp << "bucket:" << options.bucket_gradients() << ':' << options.bucket_cap_bytes();
-  const auto h = static_cast<int64_t>(std::hash<std::string>{}(fp.str()) >> 2);
-  auto agree = at::tensor({h, -h}, at::kLong);
-  comm::transport::all_reduce_(agree, ReduceOp::Max, mesh.comm());
-  TORCH_CHECK(agree[0].item<int64_t>() == -agree[1].item<int64_t>(),
+  // FNV-1a: the same value on every rank for the same text (std::hash is not).
+  const auto h = static_cast<int64_t>(detail::fingerprint(fp.str()) >> 2);
+  std::vector<int64_t> agree{h, -h};
+  comm::all_reduce_max(mesh, agree);
+  TORCH_CHECK(agree[0] == -agree[1],
               "distribute_module: ranks hold modules with different parameters or buffers "
               "(names, shapes, dtypes or requires_grad differ) or different options; this rank "
               "has: ",
@@ -305,7 +302,7 @@ void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
       std::vector<at::Tensor> flat;
       for (const auto& t : list) flat.push_back(t.detach().reshape({-1}));
       at::Tensor bucket = at::cat(flat).contiguous();
-      comm::transport::broadcast_(bucket, 0, mesh.comm());
+      comm::broadcast_(bucket, 0, mesh);
       int64_t off = 0;
       for (auto& t : list) {
         t.detach().copy_(bucket.narrow(0, off, t.numel()).view(t.sizes()));

@@ -269,6 +269,8 @@ std::vector<int64_t> kv_shape(const at::Tensor& k, int64_t len) {
 
 // Note [ring attention]. Inputs are local tensors: q [B, Hq, n, D], k and v
 // [B, Hkv, m, D] (this rank's blocks); the result is this rank's output block.
+// Hand-written: K/V blocks circulate and are never all present, so backward recomputes scores
+// block by block and circulates dK/dV itself (comm::RingShift), not through autograd.
 struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, c10::intrusive_ptr<RingPlan> plan) {

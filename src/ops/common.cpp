@@ -6,6 +6,28 @@
 
 namespace shardtensor::ops {
 
+bool is_written(const c10::Argument& a) { return a.alias_info() && a.alias_info()->isWrite(); }
+
+int64_t int_arg(const c10::IValue& v) {
+  if (v.isInt()) return v.toInt();
+  if (v.isSymInt()) return v.toSymInt().expect_int();
+  TORCH_CHECK(false, "shardtensor: expected an int argument, got ", v.tagKind());
+}
+
+std::vector<int64_t> int_list(const c10::IValue& v) {
+  if (v.isIntList()) return v.toIntVector();
+  std::vector<int64_t> out;
+  for (const c10::IValue& e : v.toListRef()) out.push_back(int_arg(e));
+  return out;
+}
+
+std::optional<std::vector<int64_t>> opt_int_list(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return int_list(v);
+}
+
+at::Tensor opt_tensor(const c10::IValue& v) { return v.isNone() ? at::Tensor() : v.toTensor(); }
+
 const ShardSpec* spec_of(const at::Tensor& t) {
   auto* impl = detail::shard_impl(t);
   return impl ? impl->spec().get() : nullptr;

@@ -27,6 +27,20 @@ at::Tensor wrap(at::Tensor local, SpecPtr spec);
 /// Pops the op's arguments off the stack (in order).
 std::vector<c10::IValue> pop_args(const c10::OperatorHandle& op, Stack* stack);
 
+// Boxed-argument helpers (local). SymInt arguments arrive as ints or as
+// (concrete) SymInts depending on the caller; both are accepted.
+
+/// Whether the schema argument is written to (in-place self, out=).
+bool is_written(const c10::Argument& a);
+/// An int / SymInt argument; throws c10::Error for anything else.
+int64_t int_arg(const c10::IValue& v);
+/// An int[] / SymInt[] argument as integers.
+std::vector<int64_t> int_list(const c10::IValue& v);
+/// An optional int[] / SymInt[] argument (None: nullopt).
+std::optional<std::vector<int64_t>> opt_int_list(const c10::IValue& v);
+/// An optional tensor argument (None: an undefined tensor).
+at::Tensor opt_tensor(const c10::IValue& v);
+
 /// "aten::add.Tensor(self=ShardTensor(global=[4, 6], placements=[Shard(0)], local=[2, 6]),
 /// other=Tensor[6], alpha=1)"
 std::string describe_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args);

@@ -40,7 +40,7 @@
 // so all agree; SHARDTENSOR_CONV_OVERLAP=0 turns it off (the general path
 // above is then used everywhere).
 //  - forward: post the exchange of the edge blocks with every neighbour
-//    (transport::start_exchange, split phase); while it is in flight run
+//    (comm::BlockExchange, split phase); while it is in flight run
 //    at::convolution on the local piece with the ORIGINAL padding h. That
 //    output is exact except in the h rows next to an internal shard boundary
 //    (they read zeros instead of the neighbour's rows; at the global edges the
@@ -73,7 +73,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "comm/transport.h"
+#include "comm/exchange.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -142,8 +142,7 @@ using Box = std::vector<Range1>;  // per sharded dim
 struct FastGeom {
   int64_t D = 0;
   std::vector<int64_t> dims, h, n;
-  std::vector<bool> lo, hi;  // has a neighbour below / above along dim i
-  MPI_Comm comm = MPI_COMM_NULL;
+  std::vector<bool> lo, hi;    // has a neighbour below / above along dim i
   std::vector<int64_t> coord;  // this rank's mesh coordinate
   std::vector<int64_t> mesh_dims;
   const DeviceMesh* mesh = nullptr;
@@ -157,15 +156,12 @@ FastGeom fast_geom(const at::Tensor& x, const ConvPlan& p) {
   g.mesh_dims = p.fast_mesh_dims;
   g.mesh = &p.mesh;
   g.coord = p.mesh.coordinate();
-  bool any = false;
   for (int64_t i = 0; i < g.D; ++i) {
     g.n.push_back(x.size(g.dims[i]));
     const int64_t c = g.coord[g.mesh_dims[i]], P = p.mesh.size(g.mesh_dims[i]);
     g.lo.push_back(c > 0 && g.h[i] > 0);
     g.hi.push_back(c + 1 < P && g.h[i] > 0);
-    any = any || g.lo.back() || g.hi.back();
   }
-  if (any) g.comm = p.mesh.comm();
   return g;
 }
 
@@ -222,17 +218,15 @@ std::vector<int64_t> block_shape(const at::Tensor& x, const FastGeom& g,
 
 // Posts, for every neighbour o, the send of send[code(o)] and the receive into
 // recv[code(o)].
-comm::transport::PendingExchange start_blocks(const FastGeom& g,
-                                              const std::vector<at::Tensor>& send,
-                                              const std::vector<at::Tensor>& recv) {
-  std::vector<comm::transport::PeerBuffer> sends, recvs;
+comm::BlockExchange start_blocks(const FastGeom& g, const std::vector<at::Tensor>& send,
+                                 const std::vector<at::Tensor>& recv) {
+  std::vector<comm::PeerBlock> sends, recvs;
   for (const auto& o : neighbour_offsets(g)) {
     const int r = neighbour_rank(g, o);
     sends.push_back({r, send[offset_code(o)]});
     recvs.push_back({r, recv[offset_code(o)]});
   }
-  if (sends.empty()) return comm::transport::PendingExchange();
-  return comm::transport::start_exchange(sends, recvs, g.comm, kConvHaloTag);
+  return comm::start_block_exchange(*g.mesh, sends, recvs, kConvHaloTag);
 }
 
 // One piece of a region of the extended piece: which block, which rows of
@@ -461,7 +455,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
   }
   // 2. Send them back (the adjoint of the forward exchange) while 3. the
   //    interior backward runs.
-  comm::transport::PendingExchange pending;
+  comm::BlockExchange pending;
   if (need_in) pending = start_blocks(g, gsend, grecv);
   at::Tensor gx, gw, gb;
   if (empty) {
@@ -487,6 +481,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
   return {gx, gw, gb};
 }
 
+// Hand-written (not gather_range + at::convolution under autograd): that graph would keep the
+// halo-extended input alive for backward (Note [conv memory]) and could not overlap the
+// exchange (Note [conv overlap]); its backward communicates only through comm/.
 struct ConvFn : torch::autograd::Function<ConvFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, const at::Tensor& weight,
                             const at::Tensor& bias, std::shared_ptr<const ConvPlan> plan) {

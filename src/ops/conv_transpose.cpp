@@ -21,8 +21,6 @@
 namespace shardtensor::ops {
 namespace {
 
-using stencil::div_floor;
-using stencil::int_list;
 std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                             std::vector<int64_t> v, int64_t nd, const char* what) {
   if (v.size() == 1) return std::vector<int64_t>(nd, v[0]);

@@ -146,16 +146,6 @@ struct InterpOp {
   bool has_align;  // linear modes take align_corners
 };
 
-std::optional<std::vector<int64_t>> opt_int_list(const c10::IValue& v) {
-  if (v.isNone()) return std::nullopt;
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const auto& e : v.toListRef()) {
-    out.push_back(e.isInt() ? e.toInt() : e.toSymInt().expect_int());
-  }
-  return out;
-}
-
 void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
   auto args = pop_args(op, stack);
   const auto& schema = op.schema();

@@ -60,8 +60,6 @@
 namespace shardtensor::ops {
 namespace {
 
-bool is_written(const c10::Argument& a) { return a.alias_info() && a.alias_info()->isWrite(); }
-
 int64_t wrap_dim(int64_t d, int64_t nd) { return d < 0 ? d + nd : d; }
 
 bool is_one(const c10::Scalar& s) { return s.equal(1); }

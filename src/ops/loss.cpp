@@ -36,8 +36,6 @@ namespace {
 
 constexpr int64_t kNone = 0, kMean = 1, kSum = 2;
 
-at::Tensor opt_tensor(const c10::IValue& v) { return v.isNone() ? at::Tensor() : v.toTensor(); }
-
 int64_t arg_index(const c10::OperatorHandle& op, const char* name) {
   const auto& a = op.schema().arguments();
   for (size_t i = 0; i < a.size(); ++i) {

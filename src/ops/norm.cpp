@@ -100,6 +100,8 @@ Moments moments(const at::Tensor& x, const NormPlan& p) {
 // broadcast against x. libtorch 1.13 custom Functions cannot take undefined
 // tensors: an absent w or b is passed as an empty placeholder and flagged in the plan.
 // Note [norm backward].
+// Hand-written: autograd through the merged two-pass moments would save every intermediate and
+// all-reduce each of them; the closed form needs two all-reduced sums (comm/ primitives).
 struct NormFn : torch::autograd::Function<NormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& b, const at::Tensor& shift, const at::Tensor& delta,
@@ -154,8 +156,6 @@ std::pair<at::Tensor, Moments> sharded_norm(const at::Tensor& x, const at::Tenso
 }
 
 // ---------------------------------------------------------------- helpers
-
-at::Tensor opt_tensor(const c10::IValue& v) { return v.isNone() ? at::Tensor() : v.toTensor(); }
 
 ShardSpec replicated_spec(const DeviceMesh& mesh, c10::IntArrayRef shape) {
   return ShardSpec(mesh, Placements(mesh.ndim(), Replicate{}), shape.vec());

@@ -8,8 +8,6 @@
 namespace shardtensor::ops {
 namespace {
 
-bool is_written(const c10::Argument& a) { return a.alias_info() && a.alias_info()->isWrite(); }
-
 // Note [pointwise layout]: the result takes the layout of the first ShardTensor
 // operand that is sharded and spans every one of its sharded dims at the full
 // result extent (the "reference"). Every other operand, plain or sharded, is

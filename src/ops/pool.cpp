@@ -41,9 +41,6 @@ struct PoolOp {
   bool with_indices;  // returns (values, indices)
 };
 
-using stencil::div_ceil;
-using stencil::div_floor;
-using stencil::int_list;
 // libtorch's pooling_output_shape (ATen/native/Pool.h).
 int64_t pool_out(int64_t n, int64_t k, int64_t pad, int64_t s, int64_t d, bool ceil_mode) {
   int64_t out = div_floor(n + 2 * pad - d * (k - 1) - 1 + (ceil_mode ? s - 1 : 0), s) + 1;

@@ -51,6 +51,8 @@ constexpr int64_t kNoIndex = std::numeric_limits<int64_t>::max();
 
 // ---------------------------------------------------------------- helpers
 
+// Hand-written: it attaches a value computed outside autograd to a carrier's gradient path
+// (Note [gradient carriers]); no communication of its own.
 struct CarryGrad : public torch::autograd::Function<CarryGrad> {
   static at::Tensor forward(AutogradContext* /*ctx*/, const at::Tensor& value,
                             const at::Tensor& carrier) {

@@ -21,24 +21,9 @@ namespace {
 
 // ---------------------------------------------------------------- arguments
 
-// SymInt arguments arrive as ints or as (concrete) SymInts depending on the
-// caller; both are accepted.
-int64_t int_arg(const c10::IValue& v) {
-  if (v.isInt()) return v.toInt();
-  if (v.isSymInt()) return v.toSymInt().expect_int();
-  TORCH_CHECK(false, "shardtensor: expected an int argument, got ", v.tagKind());
-}
-
 std::optional<int64_t> opt_int_arg(const c10::IValue& v) {
   if (v.isNone()) return std::nullopt;
   return int_arg(v);
-}
-
-std::vector<int64_t> int_list_arg(const c10::IValue& v) {
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const c10::IValue& e : v.toListRef()) out.push_back(int_arg(e));
-  return out;
 }
 
 std::string str(c10::IntArrayRef v) {
@@ -464,14 +449,13 @@ void view_rule(const c10::OperatorHandle& op, Stack* stack) {
                                                        s.all_shard_sizes())));
     return;
   }
-  stack->push_back(view_impl(op, args, self, int_list_arg(args[1]), ViewKind::View));
+  stack->push_back(view_impl(op, args, self, int_list(args[1]), ViewKind::View));
 }
 
 void reshape_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   self_spec(op, args);
-  stack->push_back(
-      view_impl(op, args, args[0].toTensor(), int_list_arg(args[1]), ViewKind::Reshape));
+  stack->push_back(view_impl(op, args, args[0].toTensor(), int_list(args[1]), ViewKind::Reshape));
 }
 
 void unsafe_view_rule(const c10::OperatorHandle& op, Stack* stack) {
@@ -479,7 +463,7 @@ void unsafe_view_rule(const c10::OperatorHandle& op, Stack* stack) {
   self_spec(op, args);
   if (!op.schema().overload_name().empty()) fail(op, args, "the out= variant is not supported");
   stack->push_back(
-      view_impl(op, args, args[0].toTensor(), int_list_arg(args[1]), ViewKind::UnsafeView));
+      view_impl(op, args, args[0].toTensor(), int_list(args[1]), ViewKind::UnsafeView));
 }
 
 // _reshape_alias(self, size, stride): reached only when called directly (we
@@ -488,8 +472,8 @@ void unsafe_view_rule(const c10::OperatorHandle& op, Stack* stack) {
 void reshape_alias_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   self_spec(op, args);
-  const auto size = int_list_arg(args[1]);
-  const auto stride = int_list_arg(args[2]);
+  const auto size = int_list(args[1]);
+  const auto stride = int_list(args[2]);
   std::vector<int64_t> contiguous(size.size());
   int64_t acc = 1;
   for (int64_t d = static_cast<int64_t>(size.size()) - 1; d >= 0; --d) {
@@ -536,7 +520,7 @@ void unflatten_rule(const c10::OperatorHandle& op, Stack* stack) {
   reject_named(op, args);
   const ShardSpec& s = self_spec(op, args);
   const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
-  const auto sizes = int_list_arg(args[2]);
+  const auto sizes = int_list(args[2]);
   TORCH_CHECK(!sizes.empty(), "unflatten: sizes must be non-empty");
   const auto& g = s.global_shape();
   std::vector<int64_t> inferred;
@@ -566,7 +550,7 @@ std::vector<int64_t> squeeze_dims(const c10::OperatorHandle& op,
   } else if (args[1].isInt()) {
     wanted.push_back(at::maybe_wrap_dim(args[1].toInt(), s.ndim()));
   } else {
-    for (int64_t d : int_list_arg(args[1])) wanted.push_back(at::maybe_wrap_dim(d, s.ndim()));
+    for (int64_t d : int_list(args[1])) wanted.push_back(at::maybe_wrap_dim(d, s.ndim()));
   }
   std::vector<int64_t> dims;
   for (int64_t d : wanted) {
@@ -646,7 +630,7 @@ SpecPtr permute_spec(const ShardSpec& s, const std::vector<int64_t>& perm) {
 void permute_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   const ShardSpec& s = self_spec(op, args);
-  auto perm = int_list_arg(args[1]);
+  auto perm = int_list(args[1]);
   // libtorch's own checks and messages, on a shape-only tensor.
   at::empty(s.global_shape(), at::TensorOptions().device(at::kMeta)).permute(perm);
   for (auto& d : perm) d = at::maybe_wrap_dim(d, s.ndim());
@@ -807,7 +791,7 @@ void select_rule(const c10::OperatorHandle& op, Stack* stack) {
 void expand_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   const ShardSpec& s = self_spec(op, args);
-  const auto size = int_list_arg(args[1]);
+  const auto size = int_list(args[1]);
   const bool implicit = args.size() > 2 && args[2].toBool();
   // libtorch's checks and result shape, on a shape-only tensor.
   const std::vector<int64_t> shape =
@@ -856,7 +840,7 @@ void split_rule(const c10::OperatorHandle& op, Stack* stack) {
       lengths.push_back(i < n - 1 ? split_size : split_size - (split_size * n - dim_size));
     }
   } else {
-    lengths = int_list_arg(args[1]);
+    lengths = int_list(args[1]);
     int64_t total = 0;
     for (int64_t l : lengths) {
       TORCH_CHECK(l >= 0, "split_with_sizes expects split_sizes have only non-negative ",

@@ -42,6 +42,8 @@ at::Tensor sum_dim(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh, int
 }
 
 // Note [sharded softmax]. Collective over `mesh_dim`, forward and backward.
+// Hand-written: the global max (all_reduce_nograd Max) has no useful gradient, and the closed
+// form y * (dy - sum(dy * y)) needs one all-reduced sum (a comm/ primitive).
 struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim,
                             const DeviceMesh& mesh, int64_t mesh_dim, bool log) {

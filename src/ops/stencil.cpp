@@ -9,21 +9,6 @@ namespace shardtensor::ops::stencil {
 // (multi-hop); comm::gather_range handles all of these. Nothing here depends
 // on local data, so every rank computes every rank's plan identically.
 
-int64_t div_floor(int64_t a, int64_t b) {
-  int64_t q = a / b;
-  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
-  return q;
-}
-
-std::vector<int64_t> int_list(const c10::IValue& v) {
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const auto& e : v.toListRef()) {
-    out.push_back(e.isInt() ? e.toInt() : e.toSymInt().expect_int());
-  }
-  return out;
-}
-
 std::vector<int64_t> output_sizes(const std::vector<int64_t>& in_sizes, int64_t out_extent) {
   int64_t in_extent = 0;
   for (int64_t s : in_sizes) in_extent += s;

@@ -9,17 +9,11 @@
 #include <vector>
 
 #include "ops/common.h"
+#include "spec/arith.h"
 
 namespace shardtensor::ops::stencil {
 
 using Range = std::pair<int64_t, int64_t>;  // half-open global index range [lo, hi)
-
-/// Local. Floor and ceiling of a / b for any signs (b != 0).
-int64_t div_floor(int64_t a, int64_t b);
-inline int64_t div_ceil(int64_t a, int64_t b) { return -div_floor(-a, b); }
-
-/// Local. An int[] / SymInt[] argument of a boxed call as integers.
-std::vector<int64_t> int_list(const c10::IValue& v);
 
 /// Local. The output partition along a sharded dim: the input's sizes when the
 /// extent is unchanged (so same-size stencils move only halos), else

@@ -1,6 +1,6 @@
 #include "tensor/shard_tensor_impl.h"
 
-#include "comm/transport.h"
+#include "comm/plain.h"
 
 #include <ATen/ATen.h>
 #include <shardtensor/comm/primitives.h>
@@ -312,7 +312,7 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
   const int64_t rec = kMetaHeader + kMaxDims;
   auto mine = at::tensor(meta_of(local), at::kLong);
   auto all = at::empty({p * rec}, at::kLong);
-  comm::transport::all_gatherv(mine, all, std::vector<int64_t>(p, rec * 8), mesh.comm());
+  comm::all_gather_same(mine, all, mesh);
   const int64_t* meta = all.data_ptr<int64_t>();
   for (int64_t r = 0; r < p; ++r) {
     TORCH_CHECK(meta[r * rec] == 1, "from_local: the local tensor on mesh rank ", r,
@@ -401,7 +401,7 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
   // Shape and dtype travel from src first, so every rank can validate alike.
   auto meta = at::tensor(
       me == src ? meta_of(full) : std::vector<int64_t>(kMetaHeader + kMaxDims, 0), at::kLong);
-  comm::transport::broadcast_(meta, src, mesh.comm());
+  comm::broadcast_(meta, src, mesh);
   const int64_t* m = meta.data_ptr<int64_t>();
   TORCH_CHECK(m[0] == 1, "scatter_tensor: the tensor on src rank ", src,
               " is undefined, a ShardTensor, not strided, not on CPU or has more than ", kMaxDims,
@@ -437,8 +437,7 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
   }
   at::Tensor local = at::empty(spec->local_shape(), at::TensorOptions().dtype(dtype));
   const bool zero = zero_piece(mesh.coordinate());
-  comm::transport::scatterv(send, send_bytes, zero ? at::empty({0}, local.options()) : local, src,
-                            mesh.comm());
+  comm::scatter_(send, send_bytes, zero ? at::empty({0}, local.options()) : local, src, mesh);
   if (zero) local.zero_();
   if (requires_grad) local.requires_grad_(true);
   return ShardTensor::from_local_unchecked(std::move(local), std::move(spec));

@@ -1,0 +1,282 @@
+// Collectives (shardtensor/comm/primitives.h): all_reduce, all_reduce_nograd,
+// use_replicated (and its gradient-sink variant, Note [gradient buckets]),
+// all_gather, shard_slice, reduce_scatter, replicate_to_partial. Each is a
+// torch::autograd::Function whose backward is the adjoint collective (Note
+// [replicated gradients], comm/primitive_support.h); data moves through the
+// transport's all-reduce, all-gatherv and reduce-scatter.
+#include <ATen/ATen.h>
+#include <shardtensor/comm/primitives.h>
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "comm/grad_sink.h"
+#include "comm/primitive_support.h"
+#include "comm/transport.h"
+
+namespace shardtensor::comm {
+
+using namespace internal;
+
+namespace {
+
+// ---- kernels (no autograd) -------------------------------------------------------
+
+at::Tensor gather_along(const at::Tensor& local, MPI_Comm comm, int64_t dim,
+                        const std::vector<int64_t>& sizes) {
+  at::Tensor send = local.movedim(dim, 0).contiguous();
+  const int64_t row_bytes = row_numel(local.sizes(), dim) * local.element_size();
+  at::Tensor recv = at::empty(rows_shape(local.sizes(), dim, sum_of(sizes)), local.options());
+  std::vector<int64_t> bytes(sizes.size());
+  for (size_t c = 0; c < sizes.size(); ++c) {
+    bytes[c] = sizes[c] * row_bytes;
+  }
+  transport::all_gatherv(send, recv, bytes, comm);
+  return recv.movedim(0, dim).contiguous();
+}
+
+at::Tensor reduce_scatter_along(const at::Tensor& t, MPI_Comm comm, int64_t dim,
+                                const std::vector<int64_t>& sizes, int64_t me) {
+  at::Tensor send = t.movedim(dim, 0).contiguous();
+  const int64_t row = row_numel(t.sizes(), dim);
+  at::Tensor recv = at::empty(rows_shape(t.sizes(), dim, sizes[me]), t.options());
+  std::vector<int64_t> numel(sizes.size());
+  for (size_t c = 0; c < sizes.size(); ++c) {
+    numel[c] = sizes[c] * row;
+  }
+  transport::reduce_scatter(send, recv, numel, ReduceOp::Sum, comm);
+  return recv.movedim(0, dim).contiguous();
+}
+
+at::Tensor reduce_over(const at::Tensor& t, MPI_Comm comm, ReduceOp op) {
+  at::Tensor out = t.clone(at::MemoryFormat::Contiguous);
+  if (comm != MPI_COMM_NULL) {
+    transport::all_reduce_(out, op, comm);
+  }
+  return out;
+}
+
+// ---- autograd functions -----------------------------------------------------------
+
+struct GroupArgs {
+  MPI_Comm comm = MPI_COMM_NULL;
+};
+
+struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, GroupArgs args) {
+    return reduce_over(t, args.comm, ReduceOp::Sum);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], Variable()};  // Note [replicated gradients]
+  }
+};
+
+struct UseReplicatedFn : torch::autograd::Function<UseReplicatedFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, GroupArgs args) {
+    save_args(ctx, args);
+    return t;  // returned input: autograd makes it a view with this node as grad_fn
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& args = saved_args<GroupArgs>(ctx);
+    return {reduce_over(grads[0], args.comm, ReduceOp::Sum), Variable()};
+  }
+};
+
+/// use_replicated() of a leaf registered with a gradient sink (Note [gradient
+/// buckets]): the backward hands this rank's partial gradient to the sink,
+/// which sums it over the mesh in buckets, and passes nothing on to autograd.
+struct SinkArgs {
+  std::shared_ptr<detail::ReplicatedGradSink> sink;
+  const at::TensorImpl* leaf = nullptr;
+  MPI_Comm comm = MPI_COMM_NULL;  // for the fallback under create_graph
+};
+
+struct UseReplicatedSinkFn : torch::autograd::Function<UseReplicatedSinkFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, SinkArgs args) {
+    save_args(ctx, std::move(args));
+    return t;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& args = saved_args<SinkArgs>(ctx);
+    if (!grads[0].defined()) return {Variable(), Variable()};
+    if (at::GradMode::is_enabled()) {
+      // create_graph: the sink's reduction is not differentiable; all-reduce here.
+      return {reduce_over(grads[0], args.comm, ReduceOp::Sum), Variable()};
+    }
+    args.sink->add_partial(args.leaf, grads[0]);
+    return {Variable(), Variable()};
+  }
+};
+
+struct AxisArgs {
+  Axis axis;
+  int64_t dim = 0;
+  std::vector<int64_t> sizes;
+};
+
+struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, AxisArgs args) {
+    at::Tensor out = gather_along(local, args.axis.comm, args.dim, args.sizes);
+    save_args(ctx, std::move(args));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& a = saved_args<AxisArgs>(ctx);
+    const auto off = exclusive_offsets(a.sizes);
+    return {grads[0].narrow(a.dim, off[a.axis.me], a.sizes[a.axis.me]), Variable()};
+  }
+};
+
+struct ShardSliceFn : torch::autograd::Function<ShardSliceFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& full, AxisArgs args) {
+    const auto off = exclusive_offsets(args.sizes);
+    at::Tensor out = full.narrow(args.dim, off[args.axis.me], args.sizes[args.axis.me])
+                         .clone(at::MemoryFormat::Contiguous);
+    save_args(ctx, std::move(args));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& a = saved_args<AxisArgs>(ctx);
+    return {gather_along(grads[0], a.axis.comm, a.dim, a.sizes), Variable()};
+  }
+};
+
+struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, AxisArgs args) {
+    at::Tensor out = reduce_scatter_along(t, args.axis.comm, args.dim, args.sizes, args.axis.me);
+    save_args(ctx, std::move(args));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& a = saved_args<AxisArgs>(ctx);
+    return {gather_along(grads[0], a.axis.comm, a.dim, a.sizes), Variable()};
+  }
+};
+
+struct ReplicateToPartialFn : torch::autograd::Function<ReplicateToPartialFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, int64_t coordinate) {
+    return coordinate == 0 ? t.clone(at::MemoryFormat::Contiguous) : at::zeros_like(t);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], Variable()};  // Note [replicated gradients]
+  }
+};
+
+/// Validation shared by all_gather, shard_slice and reduce_scatter. `local_is_piece`:
+/// the local extent along dim must be sizes[me] (else the full extent).
+AxisArgs axis_args(Prim p, const at::Tensor& t, const DeviceMesh& mesh, int64_t mesh_dim,
+                   int64_t dim, const std::vector<int64_t>& sizes, bool local_is_piece) {
+  AxisArgs args;
+  args.axis = axis(p, mesh, mesh_dim);
+  TORCH_CHECK(t.defined(), prefix(p), "the local tensor is undefined");
+  Checks checks(p);
+  args.dim = wrap_dim(checks, dim, t, "dim");
+  if (check_sizes(checks, sizes, args.axis, "sizes") && checks.ok()) {
+    const int64_t want = local_is_piece ? sizes[args.axis.me] : sum_of(sizes);
+    checks.require(t.size(args.dim) == want, "the local tensor has extent ", t.size(args.dim),
+                   " along dim ", args.dim, " but ",
+                   local_is_piece ? "sizes[coordinate]" : "sum(sizes)", " = ", want,
+                   " (coordinate ", args.axis.me, " of mesh dim ", args.axis.mesh_dim, ")");
+  }
+  Fingerprint fp;
+  fp.add(args.axis.mesh_dim).add(dim).add(sizes).add_shape(t, {args.dim});
+  agree_or_throw(p, args.axis.comm, fp, checks);
+  args.sizes = sizes;
+  return args;
+}
+
+}  // namespace
+
+// ---- public API -------------------------------------------------------------------
+
+at::Tensor all_reduce(const at::Tensor& t, const DeviceMesh& mesh,
+                      const std::vector<int64_t>& mesh_dims) {
+  const Prim p = Prim::AllReduce;
+  const Group g = group(p, mesh, mesh_dims);
+  TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
+  if (g.comm == MPI_COMM_NULL) {
+    return AllReduceFn::apply(t, GroupArgs{});
+  }
+  Checks checks(p);
+  Fingerprint fp;
+  fp.add(g.dims).add_shape(t, {});
+  agree_or_throw(p, g.comm, fp, checks);
+  return AllReduceFn::apply(t, GroupArgs{g.comm});
+}
+
+at::Tensor all_reduce_nograd(const at::Tensor& t, const DeviceMesh& mesh,
+                             const std::vector<int64_t>& mesh_dims, ReduceOp op) {
+  const Prim p = Prim::AllReduceNograd;
+  const Group g = group(p, mesh, mesh_dims);
+  TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
+  at::Tensor in = t.detach();
+  if (g.comm == MPI_COMM_NULL) {
+    return in.clone(at::MemoryFormat::Contiguous);
+  }
+  Checks checks(p);
+  Fingerprint fp;
+  fp.add(g.dims).add(static_cast<int64_t>(op)).add_shape(t, {});
+  agree_or_throw(p, g.comm, fp, checks);
+  return reduce_over(in, g.comm, op);
+}
+
+at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
+                          const std::vector<int64_t>& mesh_dims) {
+  const Prim p = Prim::UseReplicated;
+  const Group g = group(p, mesh, mesh_dims);
+  TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
+  if (g.comm != MPI_COMM_NULL) {
+    Checks checks(p);
+    Fingerprint fp;
+    fp.add(g.dims).add_shape(t, {});
+    agree_or_throw(p, g.comm, fp, checks);
+  }
+  if (auto sink = detail::grad_sink_for(t, mesh, g.dims)) {
+    return UseReplicatedSinkFn::apply(t,
+                                      SinkArgs{std::move(sink), t.unsafeGetTensorImpl(), g.comm});
+  }
+  if (t.is_view() && t.requires_grad()) {
+    // A view of a registered leaf (linear's w.t()): route the leaf itself to
+    // its sink and take the same view again, so that autograd maps the
+    // view's gradient back onto the leaf's shape.
+    const at::Tensor base(t._base());
+    if (auto sink = detail::grad_sink_for(base, mesh, g.dims)) {
+      at::Tensor marked = UseReplicatedSinkFn::apply(
+          base, SinkArgs{std::move(sink), base.unsafeGetTensorImpl(), g.comm});
+      return marked.as_strided(t.sizes(), t.strides(), t.storage_offset());
+    }
+  }
+  return UseReplicatedFn::apply(t, GroupArgs{g.comm});
+}
+
+at::Tensor all_gather(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                      int64_t dim, const std::vector<int64_t>& sizes) {
+  return AllGatherFn::apply(local,
+                            axis_args(Prim::AllGather, local, mesh, mesh_dim, dim, sizes, true));
+}
+
+at::Tensor shard_slice(const at::Tensor& full, const DeviceMesh& mesh, int64_t mesh_dim,
+                       int64_t dim, const std::vector<int64_t>& sizes) {
+  return ShardSliceFn::apply(full,
+                             axis_args(Prim::ShardSlice, full, mesh, mesh_dim, dim, sizes, false));
+}
+
+at::Tensor reduce_scatter(const at::Tensor& t, const DeviceMesh& mesh, int64_t mesh_dim,
+                          int64_t dim, const std::vector<int64_t>& sizes) {
+  return ReduceScatterFn::apply(
+      t, axis_args(Prim::ReduceScatter, t, mesh, mesh_dim, dim, sizes, false));
+}
+
+at::Tensor replicate_to_partial(const at::Tensor& t, const DeviceMesh& mesh, int64_t mesh_dim) {
+  const Prim p = Prim::ReplicateToPartial;
+  const Axis a = axis(p, mesh, mesh_dim);
+  TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
+  Checks checks(p);
+  Fingerprint fp;
+  fp.add(a.mesh_dim).add_shape(t, {});
+  agree_or_throw(p, a.comm, fp, checks);
+  return ReplicateToPartialFn::apply(t, a.me);
+}
+
+}  // namespace shardtensor::comm

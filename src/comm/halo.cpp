@@ -1,0 +1,427 @@
+// Halo exchange (shardtensor/comm/primitives.h): the halo plan
+// (comm/halo.h: which runs of the wanted range come from which owner, built
+// once from metadata, run in split phase) and the differentiable primitives
+// comm::gather_range and comm::halo_exchange on it, whose backward is halo
+// accumulate. Data moves through the transport's split-phase point-to-point
+// exchange (Note [transport seam]).
+#include "comm/halo.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "comm/transport.h"
+#include "spec/arith.h"
+
+namespace shardtensor::comm {
+
+using namespace internal;
+
+namespace {
+
+int64_t run_rows(const Run& r) { return r.dir == 0 ? 1 : r.len; }
+
+/// The owner of global index g in [0, n): the coordinate c with a non-empty
+/// block [offsets[c], offsets[c] + sizes[c]) containing g.
+int64_t owner_of(int64_t g, const std::vector<int64_t>& offsets,
+                 const std::vector<int64_t>& sizes) {
+  // Last c with offsets[c] <= g; skip back over nothing: empty blocks share the
+  // offset of the next block, so take the last one, which is non-empty.
+  auto it = std::upper_bound(offsets.begin(), offsets.end(), g);
+  int64_t c = static_cast<int64_t>(it - offsets.begin()) - 1;
+  while (sizes[c] == 0) {
+    --c;  // unreachable for g < n: the last c with offsets[c] <= g owns g
+  }
+  return c;
+}
+
+/// Splits the source run "global indices src, src+dir, ... (len of them)
+/// feeding positions dst, dst+1, ..." by owner and appends the pieces.
+void split_by_owner(int64_t dst, int64_t gsrc, int64_t len, int dir,
+                    const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
+                    std::vector<Run>& out) {
+  if (len == 0) {
+    return;
+  }
+  if (dir == 0) {
+    const int64_t c = owner_of(gsrc, offsets, sizes);
+    out.push_back({dst, c, gsrc - offsets[c], len, 0});
+    return;
+  }
+  // Covered global interval [lo, hi).
+  const int64_t lo = dir > 0 ? gsrc : gsrc - len + 1;
+  const int64_t hi = lo + len;
+  int64_t c = owner_of(lo, offsets, sizes);
+  const int64_t P = static_cast<int64_t>(sizes.size());
+  for (; c < P && offsets[c] < hi; ++c) {
+    const int64_t a = std::max(lo, offsets[c]);
+    const int64_t b = std::min(hi, offsets[c] + sizes[c]);
+    if (a >= b) {
+      continue;
+    }
+    if (dir > 0) {
+      out.push_back({dst + (a - gsrc), c, a - offsets[c], b - a, 1});
+    } else {
+      // Highest index b-1 comes first in the output.
+      out.push_back({dst + (gsrc - (b - 1)), c, (b - 1) - offsets[c], b - a, -1});
+    }
+  }
+}
+
+/// Every run of the range [lo, hi) (validated), in a deterministic order.
+std::vector<Run> plan_range(int64_t lo, int64_t hi, const std::vector<int64_t>& sizes,
+                            const std::vector<int64_t>& offsets, int64_t n, PadMode mode) {
+  std::vector<Run> runs;
+  auto outside = [&](int64_t a, int64_t b) {  // [a, b) lies entirely outside [0, n)
+    if (a >= b) {
+      return;
+    }
+    const bool left = b <= 0;
+    switch (mode) {
+      case PadMode::Constant:
+        runs.push_back({a - lo, -1, 0, b - a, 1});
+        break;
+      case PadMode::Replicate:
+        split_by_owner(a - lo, left ? 0 : n - 1, b - a, 0, offsets, sizes, runs);
+        break;
+      case PadMode::Reflect:
+        // g < 0 mirrors to -g; g >= n mirrors to 2(n-1) - g. Both go down as g goes up.
+        split_by_owner(a - lo, left ? -a : 2 * (n - 1) - a, b - a, -1, offsets, sizes, runs);
+        break;
+      case PadMode::Circular:
+        for (int64_t k = div_floor(a, n); a < b; ++k) {
+          const int64_t e = std::min(b, (k + 1) * n);
+          split_by_owner(a - lo, a - k * n, e - a, 1, offsets, sizes, runs);
+          a = e;
+        }
+        break;
+    }
+  };
+  outside(lo, std::min(hi, int64_t{0}));
+  const int64_t mid_lo = std::max(lo, int64_t{0}), mid_hi = std::min(hi, n);
+  if (mid_lo < mid_hi) {
+    split_by_owner(mid_lo - lo, mid_lo, mid_hi - mid_lo, 1, offsets, sizes, runs);
+  }
+  outside(std::max(lo, n), hi);
+  return runs;
+}
+
+const char* mode_name(PadMode m) {
+  switch (m) {
+    case PadMode::Constant:
+      return "Constant";
+    case PadMode::Reflect:
+      return "Reflect";
+    case PadMode::Replicate:
+      return "Replicate";
+    case PadMode::Circular:
+      return "Circular";
+  }
+  return "?";
+}
+
+bool check_ranges(Checks& checks, const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                  const Axis& a, int64_t n, PadMode mode) {
+  if (!checks.require(static_cast<int64_t>(ranges.size()) == a.size, "ranges has ", ranges.size(),
+                      " entries but mesh dim ", a.mesh_dim, " has ", a.size, " coordinates")) {
+    return false;
+  }
+  for (size_t c = 0; c < ranges.size(); ++c) {
+    const auto [lo, hi] = ranges[c];
+    if (!checks.require(lo <= hi, "the range of coordinate ", c, " is [", lo, ", ", hi,
+                        "), which has negative length")) {
+      return false;
+    }
+    if (lo == hi || (lo >= 0 && hi <= n) || mode == PadMode::Constant) {
+      continue;
+    }
+    const char* m = mode_name(mode);
+    if (mode == PadMode::Reflect) {
+      if (!checks.require(n >= 2, "PadMode::", m, " needs at least 2 elements, the dim has ", n,
+                          " (range of coordinate ", c, " is [", lo, ", ", hi, "))") ||
+          !checks.require(lo >= -(n - 1) && hi <= 2 * n - 1, "PadMode::", m,
+                          " reaches at most n - 1 = ", n - 1,
+                          " beyond the domain, but the range of coordinate ", c, " is [", lo, ", ",
+                          hi, ") for n = ", n)) {
+        return false;
+      }
+    } else if (!checks.require(n >= 1, "PadMode::", m, " cannot fill [", lo, ", ", hi,
+                               ") of coordinate ", c, " from an empty dim")) {
+      return false;
+    }
+  }
+  return true;
+}
+
+/// The rows a run reads from its owner's local tensor (dim moved to the front).
+at::Tensor source_rows(const at::Tensor& rows, const Run& r) {
+  switch (r.dir) {
+    case 1:
+      return rows.narrow(0, r.src, r.len);
+    case -1:
+      return rows.narrow(0, r.src - r.len + 1, r.len).flip(0);
+    default:
+      return rows.narrow(0, r.src, 1);
+  }
+}
+
+/// Adjoint of source_rows: adds `g` (the run's gradient, dst order; for dir = 0
+/// already summed to one row) into the owner's gradient rows.
+void accumulate_rows(const at::Tensor& grad_rows, const Run& r, const at::Tensor& g) {
+  switch (r.dir) {
+    case 1:
+      grad_rows.narrow(0, r.src, r.len).add_(g);
+      break;
+    case -1:
+      grad_rows.narrow(0, r.src - r.len + 1, r.len).add_(g.flip(0));
+      break;
+    default:
+      grad_rows.narrow(0, r.src, 1).add_(g);
+      break;
+  }
+}
+
+/// The gradient of a run's output positions as it travels back: dir = 0 sums
+/// the repeated positions into the one row that was sent.
+at::Tensor run_grad(const at::Tensor& grad_out_rows, const Run& r) {
+  at::Tensor g = grad_out_rows.narrow(0, r.dst, r.len);
+  return r.dir == 0 ? g.sum(0, /*keepdim=*/true) : g;
+}
+
+int64_t total_rows(const std::vector<Run>& runs) {
+  int64_t n = 0;
+  for (const auto& r : runs) {
+    n += run_rows(r);
+  }
+  return n;
+}
+
+}  // namespace
+
+// ---- HaloPlan ---------------------------------------------------------------------
+
+std::shared_ptr<const HaloPlan> HaloPlan::build(
+    const Axis& a, std::vector<int64_t> local_shape, int64_t dim, const std::vector<int64_t>& sizes,
+    const std::vector<std::pair<int64_t, int64_t>>& ranges, PadMode mode) {
+  const int64_t n = sum_of(sizes);
+  const auto offsets = exclusive_offsets(sizes);
+  auto holder = std::make_shared<HaloPlan>();
+  HaloPlan& plan = *holder;
+  plan.dim = dim;
+  plan.comm = a.comm;
+  plan.in_shape = std::move(local_shape);
+  plan.out_shape = shape_with(plan.in_shape, dim, ranges[a.me].second - ranges[a.me].first);
+  std::vector<std::vector<Run>> recv(a.size);
+  for (const Run& r :
+       plan_range(ranges[a.me].first, ranges[a.me].second, sizes, offsets, n, mode)) {
+    if (r.owner < 0) {
+      plan.fills.push_back(r);
+    } else if (r.owner == a.me) {
+      plan.local.push_back(r);
+    } else {
+      recv[r.owner].push_back(r);
+    }
+  }
+  for (int64_t c = 0; c < a.size; ++c) {
+    if (!recv[c].empty()) {
+      plan.recv.emplace_back(static_cast<int>(c), std::move(recv[c]));
+    }
+  }
+  if (sizes[a.me] == 0) {
+    return holder;  // owns nothing, sends nothing
+  }
+  for (int64_t c = 0; c < a.size; ++c) {
+    if (c == a.me) {
+      continue;
+    }
+    std::vector<Run> mine;
+    for (const Run& r : plan_range(ranges[c].first, ranges[c].second, sizes, offsets, n, mode)) {
+      if (r.owner == a.me) {
+        mine.push_back(r);
+      }
+    }
+    if (!mine.empty()) {
+      plan.send.emplace_back(static_cast<int>(c), std::move(mine));
+    }
+  }
+  return holder;
+}
+
+PendingHalo::PendingHalo() = default;
+PendingHalo::~PendingHalo() = default;
+PendingHalo::PendingHalo(PendingHalo&&) noexcept = default;
+PendingHalo& PendingHalo::operator=(PendingHalo&&) noexcept = default;
+
+bool PendingHalo::test() { return pending_ ? pending_->test() : true; }
+
+PendingHalo HaloPlan::start(const at::Tensor& local, double value) const {
+  const HaloPlan& plan = *this;
+  PendingHalo h;
+  h.plan_ = this;
+  at::Tensor in_rows = local.movedim(dim, 0);
+  std::vector<transport::PeerBuffer> sends, recvs;
+  for (const auto& [peer, runs] : plan.send) {
+    at::Tensor buf = at::empty(rows_shape(local.sizes(), dim, total_rows(runs)), local.options());
+    int64_t at_row = 0;
+    for (const Run& r : runs) {
+      buf.narrow(0, at_row, run_rows(r)).copy_(source_rows(in_rows, r));
+      at_row += run_rows(r);
+    }
+    sends.push_back({peer, buf});
+  }
+  for (const auto& [peer, runs] : plan.recv) {
+    recvs.push_back(
+        {peer, at::empty(rows_shape(local.sizes(), dim, total_rows(runs)), local.options())});
+    h.recv_.push_back(recvs.back().buffer);
+  }
+  h.pending_ =
+      std::make_unique<transport::PendingExchange>(transport::start_exchange(sends, recvs, comm));
+  // Overlap: fills and own runs while the messages travel.
+  h.out_ = at::empty(plan.out_shape, local.options());
+  h.out_rows_ = h.out_.movedim(dim, 0);
+  for (const Run& r : plan.fills) {
+    h.out_rows_.narrow(0, r.dst, r.len).fill_(value);
+  }
+  for (const Run& r : plan.local) {
+    h.out_rows_.narrow(0, r.dst, r.len).copy_(source_rows(in_rows, r));
+  }
+  return h;
+}
+
+PendingHalo HaloPlan::start_adjoint(const at::Tensor& grad_out) const {
+  const HaloPlan& plan = *this;
+  PendingHalo h;
+  h.plan_ = this;
+  h.adjoint_ = true;
+  at::Tensor g_rows = grad_out.movedim(dim, 0);
+  std::vector<transport::PeerBuffer> sends, recvs;
+  for (const auto& [peer, runs] : plan.recv) {  // back to the owners
+    at::Tensor buf =
+        at::empty(rows_shape(plan.in_shape, dim, total_rows(runs)), grad_out.options());
+    int64_t at_row = 0;
+    for (const Run& r : runs) {
+      buf.narrow(0, at_row, run_rows(r)).copy_(run_grad(g_rows, r));
+      at_row += run_rows(r);
+    }
+    sends.push_back({peer, buf});
+  }
+  for (const auto& [peer, runs] : plan.send) {
+    recvs.push_back(
+        {peer, at::empty(rows_shape(plan.in_shape, dim, total_rows(runs)), grad_out.options())});
+    h.recv_.push_back(recvs.back().buffer);
+  }
+  h.pending_ =
+      std::make_unique<transport::PendingExchange>(transport::start_exchange(sends, recvs, comm));
+  h.out_ = at::zeros(plan.in_shape, grad_out.options());
+  h.out_rows_ = h.out_.movedim(dim, 0);
+  for (const Run& r : plan.local) {
+    accumulate_rows(h.out_rows_, r, run_grad(g_rows, r));
+  }
+  return h;
+}
+
+at::Tensor PendingHalo::finish() {
+  TORCH_CHECK(plan_ != nullptr, "shardtensor::comm::PendingHalo: finish() without start()");
+  pending_->finish();
+  const auto& peers = adjoint_ ? plan_->send : plan_->recv;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    int64_t at_row = 0;
+    for (const Run& r : peers[i].second) {
+      if (adjoint_) {
+        accumulate_rows(out_rows_, r, recv_[i].narrow(0, at_row, run_rows(r)));
+      } else {
+        // copy_ broadcasts the single row of a dir = 0 run over its positions.
+        out_rows_.narrow(0, r.dst, r.len).copy_(recv_[i].narrow(0, at_row, run_rows(r)));
+      }
+      at_row += run_rows(r);
+    }
+  }
+  plan_ = nullptr;
+  recv_.clear();
+  out_rows_ = at::Tensor();
+  return std::move(out_);
+}
+
+at::Tensor HaloPlan::run(const at::Tensor& local, double value) const {
+  return start(local, value).finish();
+}
+
+at::Tensor HaloPlan::run_adjoint(const at::Tensor& grad_out) const {
+  return start_adjoint(grad_out).finish();
+}
+
+namespace {
+
+// ---- autograd function ----------------------------------------------------------------
+
+struct RangeArgs {
+  std::shared_ptr<const HaloPlan> plan;
+  double value = 0.0;
+};
+
+struct GatherRangeFn : torch::autograd::Function<GatherRangeFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, RangeArgs args) {
+    at::Tensor out = args.plan->run(local, args.value);
+    save_args(ctx, std::move(args));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& a = saved_args<RangeArgs>(ctx);
+    return {a.plan->run_adjoint(grads[0]), Variable()};
+  }
+};
+
+/// Shared by gather_range and halo_exchange (which names itself in errors).
+at::Tensor gather_range_impl(Prim prim, const at::Tensor& local, const DeviceMesh& mesh,
+                             int64_t mesh_dim, int64_t dim, const std::vector<int64_t>& sizes,
+                             const std::vector<std::pair<int64_t, int64_t>>& ranges, PadMode mode,
+                             double value, int64_t left, int64_t right) {
+  const Axis a = axis(prim, mesh, mesh_dim);
+  Checks checks(prim);
+  TORCH_CHECK(local.defined(), prefix(prim), "the local tensor is undefined");
+  const int64_t d = wrap_dim(checks, dim, local, "dim");
+  if (check_sizes(checks, sizes, a, "sizes") &&
+      check_ranges(checks, ranges, a, sum_of(sizes), mode) && checks.ok()) {
+    checks.require(local.size(d) == sizes[a.me], "the local tensor has extent ", local.size(d),
+                   " along dim ", d, " but sizes[", a.me, "] = ", sizes[a.me], " (coordinate ",
+                   a.me, " of mesh dim ", a.mesh_dim, ")");
+  }
+  Fingerprint fp;
+  fp.add(a.mesh_dim).add(dim).add(sizes).add(static_cast<int64_t>(mode)).add(value);
+  fp.add(left).add(right).add_shape(local, {d});
+  for (const auto& [lo, hi] : ranges) {
+    fp.add(lo).add(hi);
+  }
+  agree_or_throw(prim, a.comm, fp, checks);
+  RangeArgs args;
+  args.plan = HaloPlan::build(a, local.sizes().vec(), d, sizes, ranges, mode);
+  args.value = value;
+  return GatherRangeFn::apply(local, std::move(args));
+}
+
+}  // namespace
+
+// ---- public API ---------------------------------------------------------------------
+
+at::Tensor gather_range(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                        int64_t dim, const std::vector<int64_t>& sizes,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, PadMode mode,
+                        double value) {
+  return gather_range_impl(Prim::GatherRange, local, mesh, mesh_dim, dim, sizes, ranges, mode,
+                           value, 0, 0);
+}
+
+at::Tensor halo_exchange(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                         int64_t dim, const std::vector<int64_t>& sizes, int64_t left,
+                         int64_t right, PadMode mode, double value) {
+  const Prim p = Prim::HaloExchange;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  const auto off = exclusive_offsets(sizes);
+  for (size_t c = 0; c < sizes.size(); ++c) {
+    // Validated in gather_range_impl (a negative total width is a negative length).
+    ranges.emplace_back(off[c] - left, off[c] + sizes[c] + right);
+  }
+  return gather_range_impl(p, local, mesh, mesh_dim, dim, sizes, ranges, mode, value, left, right);
+}
+
+}  // namespace shardtensor::comm

@@ -1,0 +1,337 @@
+// Repartition and all-to-all (shardtensor/comm/primitives.h): the plans
+// (comm/repartition.h: RepartitionPlan, AllToAllPlan, built once from metadata,
+// run many times, inverted for the adjoint) and the differentiable primitives
+// comm::repartition and comm::all_to_all on them. Data moves through the
+// transport's all-to-allv.
+#include "comm/repartition.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "comm/transport.h"
+
+namespace shardtensor::comm {
+
+using namespace internal;
+
+namespace {
+
+/// Intersections of `src` and `dst` runs, in increasing global order (so that
+/// the sender and the receiver, computing this independently, agree).
+std::vector<Piece> intersect(const std::vector<Segment>& src, const std::vector<Segment>& dst) {
+  std::vector<Piece> out;
+  int64_t s_loc = 0;
+  for (const auto& s : src) {
+    int64_t d_loc = 0;
+    for (const auto& d : dst) {
+      const int64_t a = std::max(s.start, d.start);
+      const int64_t b = std::min(s.start + s.length, d.start + d.length);
+      if (a < b) {
+        out.push_back({a, b - a, s_loc + a - s.start, d_loc + a - d.start});
+      }
+      d_loc += d.length;
+    }
+    s_loc += s.length;
+  }
+  std::sort(out.begin(), out.end(),
+            [](const Piece& x, const Piece& y) { return x.global < y.global; });
+  return out;
+}
+
+int64_t layout_extent(const std::vector<Segment>& runs) {
+  int64_t n = 0;
+  for (const auto& s : runs) {
+    n += s.length;
+  }
+  return n;
+}
+
+/// The transport's all-to-allv with counts and displacements in units of
+/// `unit` bytes (rows or elements).
+void all_to_all_units(const at::Tensor& send, const std::vector<int64_t>& send_n,
+                      const std::vector<int64_t>& send_displ, const at::Tensor& recv,
+                      const std::vector<int64_t>& recv_n, const std::vector<int64_t>& recv_displ,
+                      int64_t unit, MPI_Comm comm) {
+  auto bytes = [unit](const std::vector<int64_t>& v) {
+    std::vector<int64_t> out(v.size());
+    for (size_t c = 0; c < v.size(); ++c) out[c] = v[c] * unit;
+    return out;
+  };
+  transport::all_to_allv(send, bytes(send_n), bytes(send_displ), recv, bytes(recv_n),
+                         bytes(recv_displ), comm);
+}
+
+}  // namespace
+
+// ---- RepartitionPlan ------------------------------------------------------------
+
+RepartitionPlan::RepartitionPlan(Axis axis, int64_t dim, Layout src, Layout dst)
+    : axis_(std::move(axis)), dim_(dim), src_(std::move(src)), dst_(std::move(dst)) {
+  const int64_t P = axis_.size, me = axis_.me;
+  sends_.resize(P);
+  recvs_.resize(P);
+  send_rows_.assign(P, 0);
+  recv_rows_.assign(P, 0);
+  for (int64_t c = 0; c < P; ++c) {
+    sends_[c] = intersect(src_[me], dst_[c]);
+    recvs_[c] = intersect(src_[c], dst_[me]);
+    if (c == me) {
+      continue;  // local copies
+    }
+    for (const auto& p : sends_[c]) {
+      send_rows_[c] += p.len;
+    }
+    for (const auto& p : recvs_[c]) {
+      recv_rows_[c] += p.len;
+    }
+  }
+  send_displ_ = exclusive_offsets(send_rows_);
+  recv_displ_ = exclusive_offsets(recv_rows_);
+  out_rows_ = layout_extent(dst_[me]);
+}
+
+at::Tensor RepartitionPlan::run(const at::Tensor& local) const {
+  const int64_t P = axis_.size, me = axis_.me, dim = dim_;
+  const auto& sends = sends_;
+  const auto& recvs = recvs_;
+  const auto& send_rows = send_rows_;
+  const auto& recv_rows = recv_rows_;
+  const auto& send_displ = send_displ_;
+  const auto& recv_displ = recv_displ_;
+  const int64_t row_bytes = row_numel(local.sizes(), dim) * local.element_size();
+  at::Tensor in_rows = local.movedim(dim, 0);
+  at::Tensor out = at::empty(shape_with(local.sizes(), dim, out_rows_), local.options());
+  at::Tensor out_rows = out.movedim(dim, 0);
+  at::Tensor send = at::empty(rows_shape(local.sizes(), dim, sum_of(send_rows)), local.options());
+  at::Tensor recv = at::empty(rows_shape(local.sizes(), dim, sum_of(recv_rows)), local.options());
+  for (int64_t c = 0; c < P; ++c) {
+    if (c == me) {
+      continue;
+    }
+    int64_t at_row = send_displ[c];
+    for (const auto& p : sends[c]) {
+      send.narrow(0, at_row, p.len).copy_(in_rows.narrow(0, p.src_local, p.len));
+      at_row += p.len;
+    }
+  }
+  for (const auto& p : sends[me]) {
+    out_rows.narrow(0, p.dst_local, p.len).copy_(in_rows.narrow(0, p.src_local, p.len));
+  }
+  all_to_all_units(send, send_rows, send_displ, recv, recv_rows, recv_displ, row_bytes, axis_.comm);
+  for (int64_t c = 0; c < P; ++c) {
+    if (c == me) {
+      continue;
+    }
+    int64_t at_row = recv_displ[c];
+    for (const auto& p : recvs[c]) {
+      out_rows.narrow(0, p.dst_local, p.len).copy_(recv.narrow(0, at_row, p.len));
+      at_row += p.len;
+    }
+  }
+  return out;
+}
+
+// ---- AllToAllPlan -----------------------------------------------------------------
+
+AllToAllPlan::AllToAllPlan(Axis axis, int64_t src_dim, std::vector<int64_t> src_sizes,
+                           int64_t dst_dim, std::vector<int64_t> dst_sizes)
+    : axis_(std::move(axis)),
+      src_dim_(src_dim),
+      dst_dim_(dst_dim),
+      src_sizes_(std::move(src_sizes)),
+      dst_sizes_(std::move(dst_sizes)) {
+  src_off_ = exclusive_offsets(src_sizes_);
+  dst_off_ = exclusive_offsets(dst_sizes_);
+}
+
+at::Tensor AllToAllPlan::run(const at::Tensor& input) const {
+  const at::Tensor local = input.contiguous();
+  const int64_t P = axis_.size, me = axis_.me;
+  const int64_t src_dim = src_dim_, dst_dim = dst_dim_;
+  const auto& src_sizes = src_sizes_;
+  const auto& dst_sizes = dst_sizes_;
+  const auto& src_off = src_off_;
+  const auto& dst_off = dst_off_;
+  const int64_t elem = local.element_size();
+  // Piece for/from coordinate c: (src extent, dst extent) = (src_sizes[me], dst_sizes[c]) out,
+  // (src_sizes[c], dst_sizes[me]) in; the other dims are shared.
+  int64_t common = 1;
+  for (int64_t d = 0; d < local.dim(); ++d) {
+    if (d != src_dim && d != dst_dim) {
+      common *= local.size(d);
+    }
+  }
+  std::vector<int64_t> send_numel(P), recv_numel(P);
+  for (int64_t c = 0; c < P; ++c) {
+    send_numel[c] = c == me ? 0 : common * src_sizes[me] * dst_sizes[c];
+    recv_numel[c] = c == me ? 0 : common * src_sizes[c] * dst_sizes[me];
+  }
+  const auto send_displ = exclusive_offsets(send_numel);
+  const auto recv_displ = exclusive_offsets(recv_numel);
+  at::Tensor send = at::empty({sum_of(send_numel)}, local.options());
+  at::Tensor recv = at::empty({sum_of(recv_numel)}, local.options());
+  for (int64_t c = 0; c < P; ++c) {
+    if (c == me || send_numel[c] == 0) {
+      continue;
+    }
+    at::Tensor piece = local.narrow(dst_dim, dst_off[c], dst_sizes[c]);
+    send.narrow(0, send_displ[c], send_numel[c]).view(piece.sizes()).copy_(piece);
+  }
+  at::Tensor out = at::empty(
+      shape_with(shape_with(local.sizes(), src_dim, sum_of(src_sizes)), dst_dim, dst_sizes[me]),
+      local.options());
+  // Own piece: a local copy.
+  out.narrow(src_dim, src_off[me], src_sizes[me])
+      .copy_(local.narrow(dst_dim, dst_off[me], dst_sizes[me]));
+  all_to_all_units(send, send_numel, send_displ, recv, recv_numel, recv_displ, elem, axis_.comm);
+  for (int64_t c = 0; c < P; ++c) {
+    if (c == me || recv_numel[c] == 0) {
+      continue;
+    }
+    at::Tensor dst = out.narrow(src_dim, src_off[c], src_sizes[c]);
+    dst.copy_(recv.narrow(0, recv_displ[c], recv_numel[c]).view(dst.sizes()));
+  }
+  return out;
+}
+
+namespace {
+
+// ---- autograd functions ------------------------------------------------------------
+
+/// A plan run forward, its inverse backward (the adjoint exchange). For
+/// RepartitionPlan and AllToAllPlan.
+template <class Plan>
+struct PlanFn : torch::autograd::Function<PlanFn<Plan>> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local,
+                            std::shared_ptr<const Plan> plan) {
+    at::Tensor out = plan->run(local);
+    save_args(ctx, std::move(plan));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& plan = saved_args<std::shared_ptr<const Plan>>(ctx);
+    return {plan->inverse().run(grads[0]), Variable()};
+  }
+};
+using RemapFn = PlanFn<RepartitionPlan>;
+using AllToAllFn = PlanFn<AllToAllPlan>;
+
+/// Records an error unless the runs of all coordinates tile [0, n) exactly.
+bool check_tiling(Checks& checks, const Layout& layout, int64_t n, const char* what) {
+  std::vector<Segment> all;
+  for (size_t c = 0; c < layout.size(); ++c) {
+    for (const auto& s : layout[c]) {
+      if (!checks.require(s.start >= 0 && s.length >= 0, what, " of coordinate ", c, " has a run [",
+                          s.start, ", +", s.length, ") with a negative start or length")) {
+        return false;
+      }
+      if (s.length > 0) {
+        all.push_back(s);
+      }
+    }
+  }
+  std::sort(all.begin(), all.end(),
+            [](const Segment& x, const Segment& y) { return x.start < y.start; });
+  int64_t next = 0;
+  for (const auto& s : all) {
+    if (!checks.require(s.start == next, what, " do not tile [0, ", n,
+                        ") exactly: ", s.start < next ? "overlap" : "gap", " at global index ",
+                        std::min(s.start, next))) {
+      return false;
+    }
+    next = s.start + s.length;
+  }
+  return checks.require(next == n, what, " cover [0, ", next, ") but the destination sizes sum to ",
+                        n);
+}
+
+}  // namespace
+
+// ---- public API ---------------------------------------------------------------------
+
+at::Tensor repartition(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                       int64_t dim, const std::vector<std::vector<Segment>>& segments,
+                       const std::vector<int64_t>& dst_sizes) {
+  const Prim p = Prim::Repartition;
+  const Axis a = axis(p, mesh, mesh_dim);
+  TORCH_CHECK(local.defined(), prefix(p), "the local tensor is undefined");
+  Checks checks(p);
+  const int64_t d = wrap_dim(checks, dim, local, "dim");
+  if (check_sizes(checks, dst_sizes, a, "dst_sizes") &&
+      checks.require(static_cast<int64_t>(segments.size()) == a.size, "segments has ",
+                     segments.size(), " entries but mesh dim ", a.mesh_dim, " has ", a.size,
+                     " coordinates") &&
+      check_tiling(checks, segments, sum_of(dst_sizes), "the segments") && checks.ok()) {
+    checks.require(local.size(d) == layout_extent(segments[a.me]), "the local tensor has extent ",
+                   local.size(d), " along dim ", d, " but the segments of coordinate ", a.me,
+                   " hold ", layout_extent(segments[a.me]), " elements");
+  }
+  Fingerprint fp;
+  fp.add(a.mesh_dim).add(dim).add(dst_sizes).add_shape(local, {d});
+  for (const auto& runs : segments) {
+    fp.add(static_cast<int64_t>(runs.size()));
+    for (const auto& s : runs) {
+      fp.add(s.start).add(s.length);
+    }
+  }
+  agree_or_throw(p, a.comm, fp, checks);
+  Layout dst;
+  const auto off = exclusive_offsets(dst_sizes);
+  for (size_t c = 0; c < dst_sizes.size(); ++c) {
+    dst.push_back({Segment{off[c], dst_sizes[c]}});
+  }
+  return RemapFn::apply(local, std::make_shared<const RepartitionPlan>(a, d, segments, dst));
+}
+
+at::Tensor all_to_all(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
+                      int64_t src_dim, const std::vector<int64_t>& src_sizes, int64_t dst_dim,
+                      const std::vector<int64_t>& dst_sizes) {
+  const Prim p = Prim::AllToAll;
+  const Axis a = axis(p, mesh, mesh_dim);
+  TORCH_CHECK(local.defined(), prefix(p), "the local tensor is undefined");
+  Checks checks(p);
+  const int64_t sd = wrap_dim(checks, src_dim, local, "src_dim");
+  const int64_t dd = wrap_dim(checks, dst_dim, local, "dst_dim");
+  if (check_sizes(checks, src_sizes, a, "src_sizes") &&
+      check_sizes(checks, dst_sizes, a, "dst_sizes") && checks.ok()) {
+    if (sd == dd) {
+      checks.require(sum_of(src_sizes) == sum_of(dst_sizes),
+                     "rebalancing (src_dim == dst_dim) needs sum(src_sizes) = ", sum_of(src_sizes),
+                     " to equal sum(dst_sizes) = ", sum_of(dst_sizes));
+    }
+    if (checks.ok()) {
+      checks.require(local.size(sd) == src_sizes[a.me], "the local tensor has extent ",
+                     local.size(sd), " along src_dim ", sd, " but src_sizes[", a.me,
+                     "] = ", src_sizes[a.me]);
+    }
+    if (checks.ok() && sd != dd) {
+      checks.require(local.size(dd) == sum_of(dst_sizes), "the local tensor has extent ",
+                     local.size(dd), " along dst_dim ", dd,
+                     " but sum(dst_sizes) = ", sum_of(dst_sizes));
+    }
+  }
+  Fingerprint fp;
+  fp.add(a.mesh_dim).add(src_dim).add(src_sizes).add(dst_dim).add(dst_sizes);
+  fp.add_shape(local, {sd, dd});
+  agree_or_throw(p, a.comm, fp, checks);
+  if (sd == dd) {
+    // Rebalancing is the repartition of contiguous blocks to contiguous blocks.
+    Layout src, dst;
+    const auto off = exclusive_offsets(src_sizes);
+    for (size_t c = 0; c < src_sizes.size(); ++c) {
+      src.push_back({Segment{off[c], src_sizes[c]}});
+    }
+    const auto doff = exclusive_offsets(dst_sizes);
+    for (size_t c = 0; c < dst_sizes.size(); ++c) {
+      dst.push_back({Segment{doff[c], dst_sizes[c]}});
+    }
+    return RemapFn::apply(local, std::make_shared<const RepartitionPlan>(a, sd, src, dst));
+  }
+  return AllToAllFn::apply(local.contiguous(),
+                           std::make_shared<const AllToAllPlan>(a, sd, src_sizes, dd, dst_sizes));
+}
+
+}  // namespace shardtensor::comm

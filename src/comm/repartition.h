@@ -1,0 +1,72 @@
+#pragma once
+/// \file Repartition and all-to-all plans (private to comm/): who sends which
+/// rows to whom when a tensor dim changes owners along one mesh dim. Built
+/// once from metadata that is identical on every rank (no communication),
+/// run as many times as needed (each run is one all-to-allv over the mesh
+/// dim), and inverted for the adjoint. The differentiable primitives
+/// comm::repartition and comm::all_to_all (repartition.cpp) are built on them;
+/// caching plans by spec and arguments (issue 13) stores these objects.
+
+#include <ATen/core/Tensor.h>
+#include <shardtensor/comm/primitives.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/primitive_support.h"
+
+namespace shardtensor::comm {
+
+/// Per coordinate, the global index runs it holds, in local order.
+using Layout = std::vector<std::vector<Segment>>;
+
+/// A global index run shared by a source and a destination layout.
+struct Piece {
+  int64_t global = 0;
+  int64_t len = 0;
+  int64_t src_local = 0;
+  int64_t dst_local = 0;
+};
+
+/// General run remap along tensor dim `dim` over one mesh dim: rows laid out
+/// per `src` become rows laid out per `dst`.
+class RepartitionPlan {
+ public:
+  /// Local (metadata only). `src` and `dst` cover the same global indices.
+  RepartitionPlan(internal::Axis axis, int64_t dim, Layout src, Layout dst);
+  /// Collective over the plan's mesh dim: `local` holds this coordinate's rows
+  /// per src (along dim); returns them per dst. Not differentiable.
+  at::Tensor run(const at::Tensor& local) const;
+  /// Local. The plan of the inverse remap (the adjoint of run()).
+  RepartitionPlan inverse() const { return RepartitionPlan(axis_, dim_, dst_, src_); }
+
+ private:
+  internal::Axis axis_;
+  int64_t dim_ = 0;
+  Layout src_, dst_;
+  std::vector<std::vector<Piece>> sends_, recvs_;  // per peer coordinate
+  std::vector<int64_t> send_rows_, recv_rows_, send_displ_, recv_displ_;
+  int64_t out_rows_ = 0;
+};
+
+/// Shard(src_dim) -> Shard(dst_dim) with src_dim != dst_dim over one mesh dim.
+class AllToAllPlan {
+ public:
+  /// Local (metadata only).
+  AllToAllPlan(internal::Axis axis, int64_t src_dim, std::vector<int64_t> src_sizes,
+               int64_t dst_dim, std::vector<int64_t> dst_sizes);
+  /// Collective over the plan's mesh dim. `local` holds src_sizes[me] along
+  /// src_dim and the full extent along dst_dim. Not differentiable.
+  at::Tensor run(const at::Tensor& local) const;
+  /// Local. The plan of the inverse exchange (the adjoint of run()).
+  AllToAllPlan inverse() const {
+    return AllToAllPlan(axis_, dst_dim_, dst_sizes_, src_dim_, src_sizes_);
+  }
+
+ private:
+  internal::Axis axis_;
+  int64_t src_dim_ = 0, dst_dim_ = 0;
+  std::vector<int64_t> src_sizes_, dst_sizes_, src_off_, dst_off_;
+};
+
+}  // namespace shardtensor::comm
