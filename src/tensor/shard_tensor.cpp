@@ -64,6 +64,11 @@ at::Tensor make_shard_tensor(at::Tensor local, std::shared_ptr<const ShardSpec> 
   TORCH_CHECK(local.sizes().vec() == spec->local_shape(), "ShardTensor: local shape ",
               local.sizes(), " does not match ", spec->to_string(), " whose local shape here is ",
               c10::IntArrayRef(spec->local_shape()));
+  // Note [no lazy bits in pieces]: the transport moves raw bytes, so a piece
+  // must not carry libtorch's lazy conjugate / negative bits (ihfft's result is
+  // a conj view): resolve them here, once, where every piece is wrapped.
+  if (local.is_conj()) local = local.resolve_conj();
+  if (local.is_neg()) local = local.resolve_neg();
   const bool grad = local.requires_grad();
   at::Tensor t = at::detail::make_tensor<ShardTensorImpl>(std::move(local), std::move(spec));
   if (grad) mirror_requires_grad(t);
