@@ -4,6 +4,7 @@
 /// Layers, bottom to top (docs/architecture.md): core (runtime, errors,
 /// stats), mesh, spec, comm, tensor, ops, dispatch, nn, io.
 
+#include <shardtensor/comm/ghost.h>
 #include <shardtensor/comm/primitives.h>
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/policy.h>
@@ -15,7 +16,9 @@
 #include <shardtensor/nn/module.h>
 #include <shardtensor/ops/attention.h>
 #include <shardtensor/ops/fft.h>
+#include <shardtensor/ops/graph.h>
 #include <shardtensor/ops/halo.h>
+#include <shardtensor/ops/neighbors.h>
 #include <shardtensor/spec/placement.h>
 #include <shardtensor/spec/shard_spec.h>
 #include <shardtensor/tensor/shard_tensor.h>
