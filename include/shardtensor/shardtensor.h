@@ -19,6 +19,7 @@
 #include <shardtensor/ops/graph.h>
 #include <shardtensor/ops/halo.h>
 #include <shardtensor/ops/neighbors.h>
+#include <shardtensor/ops/rebalance.h>
 #include <shardtensor/spec/placement.h>
 #include <shardtensor/spec/shard_spec.h>
 #include <shardtensor/tensor/shard_tensor.h>
