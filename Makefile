@@ -62,7 +62,7 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: fuzz test-asan help demo demo-vit demo-py test deps configure build install format format-check clean \
+.PHONY: fuzz test-asan test-large help demo demo-vit demo-py test deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
         bench-overhead bench-attention bench-report bench-deps
 
@@ -98,9 +98,14 @@ demo-py: configure
 	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-/usr/bin/python3} \
 	  $(REPO_ROOT)/examples/python/unet_train.py $(DEMO_PY_ARGS)
 
+# The >2 GiB large-count test (label `large`, ~7.5 GiB peak) runs in `make test-large`.
 test: build
-	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error \
+	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error -LE large \
 	  --timeout $(TEST_TIMEOUT) -j $(TEST_JOBS)
+
+test-large: build
+	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error -L large \
+	  --timeout $(TEST_TIMEOUT)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer: a separate build in
 # $(ASAN_DIR) (examples and benchmarks off), then the suite with leak checking on

@@ -379,9 +379,17 @@ TEST(CommAllReduce, NogradEveryDtypeAndOp) {
       }
     }
   }
-  // Unsupported dtypes throw before communicating.
-  EXPECT_THROW(comm::all_reduce_nograd(at::zeros({2}, at::kComplexFloat), mesh, {0}, ReduceOp::Sum),
-               c10::Error);
+  // Complex sums are supported (the FFT rules keep Partial complex values);
+  // an order (Max/Min) means nothing for complex numbers and throws before
+  // communicating, on every rank.
+  for (auto dtype : {at::kComplexFloat, at::kComplexDouble}) {
+    at::Tensor z = at::complex(at::full({2}, 1.0), at::full({2}, -2.0)).to(dtype);
+    at::Tensor s = comm::all_reduce_nograd(z, mesh, {0}, ReduceOp::Sum);
+    EXPECT_TRUE(
+        all_ranks(s.scalar_type() == dtype && s.equal(z * static_cast<double>(mesh.size(0)))))
+        << s;
+    EXPECT_THROW(comm::all_reduce_nograd(z, mesh, {0}, ReduceOp::Max), c10::Error);
+  }
 }
 
 TEST(CommAllReduce, Adjoint) {
