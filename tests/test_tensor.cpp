@@ -93,8 +93,9 @@ TEST(ShardTensorFactories, ScatterSendsEachRankOnlyItsPiece) {
       EXPECT_TRUE(sx.local().requires_grad());
       EXPECT_TRUE(sx.local().equal(expected_piece(x, sx.spec()))) << st::to_string(p);
       if (mesh.rank() != src) {
-        // Metadata record (19 int64) plus exactly this rank's piece.
-        EXPECT_EQ(stats.bytes_received, 19 * 8 + sx.local().numel() * 4) << st::to_string(p);
+        // Metadata record (4 + 16 = 20 int64: header incl. the large-count size, dims) plus exactly
+        // this rank's piece.
+        EXPECT_EQ(stats.bytes_received, 20 * 8 + sx.local().numel() * 4) << st::to_string(p);
       }
     }
   }
