@@ -52,6 +52,27 @@ bool mpi_finalized() {
   return flag != 0;
 }
 
+// Note [OMPIO vulcan write corruption]
+// Open MPI 4.1's OMPIO component, with its default collective-I/O module
+// `fcoll/vulcan`, sometimes writes wrong values when ranks write non-contiguous
+// hyperslabs of one contiguous HDF5 dataset collectively (Debian 12's Open MPI
+// 4.1.4: a 2x2 mesh writing 3x2 blocks of a 6x4 dataset lost values in about
+// 4 runs of 10; every other fcoll module and ROMIO wrote it right 20 of 20; the
+// same failure mode is reported against HDF5 and AMReX). The variable is read
+// when MPI starts, so the library picks the `dynamic` module before it calls
+// MPI_Init, unless the user chose an I/O component or fcoll module
+// (OMPI_MCA_io, OMPI_MCA_fcoll), or SHARDTENSOR_KEEP_OMPIO_VULCAN=1. The Python
+// package does the same at import time. A host that starts MPI itself keeps
+// its own settings; docs/io.md says what to export.
+void avoid_ompio_vulcan() {
+  auto set = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0';
+  };
+  if (set("OMPI_MCA_io") || set("OMPI_MCA_fcoll") || set("SHARDTENSOR_KEEP_OMPIO_VULCAN")) return;
+  setenv("OMPI_MCA_fcoll", "dynamic", /*overwrite=*/0);
+}
+
 // Number of intra-op threads per rank: SHARDTENSOR_NUM_THREADS, else
 // OMP_NUM_THREADS, else 1. An empty variable counts as unset.
 int thread_count_from_env() {
@@ -104,6 +125,7 @@ void init(int* argc, char*** argv) {
     s.thread_level = provided;
   } else {
     int provided = MPI_THREAD_SINGLE;
+    avoid_ompio_vulcan();  // Note [OMPIO vulcan write corruption]
     SHARDTENSOR_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
     s.owns_mpi = true;
     s.thread_level = provided;
