@@ -13,6 +13,7 @@ started (or mpi4py's adopted) by the first call that needs it. See docs/python.m
 import torch  # noqa: F401  (first: loads libtorch_python, which _C links against)
 
 from . import _C, _runtime
+from . import io  # noqa: F401  (shardtensor.io: HDF5 and checkpoints)
 from ._manager import DistributedManager
 from ._mesh import DeviceMesh, init_device_mesh
 from ._nn import backward, distribute_module, halo_exchange, scaled_dot_product_attention
@@ -25,7 +26,7 @@ __all__ = [
     "ShardTensor", "Shard", "Replicate", "Partial", "Placement", "DeviceMesh", "init_device_mesh",
     "scatter_tensor", "distribute_tensor", "distribute_module", "backward",
     "scaled_dot_product_attention", "halo_exchange", "DistributedManager", "comm_stats", "reset_comm_stats",
-    "memory_stats", "reset_peak_memory_stats", "world_rank", "world_size", "abort",
+    "memory_stats", "reset_peak_memory_stats", "io", "world_rank", "world_size", "abort",
 ]
 
 world_rank = _runtime.world_rank

@@ -271,6 +271,27 @@ class ShardTensor(torch.Tensor):
     def __format__(self, spec):
         return self.__repr__()
 
+    def __deepcopy__(self, memo):
+        """A ShardTensor with the same layout and a copy of this rank's piece (and
+        of its grad); requires_grad is kept. Local: no communication, so every
+        rank may copy independently (torch.optim's load_state_dict, copy.deepcopy
+        of a model holding ShardTensors). Like torch, only leaves can be copied."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the "
+                "deepcopy protocol at the moment (a ShardTensor that is not a leaf)"
+            )
+        with torch.no_grad():
+            new = _wrap(_Tensor.clone(self))
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        g = self.grad
+        if g is not None:
+            new.grad = g.__deepcopy__(memo) if isinstance(g, ShardTensor) else g.clone()
+        return new
+
     def __reduce_ex__(self, protocol):
         raise RuntimeError(
             "a ShardTensor cannot be pickled or torch.save()d: save sx.full_tensor() "

@@ -26,8 +26,10 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -304,6 +306,134 @@ PYBIND11_MODULE(_C, m) {
         return st::halo_exchange(t, dim, left, right, m, value);
       },
       Release());
+
+  // ---- io (Python: shardtensor.io, python/shardtensor/io.py) ---------------------
+  // Options cross as plain values; the Python layer validates and documents them.
+  auto transfer_of = [](const std::string& t) {
+    TORCH_CHECK_VALUE(t == "collective" || t == "independent",
+                      "shardtensor.io: transfer must be 'collective' or 'independent', got '", t,
+                      "'");
+    return t == "collective" ? st::io::Transfer::Collective : st::io::Transfer::Independent;
+  };
+  auto read_options = [transfer_of](
+                          std::optional<st::ShardSizes> sizes, std::optional<at::Tensor> dtype_like,
+                          std::optional<std::vector<int64_t>> start,
+                          std::optional<std::vector<int64_t>> count, const std::string& transfer) {
+    st::io::ReadOptions o;
+    o.sizes(std::move(sizes)).transfer(transfer_of(transfer));
+    if (dtype_like) o.dtype(dtype_like->scalar_type());
+    if (start || count) {
+      TORCH_CHECK_VALUE(start && count, "shardtensor.io: a selection needs start and count");
+      o.select(st::io::Selection{*start, *count});
+    }
+    return o;
+  };
+  m.def(
+      "io_read_hdf5",
+      [read_options](const std::string& path, const std::string& dataset,
+                     const st::DeviceMesh& mesh, const std::vector<PlacementCode>& placements,
+                     std::optional<st::ShardSizes> sizes, std::optional<at::Tensor> dtype,
+                     std::optional<std::vector<int64_t>> start,
+                     std::optional<std::vector<int64_t>> count, const std::string& transfer) {
+        return st::io::read_hdf5(
+            path, dataset, mesh, to_placements(placements),
+            read_options(std::move(sizes), dtype, std::move(start), std::move(count), transfer));
+      },
+      Release());
+  m.def(
+      "io_read_hdf5_with_halo",
+      [read_options](const std::string& path, const std::string& dataset,
+                     const st::DeviceMesh& mesh, const std::vector<PlacementCode>& placements,
+                     std::vector<int64_t> halo, const std::string& halo_mode,
+                     std::optional<st::ShardSizes> sizes, std::optional<at::Tensor> dtype,
+                     std::optional<std::vector<int64_t>> start,
+                     std::optional<std::vector<int64_t>> count, const std::string& transfer) {
+        auto o =
+            read_options(std::move(sizes), dtype, std::move(start), std::move(count), transfer);
+        st::io::HaloMode mode = st::io::HaloMode::Zeros;
+        if (halo_mode == "none") {
+          mode = st::io::HaloMode::None;
+        } else if (halo_mode == "zeros") {
+          mode = st::io::HaloMode::Zeros;
+        } else if (halo_mode == "replicate") {
+          mode = st::io::HaloMode::Replicate;
+        } else if (halo_mode == "circular") {
+          mode = st::io::HaloMode::Circular;
+        } else {
+          TORCH_CHECK_VALUE(false,
+                            "shardtensor.io.read_hdf5_with_halo: halo_mode must be none, zeros, "
+                            "replicate or circular, got '",
+                            halo_mode, "'");
+        }
+        o.halo(std::move(halo)).halo_mode(mode);
+        auto r = st::io::read_hdf5_with_halo(path, dataset, mesh, to_placements(placements), o);
+        return std::make_tuple(r.tensor, r.with_halo, r.halo_left, r.halo_right);
+      },
+      Release());
+  m.def(
+      "io_write_hdf5",
+      [transfer_of](const std::string& path, const std::string& dataset, const at::Tensor& tensor,
+                    std::optional<st::DeviceMesh> mesh, std::vector<int64_t> chunks,
+                    const std::string& units, bool overwrite, bool truncate,
+                    const std::string& transfer) {
+        st::io::write_hdf5(path, dataset, tensor,
+                           st::io::WriteOptions()
+                               .mesh(std::move(mesh))
+                               .chunks(std::move(chunks))
+                               .units(units)
+                               .overwrite(overwrite)
+                               .truncate(truncate)
+                               .transfer(transfer_of(transfer)));
+      },
+      Release());
+  m.def("io_read_hdf5_info",
+        [](const std::string& path, const std::string& dataset, const st::DeviceMesh& mesh) {
+          st::io::DatasetInfo i;
+          {
+            py::gil_scoped_release release;
+            i = st::io::read_hdf5_info(path, dataset, mesh);
+          }
+          py::dict d;
+          d["shape"] = i.shape;
+          d["dtype_like"] = at::empty({0}, at::TensorOptions().dtype(i.dtype));  // .dtype in Python
+          d["placements"] = i.placements;
+          d["mesh_shape"] = i.mesh_shape;
+          d["torch_dtype"] = i.torch_dtype;
+          d["units"] = i.units;
+          return d;
+        });
+  m.def(
+      "io_save_checkpoint",
+      [](const std::string& dir, const st::DeviceMesh& mesh, st::io::NamedTensors tensors,
+         int64_t step) {
+        st::io::save_checkpoint(dir, mesh,
+                                st::io::CheckpointState().tensors(std::move(tensors)).step(step));
+      },
+      Release());
+  m.def(
+      "io_load_checkpoint",
+      [](const std::string& dir, const st::DeviceMesh& mesh,
+         const std::map<std::string, std::pair<std::vector<PlacementCode>,
+                                               std::optional<st::ShardSizes>>>& layouts) {
+        st::io::TensorLayouts l;
+        for (const auto& [name, layout] : layouts) {
+          l[name] = st::io::TensorLayout{to_placements(layout.first), layout.second};
+        }
+        auto r = st::io::load_checkpoint(dir, mesh, st::io::LoadOptions().layouts(std::move(l)));
+        return std::make_tuple(std::move(r.tensors), r.step, std::move(r.saved_mesh_shape));
+      },
+      Release());
+  m.def("io_checkpoint_exists", &st::io::checkpoint_exists);
+  m.def("io_stats", [] {
+    const auto s = st::io_stats();
+    py::dict d;
+    d["bytes_read"] = s.bytes_read;
+    d["bytes_written"] = s.bytes_written;
+    d["reads"] = s.reads;
+    d["writes"] = s.writes;
+    return d;
+  });
+  m.def("reset_io_stats", &st::reset_io_stats);
 
   // ---- observability (local) -------------------------------------------------
   m.def("comm_stats", [] {
