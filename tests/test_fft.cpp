@@ -8,8 +8,27 @@
 // are not divisible by 3 or 4 (uneven shards); the empty-first cases give
 // coordinate 0 of every sharded mesh dim an empty piece.
 //
-// Tolerances: the project's rtol 1e-5 / atol 1e-6 (float32), 1e-12 / 1e-12
-// (float64). Complex values are compared as (real, imag) pairs.
+// Tolerances (Note [fft tolerance]): float64 results must match elementwise
+// (rtol 1e-12, atol 1e-12) and float32 results norm-wise, ||a - b||_2 <=
+// 1e-5 ||b||_2. Complex values are compared as (real, imag) pairs.
+//
+// Note [fft tolerance]
+// ~~~~~~~~~~~~~~~~~~~~
+// The sharded transform is the same arithmetic in another order: one 1-D pass
+// per dim, with all-to-alls between (Note [fft pencil]), where libtorch's
+// pocketfft runs its own multi-dim plan. The rounding error of an FFT is bounded
+// norm-wise, not elementwise: ||fl(FFT x) - FFT x||_2 <= c log2(N) u ||FFT x||_2
+// (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Thm. 24.2;
+// c about 5 with accurate twiddles, u = 2^-24 in float32). Every output
+// coefficient carries an absolute error of the size of u ||x||, so a
+// coefficient near zero has a large *relative* error in any correct FFT:
+// float32 outputs of 20-57 differed by 3e-6-8e-6 here, which an elementwise
+// atol of 1e-6 rejects. For the sizes tested (N <= 2^7 per transform) two
+// correct results differ by at most about 2 * 5 * 7 * 6e-8 = 4e-6 of the norm,
+// so the float32 check is the project's rtol 1e-5 applied to the norm: a
+// wrong coefficient, a wrong normalization or a missing stage is off by far
+// more. At P = 1 (no dim sharded) the rule runs libtorch's own call and matches
+// bit for bit; float64 stays elementwise.
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -36,6 +55,22 @@ at::Tensor rnd_of(c10::IntArrayRef shape, uint64_t seed, at::ScalarType dt) {
   return rnd(shape, seed).to(dt);
 }
 
+// Note [fft tolerance]: elementwise in float64, norm-wise in float32.
+::testing::AssertionResult spectral_close(const at::Tensor& a, const at::Tensor& b, bool dbl) {
+  if (dbl) return all_close(a, b, 1e-12, 1e-12);
+  if (a.sizes() != b.sizes()) {
+    return ::testing::AssertionFailure() << "shapes differ: " << a.sizes() << " vs " << b.sizes();
+  }
+  const at::Tensor ad = a.detach().to(at::kDouble), bd = b.detach().to(at::kDouble);
+  const bool finite = ad.isfinite().all().item<bool>() && bd.isfinite().all().item<bool>();
+  const double err = (ad - bd).norm().item<double>(), ref = bd.norm().item<double>();
+  const bool ok = finite && err <= 1e-5 * ref;
+  if (all_ranks(ok)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "norm-wise mismatch: ||a - b|| = " << err << ", ||b|| = " << ref << ", ratio "
+         << err / ref << " > 1e-5" << (finite ? "" : " (non-finite values)");
+}
+
 class Fft : public ::testing::Test {
  protected:
   st::DeviceMesh mesh = test_mesh();
@@ -44,7 +79,6 @@ class Fft : public ::testing::Test {
   ::testing::AssertionResult check(const Fn& fn, const at::Tensor& full, const P& wanted,
                                    bool empty_first = false) {
     const bool dbl = is_double(full.scalar_type());
-    const double rtol = dbl ? 1e-12 : 1e-5, atol = dbl ? 1e-12 : 1e-6;
     P p = fit_placements(mesh, wanted);
     std::optional<st::ShardSizes> sizes;
     if (empty_first) sizes = sizes_with_empty_first(mesh, p, full.sizes());
@@ -52,7 +86,7 @@ class Fft : public ::testing::Test {
     at::Tensor sh_in = st::distribute_tensor(full, mesh, p, true, sizes);
     at::Tensor ref_out = fn(ref_in);
     at::Tensor sh_out = fn(sh_in);
-    auto r = all_close(as_real(gathered(sh_out)), as_real(ref_out), rtol, atol);
+    auto r = spectral_close(as_real(gathered(sh_out)), as_real(ref_out), dbl);
     if (!r) return ::testing::AssertionFailure() << "output: " << r.message();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
     at::Tensor cot = at::randn(ref_out.sizes(), gen, ref_out.options().requires_grad(false));
@@ -60,7 +94,7 @@ class Fft : public ::testing::Test {
     st::backward(sh_out, cot);
     at::Tensor g = st::ShardTensor(sh_in).grad();
     if (!g.defined()) return ::testing::AssertionFailure() << "no gradient reached the input";
-    auto rg = all_close(as_real(gathered(g)), as_real(ref_in.grad()), rtol, atol);
+    auto rg = spectral_close(as_real(gathered(g)), as_real(ref_in.grad()), dbl);
     if (!rg) return ::testing::AssertionFailure() << "input grad: " << rg.message();
     return ::testing::AssertionSuccess();
   }
@@ -192,8 +226,10 @@ TEST_F(Fft, RoundTripSendsExactlyTheDocumentedBytes) {
   const int64_t inv = a2a_sent(B * C, wh[me], h, me, 8);
   EXPECT_TRUE(all_ranks(after_forward == fwd)) << after_forward << " vs " << fwd;
   EXPECT_TRUE(all_ranks(total == fwd + inv)) << total << " vs " << fwd + inv;
+  // Spectral layout: the last transformed dim comes out sharded, unless the
+  // mesh dim has one coordinate (then nothing moves: the plain call).
   EXPECT_EQ(st::to_string(st::ShardTensor(y).spec().placements()),
-            st::to_string(fit_placements(mesh, {S3})));
+            st::to_string(fit_placements(mesh, {P0 > 1 ? S3 : S2})));
   EXPECT_EQ(st::to_string(st::ShardTensor(z).spec().placements()), st::to_string(p));
   EXPECT_TRUE(all_close(gathered(z), x, 1e-5, 1e-5));
 
@@ -207,9 +243,14 @@ TEST_F(Fft, RoundTripSendsExactlyTheDocumentedBytes) {
     EXPECT_TRUE(all_ranks(st::comm_stats().bytes_sent == fwd2))
         << st::comm_stats().bytes_sent << " vs " << fwd2;
     auto z2 = torch::fft::irfft2(y2, std::vector<int64_t>{H, W});
-    EXPECT_TRUE(all_ranks(st::comm_stats().bytes_sent == 2 * fwd2));
+    // The inverse cannot park H in W (c2r's last dim): it moves H into C
+    // (complex), runs the c2r locally, and moves the real result back to H.
+    const auto c = st::balanced_sizes(C, P0);
+    const int64_t inv2 = a2a_sent(B * Wh, h[me], c, me, 8) + a2a_sent(B * W, c[me], h, me, 4);
+    EXPECT_TRUE(all_ranks(st::comm_stats().bytes_sent == fwd2 + inv2))
+        << st::comm_stats().bytes_sent << " vs " << fwd2 + inv2 << " (forward " << fwd2 << ")";
     EXPECT_EQ(st::to_string(st::ShardTensor(z2).spec().placements()), st::to_string(p));
-    EXPECT_TRUE(all_close(gathered(y2), torch::fft::rfft2(x).resolve_conj(), 1e-5, 1e-5));
+    EXPECT_TRUE(spectral_close(as_real(gathered(y2)), as_real(torch::fft::rfft2(x)), false));
     EXPECT_TRUE(all_close(gathered(z2), x, 1e-5, 1e-5));
   }
   EXPECT_EQ(st::fft_layout(), st::FftLayout::Spectral);
@@ -351,7 +392,7 @@ TEST_F(Fft, SpectralConvTrainsUnchangedOnShardedInput) {
         auto g = sh->named_parameters()[name].grad();
         auto gr = ref->named_parameters()[name].grad();
         ASSERT_TRUE(g.defined());
-        EXPECT_TRUE(all_close(as_real(g), as_real(gr), 1e-5, 1e-6))
+        EXPECT_TRUE(spectral_close(as_real(g), as_real(gr), false))
             << name << " " << st::to_string(p) << (empty ? " empty-first" : "");
       }
     }

@@ -300,17 +300,19 @@ TEST_F(Loss, Errors) {
   auto st_ = st::distribute_tensor(t, mesh, fit_placements(mesh, {R, S1}));
   expect_error([&] { at::cross_entropy_loss(sx, st_); },
                {"cross_entropy_loss", "class dim", "Shard(1)", "[4, 6, 5]"});
-  // A target laid out differently from the input.
+  // A target laid out differently from the input (other placements, or the
+  // same placements with other sizes) is moved to the input's layout.
   auto sx0 = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S0}));
-  auto bad = st::distribute_tensor(t, mesh, fit_placements(mesh, {S0, S1}));
-  if (mesh.size() > 1) {
-    expect_error([&] { at::nll_loss_nd(sx0.log_softmax(1), bad); },
-                 {"nll_loss", "target's layout"});
-  }
-  auto y = st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, S1}));
-  auto y2 = st::distribute_tensor(x, mesh, fit_placements(mesh, {S1, S0}));
-  if (mesh.size() > 1) {
-    expect_error([&] { at::mse_loss(y, y2); }, {"mse_loss", "target's layout"});
-  }
+  auto other = st::distribute_tensor(t, mesh, fit_placements(mesh, {S0, S1}));
+  EXPECT_TRUE(all_close(at::nll_loss_nd(sx0.log_softmax(1), other),
+                        at::nll_loss_nd(x.log_softmax(1), t), 1e-5, 1e-6));
+  const at::Tensor x2 = rnd({4, 6, 5}, 52);
+  const P py = fit_placements(mesh, {S0, S1});
+  auto y = st::distribute_tensor(x, mesh, py);
+  auto y2 = st::distribute_tensor(x2, mesh, fit_placements(mesh, {S1, S0}));
+  auto y3 =
+      st::distribute_tensor(x2, mesh, py, false, sizes_with_empty_first(mesh, py, x2.sizes()));
+  EXPECT_TRUE(all_close(at::mse_loss(y, y2), at::mse_loss(x, x2), 1e-5, 1e-6));
+  EXPECT_TRUE(all_close(at::mse_loss(y, y3), at::mse_loss(x, x2), 1e-5, 1e-6));
   expect_error([&] { at::mse_loss(y, torch::zeros({4, 6})); }, {"mse_loss", "same shape"});
 }

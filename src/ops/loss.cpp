@@ -61,9 +61,15 @@ at::Tensor target_local(const c10::OperatorHandle& op, const std::vector<c10::IV
   }
   if (const ShardSpec* s = spec_of(t)) {
     if (*s != want) {
+      // Same mesh: move the target to the input's layout (collective over the
+      // mesh; every rank sees both specs, so every rank takes this branch).
+      if (s->mesh() == want.mesh()) {
+        at::Tensor moved = ShardTensor(t).redistribute(want.placements(), want.all_shard_sizes());
+        return to_layout(moved, want, input);
+      }
       fail(op, args,
-           "the target's layout (" + spec_str(*s) + ") does not match the input's; expected (" +
-               spec_str(want) + ")");
+           "the target lives on another mesh (" + s->to_string() + ") than the input (" +
+               want.to_string() + ")");
     }
   }
   return to_layout(t, want, input);
