@@ -8,7 +8,7 @@
 # Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean,
 # test-asan (ASAN_TESTS=regex for a subset), fuzz SECONDS=... NP=... (randomized differential tests),
 # bench-quick, bench, bench-report (see bench/run.sh and docs/benchmarks.md).
-# Overridable: DEMO, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
+# Overridable: DEMO (unet_train, fno_train, gnn_train, vit_train, ...), DEMO_ARGS, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
 # CMAKE_ARGS, MPIRUN_FLAGS, SKIP_DEPS=1 (do not touch the system's packages).
 
 SHELL := /bin/bash
@@ -18,6 +18,7 @@ SHELL := /bin/bash
 REPO_ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 
 DEMO         ?= unet_train
+DEMO_ARGS    ?=
 NP           ?= 4
 BUILD_DIR    ?= build
 BUILD_TYPE   ?= RelWithDebInfo
@@ -82,7 +83,7 @@ help:
 # Builds only the demo (and the library), not the tests.
 demo: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target $(DEMO)
-	$(MPIRUN) $(MPIRUN_FLAGS) -np $(NP) $(BUILD_ABS)/examples/$(DEMO)
+	$(MPIRUN) $(MPIRUN_FLAGS) -np $(NP) $(BUILD_ABS)/examples/$(DEMO) $(DEMO_ARGS)
 
 # The vision-transformer example (ring attention on a sharded 2-D field), always on 4 ranks.
 demo-vit: configure

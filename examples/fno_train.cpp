@@ -223,8 +223,13 @@ int run(int argc, char** argv) {
     }
   }
   if (root && c.steps > 0) {
-    std::printf("loss %.6f -> %.6f (%.1fx lower)\n", first_loss, last_loss,
-                first_loss / std::max(1e-30, last_loss));
+    const double ratio = first_loss / std::max(1e-30, last_loss);
+    if (ratio >= 1.0) {
+      std::printf("loss %.6f -> %.6f (%.1fx lower)\n", first_loss, last_loss, ratio);
+    } else {
+      std::printf("loss %.6f -> %.6f (%.1fx HIGHER: more steps or a lower --lr)\n", first_loss,
+                  last_loss, 1.0 / ratio);
+    }
   }
   {
     torch::NoGradGuard no_grad;

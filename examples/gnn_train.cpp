@@ -1,5 +1,3 @@
-// PENDING (not compiled yet): add `shardtensor_add_example(gnn_train)` plus its
-// include dir (examples/) to examples/CMakeLists.txt once it builds.
 // A MeshGraphNet-style GNN learns one step of a diffusion solver on an
 // unstructured 2-D triangle mesh, trained domain-parallel with shardtensor's
 // index halos (shardtensor/comm/ghost.h, shardtensor/ops/graph.h).
