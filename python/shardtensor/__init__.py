@@ -26,7 +26,8 @@ __all__ = [
     "ShardTensor", "Shard", "Replicate", "Partial", "Placement", "DeviceMesh", "init_device_mesh",
     "scatter_tensor", "distribute_tensor", "distribute_module", "backward",
     "scaled_dot_product_attention", "halo_exchange", "DistributedManager", "comm_stats", "reset_comm_stats",
-    "memory_stats", "reset_peak_memory_stats", "io", "world_rank", "world_size", "abort",
+    "memory_stats", "reset_peak_memory_stats", "io", "set_timeout", "timeout", "set_strict",
+    "strict", "world_rank", "world_size", "abort",
 ]
 
 world_rank = _runtime.world_rank
@@ -53,6 +54,34 @@ def memory_stats():
 def reset_peak_memory_stats():
     """Local."""
     _C.reset_peak_memory_stats()
+
+
+def set_timeout(seconds):
+    """Sets the collective watchdog's timeout in seconds for every later wait of
+    this process (0 disables it; default: SHARDTENSOR_TIMEOUT, else 600). On
+    expiry the rank prints the op, the MPI call and the peers it waits for, and
+    the job ends with exit code 85. Set the same value on every rank. Local.
+    Raises ValueError/RuntimeError for a negative or non-finite value.
+    C++: shardtensor::set_timeout (docs/reliability.md)."""
+    _C.set_timeout(float(seconds))
+
+
+def timeout():
+    """The watchdog timeout in seconds (0: disabled). Local."""
+    return _C.timeout()
+
+
+def set_strict(on=True):
+    """Strict mode: ops without a rule, and rules that would replicate more than a
+    rank's piece, raise on every rank instead of gathering (default:
+    SHARDTENSOR_STRICT). Local; set the same value on every rank.
+    C++: shardtensor::set_strict (docs/ops.md)."""
+    _C.set_strict(bool(on))
+
+
+def strict():
+    """Whether strict mode is on. Local."""
+    return _C.strict()
 
 
 _runtime.install_excepthook()

@@ -128,6 +128,10 @@ PYBIND11_MODULE(_C, m) {
       "already initialized (e.g. by mpi4py). Idempotent.");
   m.def("finalize", &st::finalize, Release(),
         "Collective. Frees the library's communicators; finalizes MPI only if init() started it.");
+  m.def("set_timeout", &st::set_timeout, py::arg("seconds"));
+  m.def("timeout", &st::timeout);
+  m.def("set_strict", &st::set_strict, py::arg("on"));
+  m.def("strict", &st::strict);
   m.def("is_initialized", &st::is_initialized);
   m.def("world_rank", &st::world_rank);
   m.def("world_size", &st::world_size);

@@ -45,6 +45,7 @@ namespace detail {
 
 void record_gather(const std::string& op, int64_t bytes, bool announce, const std::string& how) {
   record_gathered(bytes);
+  if (bytes == 0) return;  // nothing moved (e.g. P = 1): no news for the user
   auto& w = warned();
   bool first = false;
   {

@@ -179,3 +179,28 @@ def test_mpi4py_communicator(mesh):
     x = rnd((6, 3), 10)
     sx = st.distribute_tensor(x, m, (Shard(0),))
     assert_close(sx.full_tensor(), x, 0, 0, "mesh over an mpi4py communicator")
+
+
+def test_timeout_and_strict_setters(mesh):
+    old = st.timeout()
+    st.set_timeout(123.5)
+    assert st.timeout() == 123.5
+    with pytest.raises((RuntimeError, ValueError)):
+        st.set_timeout(-1)
+    st.set_timeout(old)
+    x = rnd((3, 10), 21)
+    sx = st.distribute_tensor(x, mesh, placements(mesh, 1, data_dim=None))
+    # torch.sort along a sharded dim has no rule: the fallback gathers; strict refuses.
+    assert not st.strict()
+    values = torch.sort(sx, dim=1).values
+    if isinstance(values, st.ShardTensor):
+        values = values.full_tensor()
+    assert_close(values, torch.sort(x, dim=1).values, 0, 0, "fallback sort")
+    st.set_strict(True)
+    try:
+        if mesh.size(mesh.ndim - 1) > 1:
+            with pytest.raises(RuntimeError, match="sort"):
+                torch.sort(sx, dim=1)
+    finally:
+        st.set_strict(False)
+    assert not st.strict()
