@@ -567,6 +567,136 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return wrap(out, spec_ptr_of(q));
 }
 
+// Note [mixed-placement attention]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// q and k/v split differently along the sequence, on one mesh dim m (latent-
+// query models: a small set of queries attending to sharded points, and back):
+//  - q Replicate, k/v Shard(2): each rank attends every query to its own keys
+//    and keeps the log-sum-exp l_r per query row. With M = max_r l_r (an
+//    all-reduce max, detached: M cancels exactly) and w_r = exp(l_r - M), the
+//    result is sum_r w_r o_r / sum_r w_r: two sum all-reduces over m (output
+//    rows and normalizers). Backward: the sums' adjoint is the identity, so
+//    dk/dv stay local, and dq is summed over m (comm::use_replicated).
+//    Memory: Sq x Sk/P scores per rank.
+//  - q Shard(2), k/v Replicate: this rank's query rows attend to all keys, no
+//    forward communication; dk/dv are summed over m (comm::use_replicated).
+// Batch may be split (Shard(0), same sizes) on other mesh dims. A mask is
+// sliced to the scores' local block like the ring path's; is_causal compares
+// global positions (key j visible to query i iff j <= i).
+at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& mask, bool causal, double scale, const Shapes& s) {
+  const ShardSpec& sq = *spec_of(q);
+  const ShardSpec& sk = *spec_of(k);
+  const ShardSpec& sv = *spec_of(v);
+  const DeviceMesh& mesh = sq.mesh();
+  if (sk.mesh() != mesh || sv.mesh() != mesh) {
+    fail_call(q, k, v, mask, "q, k and v live on different meshes");
+  }
+  if (sk != sv) {
+    fail_call(
+        q, k, v, mask,
+        "k and v must have the same layout (" + sk.to_string() + " vs " + sv.to_string() + ")");
+  }
+  auto dim_of = [](const Placement& p) {
+    return is_shard(p) ? (shard_dim(p) < 0 ? shard_dim(p) + 4 : shard_dim(p)) : int64_t(-1);
+  };
+  int64_t kv_dim = -1, q_dim = -1;  // the mesh dim that splits only k/v, or only q
+  Placements score_pl(mesh.ndim(), Replicate{});
+  ShardSizes score_sizes(mesh.ndim());
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const Placement& a = sq.placements()[m];
+    const Placement& b = sk.placements()[m];
+    if (is_partial(a) || is_partial(b)) {
+      fail_call(q, k, v, mask, "Partial inputs are not accepted; redistribute them first");
+    }
+    const int64_t da = dim_of(a), db = dim_of(b);
+    if (da == 0 && db == 0) {
+      if (sq.shard_sizes(m) != sk.shard_sizes(m)) {
+        fail_call(q, k, v, mask, "q and k/v must have the same batch split");
+      }
+      score_pl[m] = Shard{0};
+      score_sizes[m] = sq.shard_sizes(m);
+    } else if (da == -1 && db == 2 && kv_dim < 0 && q_dim < 0) {
+      kv_dim = m;
+      score_pl[m] = Shard{3};
+      score_sizes[m] = sk.shard_sizes(m);
+    } else if (da == 2 && db == -1 && kv_dim < 0 && q_dim < 0) {
+      q_dim = m;
+      score_pl[m] = Shard{2};
+      score_sizes[m] = sq.shard_sizes(m);
+    } else if (!(da == -1 && db == -1)) {
+      fail_call(q, k, v, mask,
+                "unsupported placements " + to_string(sq.placements()) + " (q) with " +
+                    to_string(sk.placements()) +
+                    " (k/v): per mesh dim, q and k/v must be both Shard(0) (batch), both "
+                    "Shard(2) on every mesh dim alike (ring attention), or on one mesh dim "
+                    "Replicate with Shard(2) (mixed; Note [mixed-placement attention])");
+    }
+  }
+  const ShardSpec score_spec(mesh, score_pl, {s.B, s.Hq, s.Sq, s.Sk}, score_sizes);
+  at::Tensor mask_local;
+  if (mask.defined()) {
+    const ShardSpec target = operand_spec(score_spec, mask.sizes());
+    if (const ShardSpec* ms = spec_of(mask)) {
+      if (*ms != target) {
+        fail_call(q, k, v, mask,
+                  "the mask must be a plain tensor or laid out as the scores' block: expected " +
+                      target.to_string() + ", got " + ms->to_string());
+      }
+      mask_local = local_of(mask);
+    } else {
+      mask_local = detail::local_slice(mask, target);
+    }
+  }
+  // ---- no communication above this line; every check ran on every rank alike ----
+  at::Tensor ql = local_of(q), kl = local_of(k), vl = local_of(v);
+  const int64_t g = s.Hq / s.Hkv;
+  if (q_dim >= 0) {
+    kl = comm::use_replicated(kl, mesh, {q_dim});
+    vl = comm::use_replicated(vl, mesh, {q_dim});
+  } else {
+    ql = comm::use_replicated(ql, mesh, {kv_dim});
+  }
+  at::Tensor kk = g > 1 ? kl.repeat_interleave(g, 1) : kl;
+  at::Tensor vv = g > 1 ? vl.repeat_interleave(g, 1) : vl;
+  at::Tensor sc = at::matmul(ql, kk.transpose(-2, -1)) * scale;
+  if (mask_local.defined()) {
+    sc = mask_local.scalar_type() == at::kBool ? sc.masked_fill(mask_local.logical_not(), kNegInf)
+                                               : sc + mask_local.to(sc.scalar_type());
+  }
+  if (causal) {
+    const int64_t q0 = q_dim >= 0 ? offsets_of(sq.shard_sizes(q_dim))[mesh.coordinate()[q_dim]] : 0;
+    const int64_t k0 =
+        kv_dim >= 0 ? offsets_of(sk.shard_sizes(kv_dim))[mesh.coordinate()[kv_dim]] : 0;
+    auto opts = at::TensorOptions().dtype(at::kLong);
+    at::Tensor qi = at::arange(q0, q0 + ql.size(2), opts).unsqueeze(1);
+    at::Tensor kj = at::arange(k0, k0 + kl.size(2), opts).unsqueeze(0);
+    sc = sc.masked_fill(kj > qi, kNegInf);
+  }
+  if (q_dim >= 0) {
+    return wrap(at::matmul(at::softmax(sc, -1), vv), spec_ptr_of(q));
+  }
+  // q Replicate, k/v Shard(2) on kv_dim: combine the per-rank partial softmaxes.
+  // Stabilizers are detached constants (they cancel exactly), so every
+  // differentiable path is exp(score - constant): no 0 * inf in backward for a
+  // row with no visible key here (empty piece, mask, causal).
+  at::Tensor top_local, factor;
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor row_max = sc.size(-1) > 0 ? std::get<0>(sc.detach().max(-1, /*keepdim=*/true))
+                                         : at::full({sc.size(0), sc.size(1), sc.size(2), 1},
+                                                    kNegInf, sc.options().requires_grad(false));
+    at::Tensor seen = row_max.isfinite();
+    top_local = at::where(seen, row_max, at::zeros_like(row_max));
+    at::Tensor top = comm::all_reduce_nograd(row_max, mesh, {kv_dim}, ReduceOp::Max);
+    factor = at::where(seen, at::exp(row_max - top), at::zeros_like(row_max));
+  }
+  at::Tensor e = at::exp(sc - top_local);  // [b, Hq, Sq, Sk_local], 0 where hidden
+  at::Tensor num = comm::all_reduce(at::matmul(e, vv) * factor, mesh, {kv_dim});
+  at::Tensor den = comm::all_reduce(e.sum(-1, /*keepdim=*/true) * factor, mesh, {kv_dim});
+  return wrap(num / den, spec_ptr_of(q));
+}
+
 }  // namespace
 
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k,
@@ -583,6 +713,11 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
   }
   if (n_sharded != 3) {
     fail_call(q, k, v, attn_mask, "q, k and v must be all ShardTensors or all plain tensors");
+  }
+  if (spec_of(q)->placements() != spec_of(k)->placements() &&
+      spec_of(q)->mesh() == spec_of(k)->mesh()) {
+    return mixed_attention(q, k, v, attn_mask, is_causal, sc,
+                           s);  // Note [mixed-placement attention]
   }
   return ring_attention(q, k, v, attn_mask, is_causal, sc, s);
 }
