@@ -239,4 +239,7 @@ MPI_Comm duplicate(MPI_Comm comm);
 /// MPI_COMM_NULL or once MPI is finalized. Never throws.
 void free_duplicate(MPI_Comm& comm) noexcept;
 
+/// Local. Communicators made by duplicate() and not yet freed.
+int64_t live_duplicates();
+
 }  // namespace shardtensor::comm::transport

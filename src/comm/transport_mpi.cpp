@@ -835,17 +835,25 @@ int64_t set_max_count_for_testing(int64_t max_count) {
 
 // ---- communicator management (appended; issue 10) ---------------------------
 
+namespace {
+std::atomic<int64_t> g_live_duplicates{0};
+}  // namespace
+
 MPI_Comm duplicate(MPI_Comm comm) {
   MPI_Comm dup = MPI_COMM_NULL;
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(comm, &dup));
+  g_live_duplicates.fetch_add(1);
   return dup;
 }
 
 void free_duplicate(MPI_Comm& comm) noexcept {
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (comm != MPI_COMM_NULL) g_live_duplicates.fetch_sub(1);
   if (!finalized && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
   comm = MPI_COMM_NULL;
 }
+
+int64_t live_duplicates() { return g_live_duplicates.load(); }
 
 }  // namespace shardtensor::comm::transport

@@ -87,6 +87,24 @@ void register_mesh(MeshState* s) {
   r.states.push_back(s);
 }
 
+}  // namespace
+
+namespace detail {
+// Declared in src/mesh/live_comms.h (private; tests use it).
+int64_t live_mesh_communicators() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  int64_t n = 0;
+  for (MeshState* s : r.states) {
+    n += (s->cart != MPI_COMM_NULL) + static_cast<int64_t>(s->dim_comms.size()) +
+         static_cast<int64_t>(s->sub_comms.size());
+  }
+  return n;
+}
+}  // namespace detail
+
+namespace {
+
 void unregister_mesh(MeshState* s) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
