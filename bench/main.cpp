@@ -289,7 +289,7 @@ struct Measurement {
   double dispatch_calls_per_step = 0, boundary_s_per_step = 0, handler_s_per_step = 0;
   double lookup_s_per_step = 0;
   std::vector<int64_t> rank_messages, rank_bytes;  // per rank, per step (sharded only)
-  std::vector<double> rank_cpu_s, rank_boundary_s, rank_host_s;
+  std::vector<double> rank_cpu_s, rank_boundary_s, rank_comm_s;
 };
 
 // ---- per-op profile ---------------------------------------------------------------
@@ -304,9 +304,17 @@ struct Measurement {
 // (interception overhead) across the call: ops run one at a time per rank,
 // so the deltas belong to that op. The sharded and the plain run get the same
 // callback, so the rows line up by name.
+//
+// Kernel time: a nested op during which the dispatcher intercepted nothing
+// (dispatch_stats().calls unchanged) ran on plain tensors only: a libtorch
+// kernel. The outermost such ops under a top-level op add up to its kernel
+// time; host = time - kernel - comm is what the op spent in shardtensor's
+// own host code (dispatch, rules, spec and plan construction, packing is
+// kernel). A top-level op that nothing intercepted (a plain op, or a rule's
+// backward Function) is kernel time except its communication.
 struct OpStat {
   int64_t calls = 0;
-  double seconds = 0, comm_seconds = 0, boundary_seconds = 0;
+  double seconds = 0, kernel_seconds = 0, comm_seconds = 0, boundary_seconds = 0;
   int64_t bytes_sent = 0, messages = 0;
 };
 
@@ -319,38 +327,60 @@ Profiler& profiler() {
   static Profiler p;
   return p;
 }
-thread_local int op_depth = 0;
 
-struct OpContext : at::ObserverContext {
+struct Frame {
   double t0 = 0;
-  st::CommStats comm;
+  int64_t calls0 = 0;
+  double child_kernel = 0;  // kernel seconds of the outermost pure ops below
+  st::CommStats comm;       // top level only
   st::DispatchStats dispatch;
-  bool timed = false;
 };
+thread_local std::vector<Frame> frames;
+
+struct OpContext : at::ObserverContext {};
 
 double now_s();
 
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
-  if (op_depth++ != 0 || !profiler().on.load(std::memory_order_relaxed)) return nullptr;
-  auto ctx = std::make_unique<OpContext>();
-  ctx->timed = true;
-  ctx->comm = st::comm_stats();
-  ctx->dispatch = st::dispatch_stats();
-  ctx->t0 = now_s();
-  return ctx;
+  if (!profiler().on.load(std::memory_order_relaxed)) return nullptr;
+  Frame f;
+  f.dispatch = st::dispatch_stats();
+  f.calls0 = f.dispatch.calls;
+  if (frames.empty()) f.comm = st::comm_stats();
+  f.t0 = now_s();
+  frames.push_back(f);
+  return std::make_unique<OpContext>();
 }
 
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext* c) {
-  --op_depth;
-  auto* ctx = static_cast<OpContext*>(c);
-  if (ctx == nullptr || !ctx->timed) return;
-  const double dt = now_s() - ctx->t0;
-  const st::CommStats cs = st::comm_stats();
+  if (c == nullptr || frames.empty()) return;
+  const double t1 = now_s();
+  const Frame f = frames.back();
+  frames.pop_back();
+  const double dt = t1 - f.t0;
   const st::DispatchStats ds = st::dispatch_stats();
+  const bool pure = ds.calls == f.calls0;
+  const double kernel = pure ? dt : f.child_kernel;
+  if (!frames.empty()) {
+    frames.back().child_kernel += kernel;
+    return;
+  }
+  const st::CommStats cs = st::comm_stats();
+  // A top-level op nothing intercepted (e.g. a rule's backward Function, which
+  // works on plain tensors) is kernel time except its communication.
+  const double top_kernel =
+      pure ? std::max(0.0, dt - (cs.comm_seconds - f.comm.comm_seconds)) : kernel;
   std::string name = fn.name();
-  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
-    const auto colon = name.rfind(": ");
-    if (colon != std::string::npos) name = name.substr(colon + 2);
+  // "autograd::engine::evaluate_function: torch::autograd::CppNode<ns::Fn>" -> "Fn (bwd)".
+  const std::string engine = "autograd::engine::evaluate_function: ";
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION || name.rfind(engine, 0) == 0) {
+    if (name.rfind(engine, 0) == 0) name = name.substr(engine.size());
+    const std::string node = "torch::autograd::CppNode<";
+    if (name.rfind(node, 0) == 0 && name.back() == '>') {
+      name = name.substr(node.size(), name.size() - node.size() - 1);
+      const auto ns = name.rfind("::");
+      if (ns != std::string::npos) name = name.substr(ns + 2);
+    }
     name += " (bwd)";
   }
   auto& p = profiler();
@@ -358,10 +388,11 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* c) {
   OpStat& o = p.ops[name];
   o.calls += 1;
   o.seconds += dt;
-  o.comm_seconds += cs.comm_seconds - ctx->comm.comm_seconds;
-  o.bytes_sent += cs.bytes_sent - ctx->comm.bytes_sent;
-  o.messages += cs.messages - ctx->comm.messages;
-  o.boundary_seconds += ds.boundary_seconds - ctx->dispatch.boundary_seconds;
+  o.kernel_seconds += top_kernel;
+  o.comm_seconds += cs.comm_seconds - f.comm.comm_seconds;
+  o.bytes_sent += cs.bytes_sent - f.comm.bytes_sent;
+  o.messages += cs.messages - f.comm.messages;
+  o.boundary_seconds += ds.boundary_seconds - f.dispatch.boundary_seconds;
 }
 
 /// Installs the callback once; measure() switches it on for the timed steps
@@ -486,20 +517,20 @@ Measurement measure(const Options& o, const Problem& problem, const st::DeviceMe
     m.comm_fraction = f[0] / size;
     m.comm_fraction_max = f[1];
     // Note [scale counters]: every rank's per-step counters, for the scale
-    // scenario (what grows with P). host_s = thread CPU time per step minus
-    // the transport's time: the rank's own work outside MPI (kernels, rule
-    // dispatch, spec and plan construction; busy-polling inside MPI is in
-    // comm). Oversubscribed ranks share cores, so CPU time, not wall time.
+    // scenario (what grows with P): messages and bytes (deterministic), the
+    // thread's CPU seconds (oversubscribed ranks share cores, so CPU time, not
+    // wall time), the transport's wall seconds, and the dispatcher boundary's
+    // seconds. The host time outside kernels comes from `profile` (Note
+    // [bench profile]).
     m.rank_messages.assign(size, 0);
     m.rank_bytes.assign(size, 0);
     m.rank_cpu_s.assign(size, 0);
     m.rank_boundary_s.assign(size, 0);
-    m.rank_host_s.assign(size, 0);
+    m.rank_comm_s.assign(size, 0);
     const int64_t mine[2] = {cs.messages / steps, cs.bytes_sent / steps};
     std::vector<int64_t> ints(2 * size);
     MPI_Allgather(mine, 2, MPI_INT64_T, ints.data(), 2, MPI_INT64_T, world);
-    const double mined[3] = {m.cpu_s_per_step, m.boundary_s_per_step,
-                             std::max(0.0, m.cpu_s_per_step - m.comm_s_per_step)};
+    const double mined[3] = {m.cpu_s_per_step, m.boundary_s_per_step, m.comm_s_per_step};
     std::vector<double> dbl(3 * size);
     MPI_Allgather(mined, 3, MPI_DOUBLE, dbl.data(), 3, MPI_DOUBLE, world);
     for (int r = 0; r < size; ++r) {
@@ -507,7 +538,7 @@ Measurement measure(const Options& o, const Problem& problem, const st::DeviceMe
       m.rank_bytes[r] = ints[2 * r + 1];
       m.rank_cpu_s[r] = dbl[3 * r];
       m.rank_boundary_s[r] = dbl[3 * r + 1];
-      m.rank_host_s[r] = dbl[3 * r + 2];
+      m.rank_comm_s[r] = dbl[3 * r + 2];
     }
   }
   return m;
@@ -757,7 +788,7 @@ int cmd_run(const Options& o) {
     r["rank_messages_per_step"] = sh.rank_messages;
     r["rank_bytes_sent_per_step"] = sh.rank_bytes;
     r["rank_cpu_s_per_step"] = sh.rank_cpu_s;
-    r["rank_host_s_per_step"] = sh.rank_host_s;
+    r["rank_comm_s_per_step"] = sh.rank_comm_s;
     r["rank_dispatch_boundary_s_per_step"] = sh.rank_boundary_s;
     if (b) {
       const double bstep = median(b->m.step_s);
@@ -943,9 +974,13 @@ int cmd_maxsize(const Options& o) {
 Json ops_to_json(const std::map<std::string, OpStat>& ops, int steps) {
   Json j = Json::object();
   for (const auto& [name, st] : ops) {
-    j[name] = {{"calls", st.calls / steps},           {"s", st.seconds / steps},
-               {"comm_s", st.comm_seconds / steps},   {"boundary_s", st.boundary_seconds / steps},
-               {"bytes_sent", st.bytes_sent / steps}, {"messages", st.messages / steps}};
+    j[name] = {{"calls", st.calls / steps},
+               {"s", st.seconds / steps},
+               {"kernel_s", st.kernel_seconds / steps},
+               {"comm_s", st.comm_seconds / steps},
+               {"boundary_s", st.boundary_seconds / steps},
+               {"bytes_sent", st.bytes_sent / steps},
+               {"messages", st.messages / steps}};
   }
   return j;
 }
@@ -1021,13 +1056,22 @@ int cmd_profile(const Options& o) {
     std::string name;
     int64_t calls = 0;
     double sharded_s = 0, sharded_mean_s = 0, plain_s = 0, comm_s = 0, boundary_s = 0;
+    double kernel_s = 0, host_s = 0;
     int64_t bytes = 0, messages = 0;
     double excess() const { return sharded_s - plain_s; }
   };
   std::map<std::string, Row> rows;
+  std::vector<double> rank_host, rank_kernel;
   for (const Json& rk : sharded) {
+    double host = 0, kernel = 0;
     for (const auto& [name, v] : rk.items()) {
+      const double h = std::max(
+          0.0, v["s"].get<double>() - v["kernel_s"].get<double>() - v["comm_s"].get<double>());
+      host += h;
+      kernel += v["kernel_s"].get<double>();
       Row& r = rows[name];
+      r.host_s = std::max(r.host_s, h);
+      r.kernel_s = std::max(r.kernel_s, v["kernel_s"].get<double>());
       r.name = name;
       r.calls = std::max<int64_t>(r.calls, v["calls"].get<int64_t>());
       r.sharded_s = std::max(r.sharded_s, v["s"].get<double>());
@@ -1037,6 +1081,8 @@ int cmd_profile(const Options& o) {
       r.bytes = std::max(r.bytes, v["bytes_sent"].get<int64_t>());
       r.messages = std::max(r.messages, v["messages"].get<int64_t>());
     }
+    rank_host.push_back(host);
+    rank_kernel.push_back(kernel);
   }
   for (const auto& [name, v] : plain.items()) {
     Row& r = rows[name];
@@ -1066,8 +1112,8 @@ int cmd_profile(const Options& o) {
                "sharded - ideal\n";
   std::cout << std::left << std::setw(48) << "op" << std::right << std::setw(7) << "calls"
             << std::setw(11) << "sharded" << std::setw(10) << "ideal" << std::setw(10) << "excess"
-            << std::setw(10) << "comm" << std::setw(10) << "dispatch" << std::setw(11) << "sent KiB"
-            << std::setw(7) << "msgs"
+            << std::setw(10) << "kernel" << std::setw(10) << "host" << std::setw(10) << "comm"
+            << std::setw(10) << "dispatch" << std::setw(11) << "sent KiB" << std::setw(7) << "msgs"
             << "\n";
   Row total;
   int shown = 0;
@@ -1075,6 +1121,8 @@ int cmd_profile(const Options& o) {
     total.sharded_s += r.sharded_s;
     total.plain_s += r.plain_s;
     total.comm_s += r.comm_s;
+    total.kernel_s += r.kernel_s;
+    total.host_s += r.host_s;
     total.boundary_s += r.boundary_s;
     total.bytes += r.bytes;
     total.messages += r.messages;
@@ -1082,16 +1130,18 @@ int cmd_profile(const Options& o) {
     std::cout << std::left << std::setw(48) << r.name.substr(0, 47) << std::right << std::setw(7)
               << r.calls << std::setw(11) << fixed(1e3 * r.sharded_s, 3) << std::setw(10)
               << fixed(1e3 * r.plain_s, 3) << std::setw(10) << fixed(1e3 * r.excess(), 3)
-              << std::setw(10) << fixed(1e3 * r.comm_s, 3) << std::setw(10)
-              << fixed(1e3 * r.boundary_s, 3) << std::setw(11) << fixed(r.bytes / 1024.0, 1)
-              << std::setw(7) << r.messages << "\n";
+              << std::setw(10) << fixed(1e3 * r.kernel_s, 3) << std::setw(10)
+              << fixed(1e3 * r.host_s, 3) << std::setw(10) << fixed(1e3 * r.comm_s, 3)
+              << std::setw(10) << fixed(1e3 * r.boundary_s, 3) << std::setw(11)
+              << fixed(r.bytes / 1024.0, 1) << std::setw(7) << r.messages << "\n";
   }
   std::cout << std::left << std::setw(48) << "total (all rows)" << std::right << std::setw(7) << ""
             << std::setw(11) << fixed(1e3 * total.sharded_s, 3) << std::setw(10)
             << fixed(1e3 * total.plain_s, 3) << std::setw(10) << fixed(1e3 * total.excess(), 3)
-            << std::setw(10) << fixed(1e3 * total.comm_s, 3) << std::setw(10)
-            << fixed(1e3 * total.boundary_s, 3) << std::setw(11) << fixed(total.bytes / 1024.0, 1)
-            << std::setw(7) << total.messages << "\n";
+            << std::setw(10) << fixed(1e3 * total.kernel_s, 3) << std::setw(10)
+            << fixed(1e3 * total.host_s, 3) << std::setw(10) << fixed(1e3 * total.comm_s, 3)
+            << std::setw(10) << fixed(1e3 * total.boundary_s, 3) << std::setw(11)
+            << fixed(total.bytes / 1024.0, 1) << std::setw(7) << total.messages << "\n";
   std::cout.flush();
 
   torch::manual_seed(o.seed);
@@ -1106,6 +1156,15 @@ int cmd_profile(const Options& o) {
   r["dispatch_boundary_s_per_step"] = sh.boundary_s_per_step;
   r["dispatch_handler_s_per_step"] = sh.handler_s_per_step;
   r["find_rule_ns_uncached"] = lookup_ns;
+  r["cpu_s_per_step"] = sh.cpu_s_per_step;
+  r["comm_s_per_step"] = sh.comm_s_per_step;
+  r["rank_messages_per_step"] = sh.rank_messages;
+  r["rank_bytes_sent_per_step"] = sh.rank_bytes;
+  r["rank_cpu_s_per_step"] = sh.rank_cpu_s;
+  r["rank_comm_s_per_step"] = sh.rank_comm_s;
+  r["rank_dispatch_boundary_s_per_step"] = sh.rank_boundary_s;
+  r["rank_host_s_per_step"] = rank_host;
+  r["rank_kernel_s_per_step"] = rank_kernel;
   Json ops = Json::array();
   for (const auto& row : sorted) {
     ops.push_back({{"op", row.name},
@@ -1113,6 +1172,8 @@ int cmd_profile(const Options& o) {
                    {"sharded_s", row.sharded_s},
                    {"sharded_mean_s", row.sharded_mean_s},
                    {"ideal_s", row.plain_s},
+                   {"kernel_s", row.kernel_s},
+                   {"host_s", row.host_s},
                    {"comm_s", row.comm_s},
                    {"dispatch_s", row.boundary_s},
                    {"bytes_sent", row.bytes},

@@ -202,6 +202,8 @@ profile_section() {
   echo "Per training step, in ms; **sharded** = the slowest rank's time in the op (forward ops by"
   echo "their aten name, backward by the autograd node, \"(bwd)\"), **ideal** = plain libtorch's"
   echo "time in the same op, same threads, divided by P; rows sorted by **excess** = sharded - ideal."
+  echo "**kernel** = time in libtorch kernels inside the op, **host** = sharded - kernel - comm (rule"
+  echo "dispatch, spec and plan construction; Note [bench profile] in bench/main.cpp),"
   echo "**dispatch** = the dispatcher boundary's own host time inside the op (DispatchStats)."
   echo
   jq -r '.[] | "### \(.workload) \(.mode) \(.spatial_shape | map(tostring) | join("x")), P = \(.ranks) x \(.threads_per_rank) thread(s)\n\n" +
@@ -209,8 +211,8 @@ profile_section() {
     "\(.dispatch_calls_per_step | floor) intercepted calls per step, dispatcher boundary \(.dispatch_boundary_s_per_step * 1e6 | floor) us/step " +
     "(lookup \(.dispatch_lookup_s_per_step * 1e6 | floor) us; an uncached registry lookup costs \(.find_rule_ns_uncached | floor) ns); " +
     "load \(.loadavg_1min), \(.date), mpirun \(.mpirun_flags), rank CPUs \(.rank_affinity | join(" / ")).\n\n" +
-    "| op | calls | sharded ms | ideal ms | excess ms | comm ms | dispatch ms | sent KiB | msgs |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" +
-    ([.ops[:15][] | "| \(.op) | \(.calls) | \(.sharded_s * 1000 * 1000 | round / 1000) | \(.ideal_s * 1000 * 1000 | round / 1000) | \((.sharded_s - .ideal_s) * 1000 * 1000 | round / 1000) | \(.comm_s * 1000 * 1000 | round / 1000) | \(.dispatch_s * 1000 * 1000 | round / 1000) | \(.bytes_sent / 1024 * 10 | round / 10) | \(.messages) |"] | join("\n")) + "\n"' "$f"
+    "| op | calls | sharded ms | ideal ms | excess ms | kernel ms | host ms | comm ms | dispatch ms | sent KiB | msgs |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n" +
+    ([.ops[:15][] | "| \(.op) | \(.calls) | \(.sharded_s * 1000 * 1000 | round / 1000) | \(.ideal_s * 1000 * 1000 | round / 1000) | \((.sharded_s - .ideal_s) * 1000 * 1000 | round / 1000) | \(.kernel_s * 1e6 | round / 1000) | \(.host_s * 1e6 | round / 1000) | \(.comm_s * 1000 * 1000 | round / 1000) | \(.dispatch_s * 1000 * 1000 | round / 1000) | \(.bytes_sent / 1024 * 10 | round / 10) | \(.messages) |"] | join("\n")) + "\n"' "$f"
 }
 
 # scale.json: weak scaling with tiny pieces; per rank and step, max over ranks.
@@ -220,30 +222,34 @@ scale_section() {
   echo "## Scale model: weak scaling with tiny pieces \`bench/results/scale.json\`"
   echo
   echo "Per rank and training step, the max over ranks (\`make bench-scale\`). **host s** = the"
-  echo "rank's thread CPU time minus its time inside MPI: kernels plus rule dispatch, spec and plan"
-  echo "construction. P beyond the 2 cores is oversubscribed, so wall time is not comparable across"
-  echo "P; counts and CPU seconds are."
+  echo "time in ShardTensor ops outside libtorch kernels and outside MPI (rule dispatch, spec and"
+  echo "plan construction; Note [bench profile] in bench/main.cpp). P beyond the 2 cores is"
+  echo "oversubscribed: a rank can be descheduled inside any interval, so wall times (host s"
+  echo "included) grow with P/cores; message and byte counts do not."
   echo
   echo "| workload | P | piece | global shape | msgs/rank | KiB sent/rank | intercepted calls | dispatch boundary ms | host s (max rank) | comm s | step s (wall) | load |"
   echo "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
   jq -r '.[] | "| \(.workload) | \(.ranks) | \(.spatial_shape[0] / .ranks | floor)x\(.spatial_shape[1]) | \(.spatial_shape | map(tostring) | join("x")) | \(.rank_messages_per_step | max) | \((.rank_bytes_sent_per_step | max) / 1024 * 10 | round / 10) | \(.dispatch_calls_per_step | floor) | \((.rank_dispatch_boundary_s_per_step | max) * 1e6 | round / 1000) | \((.rank_host_s_per_step | max) * 1e4 | round / 1e4) | \(.comm_s_per_step * 1e4 | round / 1e4) | \(.step_s_median * 1e4 | round / 1e4) | \(.loadavg_1min) |"' "$f"
   echo
-  echo "Least-squares fit a + b P of the per-rank numbers over the measured P, evaluated at P = 4096:"
+  echo "Least-squares fits of the per-rank numbers over the measured P >= 2 (P = 1 has no"
+  echo "communication), evaluated at P = 4096: linear a + b P, and logarithmic c + d log2 P."
+  echo "Which one describes a row is in the hand-written analysis above."
   echo
-  echo "| workload | quantity | a | b (per rank added) | at P = 4096 | at the largest measured P |"
-  echo "|---|---|---:|---:|---:|---:|"
-  jq -r 'group_by(.workload)[] | . as $g |
-    def fit(f): ($g | map([.ranks, f])) as $pts | ($pts | length) as $n |
+  echo "| workload | quantity | at the largest measured P | linear fit | linear at 4096 | log fit | log at 4096 |"
+  echo "|---|---|---:|---|---:|---|---:|"
+  jq -r 'map(select(.ranks >= 2)) | group_by(.workload)[] | . as $g |
+    def fit(f; x): ($g | map([(.ranks | x), f])) as $pts | ($pts | length) as $n |
       ($pts | map(.[0]) | add / $n) as $mx | ($pts | map(.[1]) | add / $n) as $my |
       ($pts | map((.[0] - $mx) * (.[0] - $mx)) | add) as $sxx |
       ($pts | map((.[0] - $mx) * (.[1] - $my)) | add) as $sxy |
       (if $sxx > 0 then $sxy / $sxx else 0 end) as $b | [$my - $b * $mx, $b, ($pts | max_by(.[0]) | .[1])];
-    def row(name; f; scale): fit(f) as $r |
-      "| \($g[0].workload) | \(name) | \($r[0] * scale * 1000 | round / 1000) | \($r[1] * scale * 1e6 | round / 1e6) | \(($r[0] + $r[1] * 4096) * scale * 1000 | round / 1000) | \($r[2] * scale * 1000 | round / 1000) |";
+    def r3: . * 1000 | round / 1000;
+    def row(name; f; scale): fit(f; .) as $r | fit(f; log / (2 | log)) as $l |
+      "| \($g[0].workload) | \(name) | \($r[2] * scale | r3) | \($r[0] * scale | r3) + \($r[1] * scale | r3) P | \(($r[0] + $r[1] * 4096) * scale | r3) | \($l[0] * scale | r3) + \($l[1] * scale | r3) log2 P | \(($l[0] + $l[1] * 12) * scale | r3) |";
     row("messages / rank / step"; .rank_messages_per_step | max; 1),
     row("KiB sent / rank / step"; .rank_bytes_sent_per_step | max; 1 / 1024),
     row("dispatch boundary ms / rank / step"; .rank_dispatch_boundary_s_per_step | max; 1000),
-    row("host CPU s / rank / step"; .rank_host_s_per_step | max; 1)' "$f"
+    row("host s outside kernels and MPI / rank / step"; .rank_host_s_per_step | max; 1)' "$f"
   echo
 }
 
@@ -259,7 +265,8 @@ io_section() {
   echo
   echo "| shape | MB | P | sequential s | collective s | independent s | collective GB/s (aggregate) | MB per rank | load before -> after |"
   echo "|---|---:|---:|---:|---:|---:|---:|---:|---|"
-  jq -r '.[] | "| \(.shape) | \(.bytes / 1e6 * 10 | round / 10) | \(.np) | \(.sequential_s * 1e4 | round / 1e4) | \(.collective_s * 1e4 | round / 1e4) | \(.independent_s * 1e4 | round / 1e4) | \(.bytes / .collective_s / 1e9 * 100 | round / 100) | \(.bytes_per_rank_max / 1e6 * 10 | round / 10) | \(.load_before) -> \(.load_after) |"' "$f"
+  # An array (bench/results.h), or one object per line (run_io.sh before issue 13).
+  jq -s -r '(if (.[0] | type) == "array" then .[0] else . end) | .[] | "| \(.shape) | \(.bytes / 1e6 * 10 | round / 10) | \(.np) | \(.sequential_s * 1e4 | round / 1e4) | \(.collective_s * 1e4 | round / 1e4) | \(.independent_s * 1e4 | round / 1e4) | \(.bytes / .collective_s / 1e9 * 100 | round / 100) | \(.bytes_per_rank_max / 1e6 * 10 | round / 10) | \(.load_before) -> \(.load_after) |"' "$f"
   echo
 }
 
@@ -338,12 +345,15 @@ hand-written before/after comparison in [conv_overlap.md](conv_overlap.md)
 
 ```sh
 make bench-quick     # < 10 min on 2 cores: bench/results/quick.json
-make bench           # every scenario: bench/results/{overhead,strong,fixed,weak,maxsize,attention}.json
+make bench           # every scenario but scale: bench/results/{overhead,strong,fixed,weak,maxsize,attention,profile,io}.json
 make bench-report    # installs gnuplot-nox if missing, writes docs/benchmarks.md and docs/img/bench_*.png
 # one scenario, or one configuration by hand:
 bench/run.sh weak
 mpirun --oversubscribe --bind-to none -np 2 build/bench/shardtensor_bench run \
   --workload unet2d --mode train --shape 256,256 --baseline-threads 1,match --out /tmp/r.json
+mpirun --oversubscribe --bind-to none -np 2 build/bench/shardtensor_bench profile \
+  --workload unet2d --mode train --shape 512,512 --steps 2 --warmup 1
+make bench-scale bench-profile bench-io   # the scale model, the per-op profile, HDF5 reads
 build/bench/shardtensor_bench help
 ```
 
@@ -364,6 +374,9 @@ it on an otherwise idle machine: the `load` column records how busy it was.
 | `strong.json` | (3) strong scaling on 2 cores: P = 2 x 1 thread vs one process with 1 and with 2 threads |
 | `maxsize.json` | (4) largest trainable unet2d sample under 1 GiB of tensor memory per rank, P = 1, 2, 4, 8 |
 | `overhead.json` | (5) P = 1: the ShardTensor path vs plain libtorch, 1 thread each (speedup < 1 is the overhead) |
+| `profile.json` | `make bench-profile`: per-op forward/backward time, kernel/host/comm split and bytes of unet2d 512x512 train at P = 1, 2 next to plain libtorch with the same threads (`shardtensor_bench profile`) |
+| `scale.json` | `make bench-scale`: weak scaling with a tiny 16x32 piece per rank, unet2d (depth 2, 8 channels) and conv_stack train, P = 1, 2, 4, 8, 16 (SCALE_NPS), per rank and step: messages, bytes, dispatcher counters, host time outside kernels |
+| `io.json` | `make bench-io` (bench/run_io.sh): parallel HDF5 read of a sharded field at P = 1, 2, 4 vs one rank reading the whole file |
 | `attention.json` | sequence-sharded (ring) attention, 1 head of 64, S = 2^10 .. 2^15 at P = 1, 2, train and infer; the baseline (textbook softmax(q k^T / sqrt(d)) v, which holds the S x S scores) only up to S = 2^13 |
 
 ## What is measured

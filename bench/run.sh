@@ -174,8 +174,9 @@ scenario_attention() {
 # Weak scaling with tiny pieces (the scale model, docs/benchmarks.md): every
 # rank holds a SCALE_PIECE piece of a 1-D decomposition along rows, so the
 # global rows grow with P; U-Net (depth 2, 8 channels) and the conv stack,
-# train, no baseline. Per rank and step the records carry messages, bytes,
-# CPU seconds, the host time outside MPI and the dispatcher's counters.
+# train, no baseline, through `shardtensor_bench profile`: per rank and step
+# the records carry messages, bytes, CPU seconds, the host time outside
+# kernels and MPI (Note [bench profile]) and the dispatcher's counters.
 # P beyond the cores runs oversubscribed: look at counts and CPU seconds, not
 # wall time.
 scenario_scale() {
@@ -186,9 +187,9 @@ scenario_scale() {
   for w in conv_stack unet2d; do
     for np in $SCALE_NPS; do
       # shellcheck disable=SC2046
-      bench "$np" scale run --scenario scale --workload $w $(norm_flag $w) --mode train \
+      bench "$np" scale profile --scenario scale --workload $w $(norm_flag $w) --mode train \
         --shape "$((rows * np)),$cols" --base-channels 8 --depth 2 --steps "$SCALE_STEPS" \
-        --warmup 1 --no-baseline
+        --warmup 1 --no-baseline --top 0
     done
   done
 }
