@@ -229,7 +229,7 @@ scale_section() {
   echo
   echo "| workload | P | piece | global shape | msgs/rank | KiB sent/rank | intercepted calls | dispatch boundary ms | host s (max rank) | comm s | step s (wall) | load |"
   echo "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-  jq -r '.[] | "| \(.workload) | \(.ranks) | \(.spatial_shape[0] / .ranks | floor)x\(.spatial_shape[1]) | \(.spatial_shape | map(tostring) | join("x")) | \(.rank_messages_per_step | max) | \((.rank_bytes_sent_per_step | max) / 1024 * 10 | round / 10) | \(.dispatch_calls_per_step | floor) | \((.rank_dispatch_boundary_s_per_step | max) * 1e6 | round / 1000) | \((.rank_host_s_per_step | max) * 1e4 | round / 1e4) | \(.comm_s_per_step * 1e4 | round / 1e4) | \(.step_s_median * 1e4 | round / 1e4) | \(.loadavg_1min) |"' "$f"
+  jq -r 'sort_by(.workload, .ranks) | .[] | "| \(.workload) | \(.ranks) | \(.spatial_shape[0] / .ranks | floor)x\(.spatial_shape[1]) | \(.spatial_shape | map(tostring) | join("x")) | \(.rank_messages_per_step | max) | \((.rank_bytes_sent_per_step | max) / 1024 * 10 | round / 10) | \(.dispatch_calls_per_step | floor) | \((.rank_dispatch_boundary_s_per_step | max) * 1e6 | round / 1000) | \((.rank_host_s_per_step | max) * 1e4 | round / 1e4) | \(.comm_s_per_step * 1e4 | round / 1e4) | \(.step_s_median * 1e4 | round / 1e4) | \(.loadavg_1min) |"' "$f"
   echo
   echo "Least-squares fits of the per-rank numbers over the measured P >= 2 (P = 1 has no"
   echo "communication), evaluated at P = 4096: linear a + b P, and logarithmic c + d log2 P."
@@ -286,7 +286,7 @@ scale_plots() {
     if [ $name = traffic ]; then
       ylabel="per rank and step"; title="Scale model: messages and KiB sent per rank (flat = only neighbours talk)"
     else
-      ylabel="ms per rank and step"; title="Scale model: host time per rank (dispatch boundary; CPU outside MPI)"
+      ylabel="ms per rank and step"; title="Scale model: host time per rank (dispatch boundary; outside kernels and MPI)"
     fi
     {
       echo "set terminal pngcairo noenhanced size 900,620 font ',10'"
@@ -304,7 +304,7 @@ scale_plots() {
         if [ $name = traffic ]; then
           cols="'$d' using 1:2 with linespoints lw 2 pt 7 title '$wl messages', '$d' using 1:3 with linespoints lw 2 pt 5 title '$wl KiB sent'"
         else
-          cols="'$d' using 1:4 with linespoints lw 2 pt 7 title '$wl dispatch boundary', '$d' using 1:5 with linespoints lw 2 pt 5 title '$wl CPU outside MPI'"
+          cols="'$d' using 1:4 with linespoints lw 2 pt 7 title '$wl dispatch boundary', '$d' using 1:5 with linespoints lw 2 pt 5 title '$wl host outside kernels and MPI'"
         fi
         [ $first = 1 ] || printf ", "
         printf "%s" "$cols"
