@@ -65,7 +65,7 @@ endif
 
 .PHONY: fuzz test-asan test-large help demo demo-vit demo-py test deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
-        bench-overhead bench-attention bench-report bench-deps
+        bench-overhead bench-attention bench-scale bench-profile bench-io bench-report bench-deps
 
 help:
 	@echo "make demo     build and run examples/$(DEMO) on $(NP) ranks"
@@ -78,6 +78,7 @@ help:
 	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
 	@echo "make bench         every benchmark scenario -> bench/results/*.json"
 	@echo "make bench-fixed | bench-weak | bench-strong | bench-maxsize | bench-overhead | bench-attention"
+	@echo "make bench-scale | bench-profile | bench-io   scale model (P = 1..16), per-op profile, HDF5 reads"
 	@echo "make bench-report  docs/benchmarks.md + docs/img/bench_*.png from bench/results/*.json (gnuplot)"
 
 # Builds only the demo (and the library), not the tests.
@@ -194,10 +195,10 @@ clean:
 # ---- benchmarks (bench/run.sh: scenarios; bench/report.sh: docs/benchmarks.md) ----
 # Scenario knobs pass through the environment, e.g. make bench CAP_MIB=512 NPS="1 2 4".
 BENCH_ENV := BENCH_BIN=$(BUILD_ABS)/bench/shardtensor_bench MPIRUN=$(MPIRUN) MPIRUN_FLAGS="$(MPIRUN_FLAGS)"
-BENCH_SCENARIOS := fixed weak strong maxsize overhead attention
+BENCH_SCENARIOS := fixed weak strong maxsize overhead attention scale profile io
 
 bench-build: configure
-	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_bench
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_bench shardtensor_bench_io
 
 bench-quick: bench-build
 	$(BENCH_ENV) $(REPO_ROOT)/bench/run.sh quick

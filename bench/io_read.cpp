@@ -8,7 +8,7 @@
 //    sequentially (a one-rank mesh over MPI_COMM_SELF, one H5Dread).
 // 3. Sharded: every rank reads its Shard(0) hyperslab (io::read_hdf5,
 //    collective MPI-IO, and independent), between barriers.
-// Prints, and appends as one JSON object per line to --out: median seconds,
+// Prints, and appends one record to the JSON array in --out: median seconds,
 // bytes per rank (io_stats), per-rank and aggregate GB/s.
 // The file is in the page cache after the write (the machine's disk is not
 // measured, only HDF5 + MPI-IO + memory); the load average is recorded.
@@ -24,6 +24,10 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "results.h"
 
 namespace st = shardtensor;
 
@@ -64,23 +68,32 @@ std::string load_average() {
 
 int main(int argc, char** argv) {
   st::Runtime runtime(&argc, &argv);
-  std::vector<int64_t> shape{4096, 4096};
+  std::string shape_arg = "4096,4096";
   int repeats = 5;
   std::string file = "/tmp/shardtensor_bench_io.h5", out;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string a = argv[i], v = argv[i + 1];
-    if (a == "--shape") {
-      shape.clear();
-      std::stringstream ss(v);
-      std::string x;
-      while (std::getline(ss, x, ',')) shape.push_back(std::stoll(x));
-    } else if (a == "--repeats") {
-      repeats = std::stoi(v);
-    } else if (a == "--file") {
-      file = v;
-    } else if (a == "--out") {
-      out = v;
-    }
+  CLI::App app{"shardtensor_bench_io: read throughput of a sharded HDF5 field",
+               "shardtensor_bench_io"};
+  app.add_option("--shape", shape_arg, "global shape, 2-D or 3-D, comma separated")
+      ->capture_default_str();
+  app.add_option("--repeats", repeats, "timed reads of each kind")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--file", file, "scratch HDF5 file (removed at the end)")->capture_default_str();
+  app.add_option("--out", out, "append one JSON record to this JSON array file");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    if (st::world_rank() == 0) std::printf("%s", app.help().c_str());
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    if (st::world_rank() == 0) std::fprintf(stderr, "shardtensor_bench_io: %s\n", e.what());
+    return 2;
+  }
+  std::vector<int64_t> shape;
+  {
+    std::stringstream ss(shape_arg);
+    std::string x;
+    while (std::getline(ss, x, ',')) shape.push_back(std::stoll(x));
   }
   auto mesh = st::DeviceMesh::create({-1}, {"domain"});
   const int P = static_cast<int>(mesh.size());
@@ -139,12 +152,18 @@ int main(int argc, char** argv) {
         total_bytes / coll_s / 1e9, coll_bytes_max / coll_s / 1e9, coll_bytes_max / 1e6, ind_s,
         total_bytes / ind_s / 1e9, load_before.c_str(), load_after.c_str());
     if (!out.empty()) {
-      std::ofstream f(out, std::ios::app);
-      f << "{\"scenario\": \"io\", \"shape\": \"" << sh << "\", \"np\": " << P
-        << ", \"bytes\": " << total_bytes << ", \"sequential_s\": " << seq_s
-        << ", \"collective_s\": " << coll_s << ", \"independent_s\": " << ind_s
-        << ", \"bytes_per_rank_max\": " << coll_bytes_max << ", \"load_before\": \"" << load_before
-        << "\", \"load_after\": \"" << load_after << "\"}\n";
+      bench::Json r;
+      r["scenario"] = "io";
+      r["shape"] = sh;
+      r["np"] = P;
+      r["bytes"] = total_bytes;
+      r["sequential_s"] = seq_s;
+      r["collective_s"] = coll_s;
+      r["independent_s"] = ind_s;
+      r["bytes_per_rank_max"] = coll_bytes_max;
+      r["load_before"] = load_before;
+      r["load_after"] = load_after;
+      bench::append_records(out, {r});
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);

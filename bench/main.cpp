@@ -4,6 +4,7 @@
 //
 //   mpirun -np 2 shardtensor_bench run --workload unet2d --mode train --shape 256,256
 //   mpirun -np 4 shardtensor_bench maxsize --workload unet2d --cap-mib 1024
+//   mpirun -np 2 shardtensor_bench profile --workload unet2d --shape 512,512
 //
 // Measurements (rank 0 prints a table and appends JSON records to --out):
 //  - step time: every timed step starts after a barrier; a step's time is the
@@ -17,27 +18,40 @@
 //    calls, waiting included) over the step time, averaged over ranks.
 //  - baseline: rank 0 alone runs the same workload on plain tensors with a
 //    given thread count while the other ranks sleep in a non-blocking barrier
-//    (so they do not spin on the cores the baseline uses).
+//    (so they do not spin on the cores the baseline uses), on the union of the
+//    ranks' CPUs, before and after the sharded run (Note [baseline honesty]).
+//  - every record: each rank's CPU affinity, the mpirun flags, the thread
+//    settings, the load, and per rank and step: messages, bytes, CPU seconds,
+//    host seconds outside MPI, the dispatcher's counters (Note [scale counters]).
+//  - profile: per-op times of the sharded and the plain run (Note [bench profile]).
 #include <mpi.h>
+#include <sched.h>
+#include <shardtensor/dispatch/stats.h>
 #include <shardtensor/shardtensor.h>
 #include <unistd.h>
+
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "bench.h"
-#include "json.h"
+#include "ops/registry.h"
+#include "results.h"
 
 namespace st = shardtensor;
 
@@ -49,6 +63,9 @@ std::map<std::string, Workload>& registry() {
 }
 
 namespace {
+
+/// NaN (no value) is written as null.
+Json num_or_null(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
 
 // ---- options ----------------------------------------------------------------
 
@@ -70,139 +87,142 @@ struct Options {
   int64_t max_size = 1 << 16;
   int64_t seed = 0;
   double lr = 1e-3;
+  int top = 40;  // profile: table rows
+  std::string baseline_order = "sandwich";
 };
 
-const char* kHelp = R"(shardtensor_bench COMMAND [flags]   (launch under mpirun; rank 0 reports)
-
-Commands:
+const char* kCommands = R"(Commands:
   run       time one configuration (sharded on all ranks, then the baseline on rank 0)
   maxsize   largest trainable global resolution under a per-rank tensor-memory cap
             (bisection over the resolution; the cap is checked against measured peaks)
+  profile   per-op forward and backward time and bytes of the sharded run and of the
+            plain run of the same workload in the same job, sorted by the difference,
+            and the host time spent at the dispatcher boundary (rule lookup)
   list      list the workloads
   help      this text
-
-Flags (defaults in brackets):
-  --workload NAME          conv_stack | unet2d | unet3d | attention (if built) [unet2d]
-  --mode train|infer       train: forward + backward + SGD step, loss = mean(out^2);
-                           infer: forward under NoGradGuard [train]
-  --shape A,B[,C]          global spatial shape (attention: S) [workload default]
-  --batch N  --in-channels N  --out-channels N  --base-channels N  --depth N
-  --layers N (conv_stack)  --heads N  --head-dim N  --causal (attention)
-  --norm none|group|batch  U-Net normalization [group]
-  --mesh AxB               device mesh shape; mesh dim i shards spatial dim i [P]
-  --threads N              intra-op threads per rank [1]
-  --baseline-threads LIST  comma list of thread counts for the single-process
-                           baseline; 'match' = min(P * threads, cores) [1]
-  --no-baseline            skip the baseline
-  --warmup N  --steps N    warm-up and timed steps [2, 5]
-  --out FILE               append JSON records to this JSON array file
-  --name NAME              same as --out <source tree>/bench/results/NAME.json
-  --scenario LABEL         label stored in the records [custom]
-  --cap-mib X              maxsize: per-rank tensor-memory cap in MiB [1024]
-  --start-size N           maxsize: first resolution probed [auto]
-  --max-size N             maxsize: never probe beyond this resolution [65536]
-  --seed N  --lr X
 )";
 
-std::vector<std::string> split(const std::string& s, const std::string& seps) {
-  std::vector<std::string> out;
+/// "512,512", "512x512" -> {512, 512}.
+std::vector<int64_t> int_list(const std::string& s) {
+  std::vector<int64_t> out;
   std::string cur;
-  for (char c : s) {
-    if (seps.find(c) != std::string::npos) {
-      if (!cur.empty()) out.push_back(cur);
+  for (const char c : s + ",") {
+    if (c == ',' || c == 'x') {
+      if (!cur.empty()) out.push_back(std::stoll(cur));
       cur.clear();
     } else {
       cur += c;
     }
   }
-  if (!cur.empty()) out.push_back(cur);
   return out;
 }
 
-std::vector<int64_t> int_list(const std::string& s) {
-  std::vector<int64_t> out;
-  for (const auto& p : split(s, ",x")) out.push_back(std::stoll(p));
+std::vector<std::string> comma_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
   return out;
 }
 
-Options parse(int argc, char** argv) {
+/// The command line, parsed by CLI11 (flag names are the bench's public
+/// interface: bench/run.sh, tests/bench_smoke.cmake and docs call them).
+struct Cli {
+  CLI::App app{
+      "shardtensor_bench: domain-parallel benchmarks against plain libtorch "
+      "(launch under mpirun; rank 0 reports)",
+      "shardtensor_bench"};
   Options o;
-  TORCH_CHECK(argc >= 2, "usage: shardtensor_bench COMMAND [flags]; try 'help'");
-  o.command = argv[1];
-  bool shape_given = false;
-  for (int i = 2; i < argc; ++i) {
-    const std::string f = argv[i];
-    auto val = [&]() -> std::string {
-      TORCH_CHECK(i + 1 < argc, "flag ", f, " needs a value");
-      return argv[++i];
-    };
-    if (f == "--workload")
-      o.workload = val();
-    else if (f == "--mode")
-      o.mode = val();
-    else if (f == "--shape")
-      o.problem.shape = int_list(val()), shape_given = true;
-    else if (f == "--batch")
-      o.problem.batch = std::stoll(val());
-    else if (f == "--in-channels")
-      o.problem.in_channels = std::stoll(val());
-    else if (f == "--out-channels")
-      o.problem.out_channels = std::stoll(val());
-    else if (f == "--base-channels")
-      o.problem.base_channels = std::stoll(val());
-    else if (f == "--depth")
-      o.problem.depth = std::stoll(val());
-    else if (f == "--layers")
-      o.problem.layers = std::stoll(val());
-    else if (f == "--heads")
-      o.problem.heads = std::stoll(val());
-    else if (f == "--head-dim")
-      o.problem.head_dim = std::stoll(val());
-    else if (f == "--causal")
-      o.problem.causal = true;
-    else if (f == "--norm")
-      o.problem.norm = val();
-    else if (f == "--mesh")
-      o.mesh = int_list(val());
-    else if (f == "--threads")
-      o.threads = std::stoi(val());
-    else if (f == "--baseline-threads")
-      o.baseline_threads = split(val(), ",");
-    else if (f == "--no-baseline")
-      o.baseline = false;
-    else if (f == "--warmup")
-      o.warmup = std::stoi(val());
-    else if (f == "--steps")
-      o.steps = std::stoi(val());
-    else if (f == "--out")
-      o.out = val();
-    else if (f == "--name")
-      o.out = std::string(SHARDTENSOR_BENCH_RESULTS_DIR) + "/" + val() + ".json";
-    else if (f == "--scenario")
-      o.scenario = val();
-    else if (f == "--cap-mib")
-      o.cap_bytes = std::stod(val()) * 1024.0 * 1024.0;
-    else if (f == "--start-size")
-      o.start_size = std::stoll(val());
-    else if (f == "--max-size")
-      o.max_size = std::stoll(val());
-    else if (f == "--seed")
-      o.seed = std::stoll(val());
-    else if (f == "--lr")
-      o.lr = std::stod(val());
-    else
-      TORCH_CHECK(false, "unknown flag ", f, "; try 'shardtensor_bench help'");
+  std::string shape, mesh, baseline_threads = "1", name;
+  double cap_mib = 1024;
+
+  Cli() {
+    app.footer(kCommands);
+    app.add_option("command", o.command, "run | maxsize | profile | list | help")->required();
+    app.add_option("--workload", o.workload, "conv_stack | unet2d | unet3d | attention (if built)")
+        ->capture_default_str();
+    app.add_option("--mode", o.mode,
+                   "train: forward + backward + SGD step, loss = mean(out^2); "
+                   "infer: forward under NoGradGuard")
+        ->check(CLI::IsMember({"train", "infer"}))
+        ->capture_default_str();
+    app.add_option("--shape", shape,
+                   "global spatial shape A,B[,C] (attention: S) [workload default]");
+    auto& p = o.problem;
+    app.add_option("--batch", p.batch)->capture_default_str();
+    app.add_option("--in-channels", p.in_channels)->capture_default_str();
+    app.add_option("--out-channels", p.out_channels)->capture_default_str();
+    app.add_option("--base-channels", p.base_channels)->capture_default_str();
+    app.add_option("--depth", p.depth)->capture_default_str();
+    app.add_option("--layers", p.layers, "conv_stack layers")->capture_default_str();
+    app.add_option("--heads", p.heads, "attention heads")->capture_default_str();
+    app.add_option("--head-dim", p.head_dim, "attention head dim")->capture_default_str();
+    app.add_flag("--causal", p.causal, "attention: causal mask");
+    app.add_option("--norm", p.norm, "U-Net normalization")
+        ->check(CLI::IsMember({"none", "group", "batch"}))
+        ->capture_default_str();
+    app.add_option("--mesh", mesh, "device mesh shape AxB; mesh dim i shards spatial dim i [P]");
+    app.add_option("--threads", o.threads, "intra-op threads per rank")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    app.add_option("--baseline-threads", baseline_threads,
+                   "comma list of thread counts for the single-process baseline; "
+                   "'match' = min(P * threads, cores)")
+        ->capture_default_str();
+    app.add_flag_function(
+        "--no-baseline", [this](int64_t) { o.baseline = false; }, "skip the baseline");
+    app.add_option("--warmup", o.warmup, "warm-up steps")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
+    app.add_option("--steps", o.steps, "timed steps")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    app.add_option("--out", o.out, "append JSON records to this JSON array file");
+    app.add_option("--name", name, "same as --out <source tree>/bench/results/NAME.json");
+    app.add_option("--scenario", o.scenario, "label stored in the records")->capture_default_str();
+    app.add_option("--cap-mib", cap_mib, "maxsize: per-rank tensor-memory cap in MiB")
+        ->capture_default_str();
+    app.add_option("--start-size", o.start_size, "maxsize: first resolution probed [auto]");
+    app.add_option("--max-size", o.max_size, "maxsize: never probe beyond this resolution")
+        ->capture_default_str();
+    app.add_option("--baseline-order", o.baseline_order,
+                   "sandwich: each baseline before and after the sharded run (reverse "
+                   "order), after: all baselines after it (the old behaviour)")
+        ->check(CLI::IsMember({"sandwich", "after"}))
+        ->capture_default_str();
+    app.add_option("--top", o.top, "profile: rows of the per-op table")->capture_default_str();
+    app.add_option("--seed", o.seed)->capture_default_str();
+    app.add_option("--lr", o.lr)->capture_default_str();
   }
-  TORCH_CHECK(o.mode == "train" || o.mode == "infer", "--mode must be train or infer");
-  TORCH_CHECK(o.steps >= 1 && o.warmup >= 0 && o.threads >= 1, "bad --steps/--warmup/--threads");
-  if (o.command == "run" || o.command == "maxsize") {
-    auto it = registry().find(o.workload);
-    TORCH_CHECK(it != registry().end(), "unknown workload '", o.workload,
-                "'; 'shardtensor_bench list' shows the built ones");
-    if (!shape_given) o.problem.shape = it->second.default_shape;
+
+  /// Returns false when only help was asked for (printed by rank 0).
+  bool parse(int argc, char** argv) {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::CallForHelp&) {
+      if (st::world_rank() == 0) std::cout << app.help();
+      return false;
+    } catch (const CLI::ParseError& e) {
+      TORCH_CHECK(false, "shardtensor_bench: ", e.what(), "; try 'shardtensor_bench help'");
+    }
+    if (o.command == "help") {
+      if (st::world_rank() == 0) std::cout << app.help();
+      return false;
+    }
+    if (!shape.empty()) o.problem.shape = int_list(shape);
+    if (!mesh.empty()) o.mesh = int_list(mesh);
+    o.baseline_threads = comma_list(baseline_threads);
+    if (!name.empty()) o.out = std::string(SHARDTENSOR_BENCH_RESULTS_DIR) + "/" + name + ".json";
+    o.cap_bytes = cap_mib * 1024.0 * 1024.0;
+    if (o.command == "run" || o.command == "maxsize" || o.command == "profile") {
+      auto it = registry().find(o.workload);
+      TORCH_CHECK(it != registry().end(), "unknown workload '", o.workload,
+                  "'; 'shardtensor_bench list' shows the built ones");
+      if (shape.empty()) o.problem.shape = it->second.default_shape;
+    }
+    return true;
   }
-  return o;
-}
+};
 
 // ---- inputs -------------------------------------------------------------------
 
@@ -262,7 +282,134 @@ struct Measurement {
   double comm_fraction = 0;         // mean over ranks
   double comm_fraction_max = 0;
   double loss = std::nan("");  // mean(out^2) at the first step, before any update
+  // Per timed step, this rank (Note [scale counters]): messages, bytes sent,
+  // thread CPU seconds, seconds in the transport, and the dispatcher's
+  // counters (DispatchStats).
+  double cpu_s_per_step = 0, comm_s_per_step = 0;
+  double dispatch_calls_per_step = 0, boundary_s_per_step = 0, handler_s_per_step = 0;
+  double lookup_s_per_step = 0;
+  std::vector<int64_t> rank_messages, rank_bytes;  // per rank, per step (sharded only)
+  std::vector<double> rank_cpu_s, rank_boundary_s, rank_comm_s;
 };
+
+// ---- per-op profile ---------------------------------------------------------------
+
+// Note [bench profile]: a global RecordFunction callback (libtorch's
+// observer hook, the one its autograd profiler uses) times every top-level op
+// on each thread: the aten ops the workload calls in forward (aten::conv2d, ...),
+// and the autograd nodes the engine runs in backward ("X (bwd)"). Nested ops
+// (a rule's local kernels, a decomposition's pieces, a backward node's aten
+// calls) are inside their parent's time. Per op it also takes the deltas of
+// comm_stats() (bytes, messages, transport seconds) and dispatch_stats()
+// (interception overhead) across the call: ops run one at a time per rank,
+// so the deltas belong to that op. The sharded and the plain run get the same
+// callback, so the rows line up by name.
+//
+// Kernel time: a nested op during which the dispatcher intercepted nothing
+// (dispatch_stats().calls unchanged) ran on plain tensors only: a libtorch
+// kernel. The outermost such ops under a top-level op add up to its kernel
+// time; host = time - kernel - comm is what the op spent in shardtensor's
+// own host code (dispatch, rules, spec and plan construction, packing is
+// kernel). A top-level op that nothing intercepted (a plain op, or a rule's
+// backward Function) is kernel time except its communication.
+struct OpStat {
+  int64_t calls = 0;
+  double seconds = 0, kernel_seconds = 0, comm_seconds = 0, boundary_seconds = 0;
+  int64_t bytes_sent = 0, messages = 0;
+};
+
+struct Profiler {
+  std::mutex mu;
+  std::map<std::string, OpStat> ops;
+  std::atomic<bool> on{false};
+};
+Profiler& profiler() {
+  static Profiler p;
+  return p;
+}
+
+struct Frame {
+  double t0 = 0;
+  int64_t calls0 = 0;
+  double child_kernel = 0;  // kernel seconds of the outermost pure ops below
+  st::CommStats comm;       // top level only
+  st::DispatchStats dispatch;
+};
+thread_local std::vector<Frame> frames;
+
+struct OpContext : at::ObserverContext {};
+
+double now_s();
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  if (!profiler().on.load(std::memory_order_relaxed)) return nullptr;
+  Frame f;
+  f.dispatch = st::dispatch_stats();
+  f.calls0 = f.dispatch.calls;
+  if (frames.empty()) f.comm = st::comm_stats();
+  f.t0 = now_s();
+  frames.push_back(f);
+  return std::make_unique<OpContext>();
+}
+
+void on_op_end(const at::RecordFunction& fn, at::ObserverContext* c) {
+  if (c == nullptr || frames.empty()) return;
+  const double t1 = now_s();
+  const Frame f = frames.back();
+  frames.pop_back();
+  const double dt = t1 - f.t0;
+  const st::DispatchStats ds = st::dispatch_stats();
+  const bool pure = ds.calls == f.calls0;
+  const double kernel = pure ? dt : f.child_kernel;
+  if (!frames.empty()) {
+    frames.back().child_kernel += kernel;
+    return;
+  }
+  const st::CommStats cs = st::comm_stats();
+  // A top-level op nothing intercepted (e.g. a rule's backward Function, which
+  // works on plain tensors) is kernel time except its communication.
+  const double top_kernel =
+      pure ? std::max(0.0, dt - (cs.comm_seconds - f.comm.comm_seconds)) : kernel;
+  std::string name = fn.name();
+  // "autograd::engine::evaluate_function: torch::autograd::CppNode<ns::Fn>" -> "Fn (bwd)".
+  const std::string engine = "autograd::engine::evaluate_function: ";
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION || name.rfind(engine, 0) == 0) {
+    if (name.rfind(engine, 0) == 0) name = name.substr(engine.size());
+    const std::string node = "torch::autograd::CppNode<";
+    if (name.rfind(node, 0) == 0 && name.back() == '>') {
+      name = name.substr(node.size(), name.size() - node.size() - 1);
+      const auto ns = name.rfind("::");
+      if (ns != std::string::npos) name = name.substr(ns + 2);
+    }
+    name += " (bwd)";
+  }
+  auto& p = profiler();
+  std::lock_guard<std::mutex> lock(p.mu);
+  OpStat& o = p.ops[name];
+  o.calls += 1;
+  o.seconds += dt;
+  o.kernel_seconds += top_kernel;
+  o.comm_seconds += cs.comm_seconds - f.comm.comm_seconds;
+  o.bytes_sent += cs.bytes_sent - f.comm.bytes_sent;
+  o.messages += cs.messages - f.comm.messages;
+  o.boundary_seconds += ds.boundary_seconds - f.dispatch.boundary_seconds;
+}
+
+/// Installs the callback once; measure() switches it on for the timed steps
+/// when `profile_timed_steps` is set.
+bool profile_timed_steps = false;
+void install_profiler() {
+  static const at::CallbackHandle handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(&on_op_start, &on_op_end)
+          .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+  (void)handle;
+}
+
+double thread_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return std::nan("");
@@ -320,6 +467,13 @@ Measurement measure(const Options& o, const Problem& problem, const st::DeviceMe
     if (i == 0) m.loss = l;
   }
   st::reset_comm_stats();
+  st::reset_dispatch_stats();
+  if (profile_timed_steps) {
+    std::lock_guard<std::mutex> lock(profiler().mu);
+    profiler().ops.clear();
+    profiler().on = true;
+  }
+  const double cpu0 = thread_cpu_s();
   std::vector<double> local(steps);
   double local_total = 0;
   for (int i = 0; i < steps; ++i) {
@@ -330,8 +484,17 @@ Measurement measure(const Options& o, const Problem& problem, const st::DeviceMe
     local_total += local[i];
     if (warmup == 0 && i == 0) m.loss = l;
   }
+  profiler().on = false;
+  const double cpu = thread_cpu_s() - cpu0;
   const st::CommStats cs = st::comm_stats();
+  const st::DispatchStats ds = st::dispatch_stats();
   const st::MemoryStats ms = st::memory_stats();
+  m.cpu_s_per_step = cpu / steps;
+  m.comm_s_per_step = cs.comm_seconds / steps;
+  m.dispatch_calls_per_step = static_cast<double>(ds.calls) / steps;
+  m.boundary_s_per_step = ds.boundary_seconds / steps;
+  m.lookup_s_per_step = ds.lookup_seconds / steps;
+  m.handler_s_per_step = ds.handler_seconds / steps;
   m.step_s = local;
   m.peak_bytes = m.peak_bytes_min = ms.peak_bytes;
   m.bytes_sent_per_step = cs.bytes_sent / steps;
@@ -353,6 +516,30 @@ Measurement measure(const Options& o, const Problem& problem, const st::DeviceMe
     MPI_Comm_size(world, &size);
     m.comm_fraction = f[0] / size;
     m.comm_fraction_max = f[1];
+    // Note [scale counters]: every rank's per-step counters, for the scale
+    // scenario (what grows with P): messages and bytes (deterministic), the
+    // thread's CPU seconds (oversubscribed ranks share cores, so CPU time, not
+    // wall time), the transport's wall seconds, and the dispatcher boundary's
+    // seconds. The host time outside kernels comes from `profile` (Note
+    // [bench profile]).
+    m.rank_messages.assign(size, 0);
+    m.rank_bytes.assign(size, 0);
+    m.rank_cpu_s.assign(size, 0);
+    m.rank_boundary_s.assign(size, 0);
+    m.rank_comm_s.assign(size, 0);
+    const int64_t mine[2] = {cs.messages / steps, cs.bytes_sent / steps};
+    std::vector<int64_t> ints(2 * size);
+    MPI_Allgather(mine, 2, MPI_INT64_T, ints.data(), 2, MPI_INT64_T, world);
+    const double mined[3] = {m.cpu_s_per_step, m.boundary_s_per_step, m.comm_s_per_step};
+    std::vector<double> dbl(3 * size);
+    MPI_Allgather(mined, 3, MPI_DOUBLE, dbl.data(), 3, MPI_DOUBLE, world);
+    for (int r = 0; r < size; ++r) {
+      m.rank_messages[r] = ints[2 * r];
+      m.rank_bytes[r] = ints[2 * r + 1];
+      m.rank_cpu_s[r] = dbl[3 * r];
+      m.rank_boundary_s[r] = dbl[3 * r + 1];
+      m.rank_comm_s[r] = dbl[3 * r + 2];
+    }
   }
   return m;
 }
@@ -411,28 +598,89 @@ std::string join(const std::vector<int64_t>& v, const char* sep) {
   return s;
 }
 
-JsonRecord common_fields(const Options& o, const Problem& p, const Instance& shape_of,
-                         const std::vector<int64_t>& mesh_shape, int ranks) {
-  JsonRecord r;
-  r.str("scenario", o.scenario)
-      .str("workload", o.workload)
-      .str("mode", o.mode)
-      .num("ranks", ranks)
-      .num("threads_per_rank", o.threads)
-      .array("mesh", mesh_shape)
-      .array("global_shape", shape_of.inputs.at(0).global_shape)
-      .array("spatial_shape", p.shape);
-  if (o.workload.rfind("unet", 0) == 0) r.str("norm", p.norm).num("depth", p.depth);
-  if (o.workload != "attention") r.num("base_channels", p.base_channels);
-  r.num("warmup", o.warmup).num("steps", o.steps).num("cores", hardware_cores());
-  // The machine's 1-minute load average when the record is written: timings
-  // taken while others use the cores are noisy, and this says so.
+/// The machine's 1-minute load average (NaN if unreadable).
+double load_1min() {
   double load = std::nan("");
   if (std::FILE* f = std::fopen("/proc/loadavg", "r")) {
     if (std::fscanf(f, "%lf", &load) != 1) load = std::nan("");
     std::fclose(f);
   }
-  r.num("loadavg_1min", load);
+  return load;
+}
+
+/// CPU list of a mask: "0-1", "0,2-3".
+std::string cpu_list(const cpu_set_t& set) {
+  std::string out;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (!CPU_ISSET(c, &set)) continue;
+    int e = c;
+    while (e + 1 < CPU_SETSIZE && CPU_ISSET(e + 1, &set)) ++e;
+    out += (out.empty() ? "" : ",") + std::to_string(c) + (e > c ? "-" + std::to_string(e) : "");
+    c = e;
+  }
+  return out;
+}
+
+cpu_set_t my_affinity() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) CPU_SET(0, &set);
+  return set;
+}
+
+/// Every rank's affinity mask (collective over MPI_COMM_WORLD).
+std::vector<cpu_set_t> all_affinities() {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const cpu_set_t mine = my_affinity();
+  std::vector<cpu_set_t> all(size);
+  MPI_Allgather(&mine, sizeof(cpu_set_t), MPI_BYTE, all.data(), sizeof(cpu_set_t), MPI_BYTE,
+                MPI_COMM_WORLD);
+  return all;
+}
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+/// Note [baseline honesty]: what the job actually ran on. The affinity masks
+/// are read back from the kernel (sched_getaffinity), not inferred from the
+/// launcher's flags, which are recorded next to them as given.
+Json environment_fields(const std::vector<cpu_set_t>& affinity) {
+  Json r;
+  std::vector<std::string> masks;
+  for (const auto& a : affinity) masks.push_back(cpu_list(a));
+  r["rank_affinity"] = masks;
+  r["mpirun_flags"] = env_or("BENCH_MPIRUN_FLAGS", "unknown");
+  r["mpi_binding_policy"] = env_or("OMPI_MCA_hwloc_base_binding_policy", "default");
+  r["omp_num_threads_env"] = env_or("OMP_NUM_THREADS", "unset");
+  r["intra_op_threads"] = at::get_num_threads();
+  return r;
+}
+
+Json common_fields(const Options& o, const Problem& p, const Instance& shape_of,
+                   const std::vector<int64_t>& mesh_shape, int ranks) {
+  Json r;
+  r["scenario"] = o.scenario;
+  r["workload"] = o.workload;
+  r["mode"] = o.mode;
+  r["ranks"] = ranks;
+  r["threads_per_rank"] = o.threads;
+  r["mesh"] = mesh_shape;
+  r["global_shape"] = shape_of.inputs.at(0).global_shape;
+  r["spatial_shape"] = p.shape;
+  if (o.workload.rfind("unet", 0) == 0) {
+    r["norm"] = p.norm;
+    r["depth"] = p.depth;
+  }
+  if (o.workload != "attention") r["base_channels"] = p.base_channels;
+  r["warmup"] = o.warmup;
+  r["steps"] = o.steps;
+  r["cores"] = hardware_cores();
+  // The machine's 1-minute load average when the record is written: timings
+  // taken while others use the cores are noisy, and this says so.
+  r["loadavg_1min"] = num_or_null(load_1min());
   return r;
 }
 
@@ -440,7 +688,7 @@ std::vector<int64_t> mesh_shape_of(const Options& o, int world) {
   return o.mesh.empty() ? std::vector<int64_t>{world} : o.mesh;
 }
 
-void write(const Options& o, const std::vector<JsonRecord>& recs) {
+void write(const Options& o, const std::vector<Json>& recs) {
   if (o.out.empty()) return;
   append_records(o.out, recs);
   std::cout << "appended " << recs.size() << " record(s) to " << o.out << std::endl;
@@ -459,12 +707,14 @@ int cmd_run(const Options& o) {
                 " multiple of ", wl.size_multiple(o.problem));
   }
 
-  const Measurement sh = measure(o, o.problem, &mesh, o.warmup, o.steps);
+  const auto affinity = all_affinities();
+  const Json env = environment_fields(affinity);
 
   struct Base {
     int threads;
     std::string rule;
     Measurement m;
+    std::vector<double> position_medians;  // median step per run position
   };
   std::vector<Base> bases;
   if (o.baseline) {
@@ -473,55 +723,97 @@ int cmd_run(const Options& o) {
       // 'match' at P x threads = 1 (or equal to a listed count) would repeat a baseline.
       bool dup = false;
       for (const auto& e : bases) dup = dup || e.threads == n;
-      if (!dup) bases.push_back({n, b == "match" ? "match" : "fixed", {}});
+      if (!dup) bases.push_back({n, b == "match" ? "match" : "fixed", {}, {}});
     }
+  }
+  // Note [baseline honesty]: the baseline process runs on the union of the
+  // CPUs the sharded ranks ran on (so "1 process x 2 threads" and "2 ranks x
+  // 1 thread" get the same cores, however mpirun bound the ranks), and in
+  // 'sandwich' order each baseline runs once before the sharded run and once
+  // after it, in reverse order, so that no configuration always runs first
+  // (cold caches, allocator growth) or last; the record keeps both positions'
+  // medians and the median over all steps of both.
+  cpu_set_t all_cpus;
+  CPU_ZERO(&all_cpus);
+  for (const auto& a : affinity) CPU_OR(&all_cpus, &all_cpus, &a);
+  auto run_bases = [&](bool forward) {
+    if (bases.empty()) return;
     on_root_others_sleep([&] {
-      for (auto& b : bases) {
+      const cpu_set_t own = my_affinity();
+      sched_setaffinity(0, sizeof(all_cpus), &all_cpus);
+      for (size_t k = 0; k < bases.size(); ++k) {
+        Base& b = bases[forward ? k : bases.size() - 1 - k];
         at::set_num_threads(b.threads);
-        b.m = measure(o, o.problem, nullptr, o.warmup, o.steps);
+        Measurement m = measure(o, o.problem, nullptr, o.warmup, o.steps);
+        b.position_medians.push_back(median(m.step_s));
+        if (b.m.step_s.empty()) {
+          b.m = m;
+        } else {
+          b.m.step_s.insert(b.m.step_s.end(), m.step_s.begin(), m.step_s.end());
+          b.m.peak_bytes = std::max(b.m.peak_bytes, m.peak_bytes);
+        }
       }
+      sched_setaffinity(0, sizeof(own), &own);
       at::set_num_threads(o.threads);
     });
-  }
+  };
+  const bool sandwich = o.baseline_order == "sandwich";
+  if (sandwich) run_bases(true);
+  const Measurement sh = measure(o, o.problem, &mesh, o.warmup, o.steps);
+  run_bases(!sandwich);
   if (rank != 0) return 0;
 
   torch::manual_seed(o.seed);
   const Instance shape_of = wl.make(o.problem);
   const double step = median(sh.step_s);
-  std::vector<JsonRecord> recs;
+  std::vector<Json> recs;
   auto base_record = [&](const Base* b) {
-    JsonRecord r = common_fields(o, o.problem, shape_of, mesh_shape, world);
-    r.num("peak_bytes_per_rank", sh.peak_bytes)
-        .num("peak_bytes_per_rank_min", sh.peak_bytes_min)
-        .num("step_s_median", step)
-        .num("step_s_min", *std::min_element(sh.step_s.begin(), sh.step_s.end()))
-        .num("bytes_sent_per_rank", sh.bytes_sent_per_step)
-        .num("messages_per_rank", sh.messages_per_step)
-        .num("comm_fraction", sh.comm_fraction)
-        .num("comm_fraction_max", sh.comm_fraction_max)
-        .num("loss", sh.loss);
+    Json r = common_fields(o, o.problem, shape_of, mesh_shape, world);
+    r["peak_bytes_per_rank"] = sh.peak_bytes;
+    r["peak_bytes_per_rank_min"] = sh.peak_bytes_min;
+    r["step_s_median"] = num_or_null(step);
+    r["step_s_min"] = *std::min_element(sh.step_s.begin(), sh.step_s.end());
+    r["bytes_sent_per_rank"] = sh.bytes_sent_per_step;
+    r["messages_per_rank"] = sh.messages_per_step;
+    r["comm_fraction"] = num_or_null(sh.comm_fraction);
+    r["comm_fraction_max"] = num_or_null(sh.comm_fraction_max);
+    r["loss"] = num_or_null(sh.loss);
+    r.update(env);
+    r["cpu_s_per_step"] = sh.cpu_s_per_step;
+    r["comm_s_per_step"] = sh.comm_s_per_step;
+    r["dispatch_calls_per_step"] = sh.dispatch_calls_per_step;
+    r["dispatch_lookup_s_per_step"] = sh.lookup_s_per_step;
+    r["dispatch_boundary_s_per_step"] = sh.boundary_s_per_step;
+    r["dispatch_handler_s_per_step"] = sh.handler_s_per_step;
+    r["rank_messages_per_step"] = sh.rank_messages;
+    r["rank_bytes_sent_per_step"] = sh.rank_bytes;
+    r["rank_cpu_s_per_step"] = sh.rank_cpu_s;
+    r["rank_comm_s_per_step"] = sh.rank_comm_s;
+    r["rank_dispatch_boundary_s_per_step"] = sh.rank_boundary_s;
     if (b) {
       const double bstep = median(b->m.step_s);
       const double speedup = bstep / step;
-      r.num("baseline_peak_bytes", b->m.peak_bytes)
-          .num("memory_ratio",
-               static_cast<double>(sh.peak_bytes) / (static_cast<double>(b->m.peak_bytes) / world))
-          .num("baseline_step_s_median", bstep)
-          .num("baseline_threads", b->threads)
-          .str("baseline_threads_rule", b->rule)
-          .num("speedup", speedup)
-          .num("efficiency", speedup * b->threads / (world * o.threads))
-          .num("baseline_loss", b->m.loss)
-          .num("loss_rel_diff",
-               std::abs(sh.loss - b->m.loss) / std::max(std::abs(b->m.loss), 1e-30));
+      r["baseline_peak_bytes"] = b->m.peak_bytes;
+      r["memory_ratio"] = num_or_null(static_cast<double>(sh.peak_bytes) /
+                                      (static_cast<double>(b->m.peak_bytes) / world));
+      r["baseline_step_s_median"] = num_or_null(bstep);
+      r["baseline_threads"] = b->threads;
+      r["baseline_threads_rule"] = b->rule;
+      r["baseline_order"] = o.baseline_order;
+      r["baseline_step_s_by_position"] = b->position_medians;
+      r["baseline_affinity"] = cpu_list(all_cpus);
+      r["baseline_cpus"] = CPU_COUNT(&all_cpus);
+      r["speedup"] = num_or_null(speedup);
+      r["efficiency"] = num_or_null(speedup * b->threads / (world * o.threads));
+      r["baseline_loss"] = num_or_null(b->m.loss);
+      r["loss_rel_diff"] =
+          num_or_null(std::abs(sh.loss - b->m.loss) / std::max(std::abs(b->m.loss), 1e-30));
     } else {
-      r.raw("baseline_peak_bytes", "null")
-          .raw("memory_ratio", "null")
-          .raw("baseline_step_s_median", "null")
-          .raw("baseline_threads", "null")
-          .raw("speedup", "null");
+      for (const char* k : {"baseline_peak_bytes", "memory_ratio", "baseline_step_s_median",
+                            "baseline_threads", "speedup"})
+        r[k] = nullptr;
     }
-    r.str("date", utc_now());
+    r["date"] = utc_now();
     recs.push_back(r);
   };
   if (bases.empty()) base_record(nullptr);
@@ -656,27 +948,239 @@ int cmd_maxsize(const Options& o) {
   Options probe_options = o;  // every probe: one warm-up step and one measured step
   probe_options.warmup = 1;
   probe_options.steps = 1;
-  JsonRecord r = common_fields(probe_options, p, shape_of, mesh_shape, world);
-  std::string probe_json = "[";
-  for (size_t i = 0; i < probes.size(); ++i) {
-    probe_json += (i ? "," : "") + std::string("[") + std::to_string(probes[i].size) + "," +
-                  std::to_string(probes[i].peak) + "]";
-  }
-  probe_json += "]";
+  Json r = common_fields(probe_options, p, shape_of, mesh_shape, world);
+  Json probe_json = Json::array();
+  for (const auto& pr : probes) probe_json.push_back({pr.size, pr.peak});
   int64_t points = 1;
   for (int d = 0; d < D; ++d) points *= lo;
-  r.num("cap_bytes", static_cast<int64_t>(cap))
-      .num("max_size", lo)
-      .num("max_points", lo > 0 ? points : int64_t{0})
-      .num("size_quantum", q)
-      .num("failing_size", hi)
-      .num("peak_bytes_per_rank", best ? best->peak : int64_t{0})
-      .num("step_s_median", best ? std::optional<double>(best->step_s) : std::nullopt)
-      .raw("probes", probe_json)
-      .str("date", utc_now());
+  r["cap_bytes"] = static_cast<int64_t>(cap);
+  r["max_size"] = lo;
+  r["max_points"] = lo > 0 ? points : int64_t{0};
+  r["size_quantum"] = q;
+  r["failing_size"] = hi;
+  r["peak_bytes_per_rank"] = best ? best->peak : int64_t{0};
+  r["step_s_median"] = best ? Json(best->step_s) : Json(nullptr);
+  r["probes"] = probe_json;
+  r["date"] = utc_now();
   std::cout << "largest trainable: " << lo << "^" << D << " (" << points
             << " points) at P = " << world << "; " << hi << "^" << D
             << (hi ? " exceeds the cap" : " not reached") << std::endl;
+  write(o, {r});
+  return 0;
+}
+
+// ---- profile -----------------------------------------------------------------------
+
+Json ops_to_json(const std::map<std::string, OpStat>& ops, int steps) {
+  Json j = Json::object();
+  for (const auto& [name, st] : ops) {
+    j[name] = {{"calls", st.calls / steps},
+               {"s", st.seconds / steps},
+               {"kernel_s", st.kernel_seconds / steps},
+               {"comm_s", st.comm_seconds / steps},
+               {"boundary_s", st.boundary_seconds / steps},
+               {"bytes_sent", st.bytes_sent / steps},
+               {"messages", st.messages / steps}};
+  }
+  return j;
+}
+
+/// Every rank's per-op map, on rank 0 (collective over MPI_COMM_WORLD).
+std::vector<Json> gather_json(const Json& mine) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const std::string text = mine.dump();
+  int len = static_cast<int>(text.size());
+  std::vector<int> lens(size), displs(size);
+  MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+  int total = 0;
+  for (int r = 0; r < size; ++r) displs[r] = total, total += lens[r];
+  std::string all(rank == 0 ? total : 0, '\0');
+  MPI_Gatherv(text.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, 0,
+              MPI_COMM_WORLD);
+  std::vector<Json> out;
+  if (rank == 0)
+    for (int r = 0; r < size; ++r) out.push_back(Json::parse(all.substr(displs[r], lens[r])));
+  return out;
+}
+
+/// Nanoseconds per call of the registry's lookup (ops::find_rule: a mutex and
+/// a string concatenation of name and overload), which the dispatcher calls
+/// once per op since Note [rule cache], for the profile's summary.
+double find_rule_ns() {
+  const c10::OperatorName names[] = {{"aten::convolution", ""},
+                                     {"aten::add", "Tensor"},
+                                     {"aten::native_group_norm", ""},
+                                     {"aten::upsample_bilinear2d", "vec"}};
+  const int n = 20000;
+  const double t0 = now_s();
+  int64_t found = 0;
+  for (int i = 0; i < n; ++i)
+    for (const auto& name : names) found += shardtensor::ops::find_rule(name) != nullptr;
+  const double dt = now_s() - t0;
+  return found >= 0 ? 1e9 * dt / (n * 4) : 0.0;
+}
+
+int cmd_profile(const Options& o) {
+  const int rank = st::world_rank(), world = st::world_size();
+  const auto mesh_shape = mesh_shape_of(o, world);
+  auto mesh = st::DeviceMesh::create(mesh_shape);
+  at::set_num_threads(o.threads);
+  const Workload& wl = registry().at(o.workload);
+  for (int64_t s : o.problem.shape) {
+    TORCH_CHECK(s % wl.size_multiple(o.problem) == 0, o.workload, ": every spatial size must be a",
+                " multiple of ", wl.size_multiple(o.problem));
+  }
+  const auto affinity = all_affinities();
+  const Json env = environment_fields(affinity);
+  install_profiler();
+  profile_timed_steps = true;
+  const Measurement sh = measure(o, o.problem, &mesh, o.warmup, o.steps);
+  const std::vector<Json> sharded = gather_json(ops_to_json(profiler().ops, o.steps));
+  Json plain = Json::object();
+  Measurement pl;
+  if (o.baseline) {
+    // Plain libtorch with the threads of one rank, on rank 0: per op, the
+    // sharded time should be plain / P.
+    on_root_others_sleep([&] {
+      pl = measure(o, o.problem, nullptr, o.warmup, o.steps);
+      plain = ops_to_json(profiler().ops, o.steps);
+    });
+  }
+  profile_timed_steps = false;
+  const double lookup_ns = rank == 0 ? find_rule_ns() : 0.0;
+  if (rank != 0) return 0;
+
+  struct Row {
+    std::string name;
+    int64_t calls = 0;
+    double sharded_s = 0, sharded_mean_s = 0, plain_s = 0, comm_s = 0, boundary_s = 0;
+    double kernel_s = 0, host_s = 0;
+    int64_t bytes = 0, messages = 0;
+    double excess() const { return sharded_s - plain_s; }
+  };
+  std::map<std::string, Row> rows;
+  std::vector<double> rank_host, rank_kernel;
+  for (const Json& rk : sharded) {
+    double host = 0, kernel = 0;
+    for (const auto& [name, v] : rk.items()) {
+      const double h = std::max(
+          0.0, v["s"].get<double>() - v["kernel_s"].get<double>() - v["comm_s"].get<double>());
+      host += h;
+      kernel += v["kernel_s"].get<double>();
+      Row& r = rows[name];
+      r.host_s = std::max(r.host_s, h);
+      r.kernel_s = std::max(r.kernel_s, v["kernel_s"].get<double>());
+      r.name = name;
+      r.calls = std::max<int64_t>(r.calls, v["calls"].get<int64_t>());
+      r.sharded_s = std::max(r.sharded_s, v["s"].get<double>());
+      r.sharded_mean_s += v["s"].get<double>() / world;
+      r.comm_s = std::max(r.comm_s, v["comm_s"].get<double>());
+      r.boundary_s = std::max(r.boundary_s, v["boundary_s"].get<double>());
+      r.bytes = std::max(r.bytes, v["bytes_sent"].get<int64_t>());
+      r.messages = std::max(r.messages, v["messages"].get<int64_t>());
+    }
+    rank_host.push_back(host);
+    rank_kernel.push_back(kernel);
+  }
+  for (const auto& [name, v] : plain.items()) {
+    Row& r = rows[name];
+    r.name = name;
+    r.plain_s = v["s"].get<double>() / world;  // the ideal share of one rank
+    if (r.calls == 0) r.calls = v["calls"].get<int64_t>();
+  }
+  std::vector<Row> sorted;
+  for (auto& [k, r] : rows) sorted.push_back(r);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Row& a, const Row& b) { return a.excess() > b.excess(); });
+
+  const double step = median(sh.step_s);
+  const double pstep = o.baseline ? median(pl.step_s) : std::nan("");
+  std::cout << "\n"
+            << o.workload << " " << o.mode << " shape [" << join(o.problem.shape, "x")
+            << "], P = " << world << " x " << o.threads << " thread(s), per step (median of "
+            << o.steps << "; load " << fixed(load_1min(), 2) << ")\n"
+            << "step: sharded " << fixed(step, 4) << " s, plain " << fixed(pstep, 4)
+            << " s (plain/P " << fixed(pstep / world, 4) << " s)\n"
+            << "dispatcher: " << fixed(sh.dispatch_calls_per_step, 0) << " intercepted calls, "
+            << "lookup " << fixed(1e6 * sh.lookup_s_per_step, 1) << " us, boundary "
+            << fixed(1e3 * sh.boundary_s_per_step, 3) << " ms, in handlers "
+            << fixed(sh.handler_s_per_step, 4) << " s; uncached find_rule " << fixed(lookup_ns, 0)
+            << " ns/call\n"
+            << "ms per step; sharded = slowest rank; ideal = plain / P; rows sorted by excess = "
+               "sharded - ideal\n";
+  std::cout << std::left << std::setw(48) << "op" << std::right << std::setw(7) << "calls"
+            << std::setw(11) << "sharded" << std::setw(10) << "ideal" << std::setw(10) << "excess"
+            << std::setw(10) << "kernel" << std::setw(10) << "host" << std::setw(10) << "comm"
+            << std::setw(10) << "dispatch" << std::setw(11) << "sent KiB" << std::setw(7) << "msgs"
+            << "\n";
+  Row total;
+  int shown = 0;
+  for (const auto& r : sorted) {
+    total.sharded_s += r.sharded_s;
+    total.plain_s += r.plain_s;
+    total.comm_s += r.comm_s;
+    total.kernel_s += r.kernel_s;
+    total.host_s += r.host_s;
+    total.boundary_s += r.boundary_s;
+    total.bytes += r.bytes;
+    total.messages += r.messages;
+    if (shown++ >= o.top) continue;
+    std::cout << std::left << std::setw(48) << r.name.substr(0, 47) << std::right << std::setw(7)
+              << r.calls << std::setw(11) << fixed(1e3 * r.sharded_s, 3) << std::setw(10)
+              << fixed(1e3 * r.plain_s, 3) << std::setw(10) << fixed(1e3 * r.excess(), 3)
+              << std::setw(10) << fixed(1e3 * r.kernel_s, 3) << std::setw(10)
+              << fixed(1e3 * r.host_s, 3) << std::setw(10) << fixed(1e3 * r.comm_s, 3)
+              << std::setw(10) << fixed(1e3 * r.boundary_s, 3) << std::setw(11)
+              << fixed(r.bytes / 1024.0, 1) << std::setw(7) << r.messages << "\n";
+  }
+  std::cout << std::left << std::setw(48) << "total (all rows)" << std::right << std::setw(7) << ""
+            << std::setw(11) << fixed(1e3 * total.sharded_s, 3) << std::setw(10)
+            << fixed(1e3 * total.plain_s, 3) << std::setw(10) << fixed(1e3 * total.excess(), 3)
+            << std::setw(10) << fixed(1e3 * total.kernel_s, 3) << std::setw(10)
+            << fixed(1e3 * total.host_s, 3) << std::setw(10) << fixed(1e3 * total.comm_s, 3)
+            << std::setw(10) << fixed(1e3 * total.boundary_s, 3) << std::setw(11)
+            << fixed(total.bytes / 1024.0, 1) << std::setw(7) << total.messages << "\n";
+  std::cout.flush();
+
+  torch::manual_seed(o.seed);
+  const Instance shape_of = wl.make(o.problem);
+  Json r = common_fields(o, o.problem, shape_of, mesh_shape, world);
+  r.update(env);
+  r["kind"] = "profile";
+  r["step_s_median"] = num_or_null(step);
+  r["baseline_step_s_median"] = num_or_null(pstep);
+  r["dispatch_calls_per_step"] = sh.dispatch_calls_per_step;
+  r["dispatch_lookup_s_per_step"] = sh.lookup_s_per_step;
+  r["dispatch_boundary_s_per_step"] = sh.boundary_s_per_step;
+  r["dispatch_handler_s_per_step"] = sh.handler_s_per_step;
+  r["find_rule_ns_uncached"] = lookup_ns;
+  r["cpu_s_per_step"] = sh.cpu_s_per_step;
+  r["comm_s_per_step"] = sh.comm_s_per_step;
+  r["rank_messages_per_step"] = sh.rank_messages;
+  r["rank_bytes_sent_per_step"] = sh.rank_bytes;
+  r["rank_cpu_s_per_step"] = sh.rank_cpu_s;
+  r["rank_comm_s_per_step"] = sh.rank_comm_s;
+  r["rank_dispatch_boundary_s_per_step"] = sh.rank_boundary_s;
+  r["rank_host_s_per_step"] = rank_host;
+  r["rank_kernel_s_per_step"] = rank_kernel;
+  Json ops = Json::array();
+  for (const auto& row : sorted) {
+    ops.push_back({{"op", row.name},
+                   {"calls", row.calls},
+                   {"sharded_s", row.sharded_s},
+                   {"sharded_mean_s", row.sharded_mean_s},
+                   {"ideal_s", row.plain_s},
+                   {"kernel_s", row.kernel_s},
+                   {"host_s", row.host_s},
+                   {"comm_s", row.comm_s},
+                   {"dispatch_s", row.boundary_s},
+                   {"bytes_sent", row.bytes},
+                   {"messages", row.messages}});
+  }
+  r["ops"] = ops;
+  r["date"] = utc_now();
   write(o, {r});
   return 0;
 }
@@ -697,14 +1201,13 @@ int cmd_list() {
 int main(int argc, char** argv) {
   st::Runtime runtime(&argc, &argv);
   try {
-    const bench::Options o = bench::parse(argc, argv);
+    bench::Cli cli;
+    if (!cli.parse(argc, argv)) return 0;
+    const bench::Options& o = cli.o;
     if (o.command == "run") return bench::cmd_run(o);
     if (o.command == "maxsize") return bench::cmd_maxsize(o);
+    if (o.command == "profile") return bench::cmd_profile(o);
     if (o.command == "list") return bench::cmd_list();
-    if (o.command == "help" || o.command == "--help") {
-      if (st::world_rank() == 0) std::cout << bench::kHelp;
-      return 0;
-    }
     TORCH_CHECK(false, "unknown command '", o.command, "'; try 'shardtensor_bench help'");
   } catch (const std::exception& e) {
     std::cerr << "[rank " << st::world_rank() << "] shardtensor_bench: " << e.what() << std::endl;

@@ -6,7 +6,11 @@
 #
 #   bench/report.sh [RESULTS_DIR [DOC [IMG_DIR]]]     (`make bench-report`)
 #
-# Needs awk and gnuplot (without gnuplot the tables are still written).
+# io.json (bench/run_io.sh), scale.json (run.sh scale) and profile.json
+# (run.sh profile) have sections of their own.
+#
+# Needs jq (reads the JSON), awk (tables) and gnuplot (plots; without it the
+# tables are still written).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,34 +26,28 @@ trap '[ -n "${KEEP_TMP:-}" ] || rm -rf "$TMP"' EXIT
 # Columns (1-based): 1 file 2 scenario 3 workload 4 mode 5 ranks 6 threads_per_rank
 # 7 shape 8 norm 9 peak 10 base_peak 11 mem_ratio 12 step 13 base_step 14 base_threads
 # 15 base_rule 16 speedup 17 efficiency 18 sent 19 comm_fraction 20 loss_rel_diff
-# 21 cap_bytes 22 max_size 23 max_points 24 failing_size 25 date 26 loadavg 27 kind(run|maxsize)
-# 28 mesh 29 cores
+# 21 cap_bytes 22 max_size 23 max_points 24 failing_size 25 date 26 loadavg 27 kind(run|maxsize|profile)
+# 28 mesh 29 cores 30 mpirun_flags 31 baseline_cpus 32 baseline_order
+# A missing or null value is "-"; arrays are joined with "x".
 FLAT=$TMP/flat.tsv
 : >"$FLAT"
 shopt -s nullglob
 FILES=("$RESULTS"/*.json)
 for f in "${FILES[@]}"; do
-  awk -v file="$(basename "$f" .json)" '
-    function jget(s, k,   key, i, v) {
-      key = "\"" k "\": "
-      i = index(s, key)
-      if (i == 0) return ""
-      v = substr(s, i + length(key))
-      if (substr(v, 1, 1) == "\"") { v = substr(v, 2); return substr(v, 1, index(v, "\"") - 1) }
-      if (substr(v, 1, 1) == "[") {
-        v = substr(v, 2, index(v, "]") - 2); gsub(/,/, "x", v); return v
-      }
-      match(v, /^[^,}]*/)
-      v = substr(v, 1, RLENGTH)
-      return v == "null" ? "" : v
-    }
-    /^[ \t]*\{/ {
-      kind = (index($0, "\"cap_bytes\": ") > 0) ? "maxsize" : "run"
-      printf "%s", file
-      n = split("scenario workload mode ranks threads_per_rank spatial_shape norm peak_bytes_per_rank baseline_peak_bytes memory_ratio step_s_median baseline_step_s_median baseline_threads baseline_threads_rule speedup efficiency bytes_sent_per_rank comm_fraction loss_rel_diff cap_bytes max_size max_points failing_size date loadavg_1min", keys, " ")
-      for (j = 1; j <= n; ++j) { v = jget($0, keys[j]); printf "\t%s", (v == "" ? "-" : v) }
-      printf "\t%s\t%s\t%s\n", kind, jget($0, "mesh"), jget($0, "cores")
-    }' "$f" >>"$FLAT"
+  case $(basename "$f") in io.json | scale.json | profile.json) continue ;; esac
+  jq -r --arg file "$(basename "$f" .json)" '
+    def v: if . == null then "-" elif type == "array" then map(tostring) | join("x")
+           else tostring end;
+    .[] | [$file, (.scenario | v), (.workload | v), (.mode | v), (.ranks | v),
+      (.threads_per_rank | v), (.spatial_shape | v), (.norm | v), (.peak_bytes_per_rank | v),
+      (.baseline_peak_bytes | v), (.memory_ratio | v), (.step_s_median | v),
+      (.baseline_step_s_median | v), (.baseline_threads | v), (.baseline_threads_rule | v),
+      (.speedup | v), (.efficiency | v), (.bytes_sent_per_rank | v), (.comm_fraction | v),
+      (.loss_rel_diff | v), (.cap_bytes | v), (.max_size | v), (.max_points | v),
+      (.failing_size | v), (.date | v), (.loadavg_1min | v),
+      (if .kind == "profile" then "profile" elif has("cap_bytes") then "maxsize" else "run" end),
+      (.mesh | v), (.cores | v), (.mpirun_flags | v), (.baseline_cpus | v),
+      (.baseline_order | v)] | @tsv' "$f" >>"$FLAT"
 done
 
 mib() { awk -v b="$1" 'BEGIN { if (b == "-") print "-"; else printf "%.1f", b / 1048576 }'; }
@@ -65,12 +63,12 @@ run_table() {  # $1 = file name (without .json)
         print "| workload | mode | P | mesh | thr/rank | global spatial shape | peak MiB/rank | baseline peak MiB | memory ratio | step s | baseline s (threads) | speedup | efficiency | sent MiB/rank/step | comm % | loss rel. diff | load | date |"
         print "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"
       }
-      bt = ($14 == "-") ? "-" : f($13, 4) " (" $14 (($15 == "match") ? ", match" : "") ")"
+      bt = ($14 == "-") ? "-" : f($13, 4) " (" $14 (($15 == "match") ? ", match" : "") (($31 != "-") ? ", " $31 " cpus" : "") ")"
       printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", \
         $3 ($8 == "-" ? "" : " (" $8 " norm)"), $4, $5, $28, $6, $7, m($9), m($10), f($11, 2), f($12, 4), bt, f($16, 2), f($17, 2), \
         m($18), ($19 == "-" ? "-" : sprintf("%.1f", 100 * $19)), ($20 == "-" ? "-" : sprintf("%.1e", $20)), f($26, 1), $25
     }
-    $1 == file && $27 == "run" && $26 != "-" && $29 != "" && $26 + 0 > $29 + 0 { busy++ }
+    $1 == file && $27 == "run" && $26 != "-" && $29 != "-" && $26 + 0 > $29 + 0 { busy++ }
     END {
       if (busy > 0)
         printf "\n_%d of %d records were taken while the 1-minute load exceeded the core count: other work shared the cores and their timings (step times, speedups, comm %%) are noisy; memory and traffic are not affected._\n", busy, n
@@ -194,6 +192,142 @@ plot maxsize "largest trainable points / same at P = 1" \
   "set logscale y 2
 set yrange [0.8:12]" x
 
+# ---- sections of their own: profile, scale, io -----------------------------------------
+# profile.json: per-op tables (the 15 rows with the largest excess over plain / P).
+profile_section() {
+  local f=$RESULTS/profile.json
+  [ -s "$f" ] || return 0
+  echo "## Per-op profile (shardtensor_bench profile) \`bench/results/profile.json\`"
+  echo
+  echo "Per training step, in ms; **sharded** = the slowest rank's time in the op (forward ops by"
+  echo "their aten name, backward by the autograd node, \"(bwd)\"), **ideal** = plain libtorch's"
+  echo "time in the same op, same threads, divided by P; rows sorted by **excess** = sharded - ideal."
+  echo "**kernel** = time in libtorch kernels inside the op, **host** = sharded - kernel - comm (rule"
+  echo "dispatch, spec and plan construction; Note [bench profile] in bench/main.cpp),"
+  echo "**dispatch** = the dispatcher boundary's own host time inside the op (DispatchStats)."
+  echo
+  jq -r '.[] | "### \(.workload) \(.mode) \(.spatial_shape | map(tostring) | join("x")), P = \(.ranks) x \(.threads_per_rank) thread(s)\n\n" +
+    "Step: sharded \(.step_s_median * 1000 | floor) ms, plain \(if .baseline_step_s_median == null then "-" else (.baseline_step_s_median * 1000 | floor | tostring) end) ms; " +
+    "\(.dispatch_calls_per_step | floor) intercepted calls per step, dispatcher boundary \(.dispatch_boundary_s_per_step * 1e6 | floor) us/step " +
+    "(lookup \(.dispatch_lookup_s_per_step * 1e6 | floor) us; an uncached registry lookup costs \(.find_rule_ns_uncached | floor) ns); " +
+    "load \(.loadavg_1min), \(.date), mpirun \(.mpirun_flags), rank CPUs \(.rank_affinity | join(" / ")).\n\n" +
+    "| op | calls | sharded ms | ideal ms | excess ms | kernel ms | host ms | comm ms | dispatch ms | sent KiB | msgs |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n" +
+    ([.ops[:15][] | "| \(.op) | \(.calls) | \(.sharded_s * 1000 * 1000 | round / 1000) | \(.ideal_s * 1000 * 1000 | round / 1000) | \((.sharded_s - .ideal_s) * 1000 * 1000 | round / 1000) | \(.kernel_s * 1e6 | round / 1000) | \(.host_s * 1e6 | round / 1000) | \(.comm_s * 1000 * 1000 | round / 1000) | \(.dispatch_s * 1000 * 1000 | round / 1000) | \(.bytes_sent / 1024 * 10 | round / 10) | \(.messages) |"] | join("\n")) + "\n"' "$f"
+}
+
+# scale.json: weak scaling with tiny pieces; per rank and step, max over ranks.
+scale_section() {
+  local f=$RESULTS/scale.json
+  [ -s "$f" ] || return 0
+  echo "## Scale model: weak scaling with tiny pieces \`bench/results/scale.json\`"
+  echo
+  echo "Per rank and training step, the max over ranks (\`make bench-scale\`). **host s** = the"
+  echo "time in ShardTensor ops outside libtorch kernels and outside MPI (rule dispatch, spec and"
+  echo "plan construction; Note [bench profile] in bench/main.cpp). P beyond the 2 cores is"
+  echo "oversubscribed: a rank can be descheduled inside any interval, so wall times (host s"
+  echo "included) grow with P/cores; message and byte counts do not."
+  echo
+  echo "| workload | P | piece | global shape | msgs/rank | KiB sent/rank | intercepted calls | dispatch boundary ms | host s (max rank) | comm s | step s (wall) | load |"
+  echo "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+  jq -r 'sort_by(.workload, .ranks) | .[] | "| \(.workload) | \(.ranks) | \(.spatial_shape[0] / .ranks | floor)x\(.spatial_shape[1]) | \(.spatial_shape | map(tostring) | join("x")) | \(.rank_messages_per_step | max) | \((.rank_bytes_sent_per_step | max) / 1024 * 10 | round / 10) | \(.dispatch_calls_per_step | floor) | \((.rank_dispatch_boundary_s_per_step | max) * 1e6 | round / 1000) | \((.rank_host_s_per_step | max) * 1e4 | round / 1e4) | \(.comm_s_per_step * 1e4 | round / 1e4) | \(.step_s_median * 1e4 | round / 1e4) | \(.loadavg_1min) |"' "$f"
+  echo
+  echo "Least-squares fits of the per-rank numbers over the measured P >= 2 (P = 1 has no"
+  echo "communication), evaluated at P = 4096: linear a + b P, and logarithmic c + d log2 P."
+  echo "Which one describes a row is in the hand-written analysis above."
+  echo
+  echo "| workload | quantity | at the largest measured P | linear fit | linear at 4096 | log fit | log at 4096 |"
+  echo "|---|---|---:|---|---:|---|---:|"
+  jq -r 'map(select(.ranks >= 2)) | group_by(.workload)[] | . as $g |
+    def fit(f; x): ($g | map([(.ranks | x), f])) as $pts | ($pts | length) as $n |
+      ($pts | map(.[0]) | add / $n) as $mx | ($pts | map(.[1]) | add / $n) as $my |
+      ($pts | map((.[0] - $mx) * (.[0] - $mx)) | add) as $sxx |
+      ($pts | map((.[0] - $mx) * (.[1] - $my)) | add) as $sxy |
+      (if $sxx > 0 then $sxy / $sxx else 0 end) as $b | [$my - $b * $mx, $b, ($pts | max_by(.[0]) | .[1])];
+    def r3: . * 1000 | round / 1000;
+    def row(name; f; scale): fit(f; .) as $r | fit(f; log / (2 | log)) as $l |
+      "| \($g[0].workload) | \(name) | \($r[2] * scale | r3) | \($r[0] * scale | r3) + \($r[1] * scale | r3) P | \(($r[0] + $r[1] * 4096) * scale | r3) | \($l[0] * scale | r3) + \($l[1] * scale | r3) log2 P | \(($l[0] + $l[1] * 12) * scale | r3) |";
+    row("messages / rank / step"; .rank_messages_per_step | max; 1),
+    row("KiB sent / rank / step"; .rank_bytes_sent_per_step | max; 1 / 1024),
+    row("dispatch boundary ms / rank / step"; .rank_dispatch_boundary_s_per_step | max; 1000),
+    row("host s outside kernels and MPI / rank / step"; .rank_host_s_per_step | max; 1)' "$f"
+  echo
+}
+
+# io.json (bench/run_io.sh): parallel HDF5 reads.
+io_section() {
+  local f=$RESULTS/io.json
+  [ -s "$f" ] || return 0
+  echo "## Parallel HDF5 reads (bench/run_io.sh) \`bench/results/io.json\`"
+  echo
+  echo "A float32 field written collectively, then read by rank 0 alone (whole file) and by every"
+  echo "rank (its Shard(0) hyperslab, collective and independent MPI-IO); medians. The file is in"
+  echo "the page cache: HDF5 + MPI-IO + memory are measured, not the disk."
+  echo
+  echo "| shape | MB | P | sequential s | collective s | independent s | collective GB/s (aggregate) | MB per rank | load before -> after |"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---|"
+  # An array (bench/results.h), or one object per line (run_io.sh before issue 13).
+  jq -s -r '(if (.[0] | type) == "array" then .[0] else . end) | .[] | "| \(.shape) | \(.bytes / 1e6 * 10 | round / 10) | \(.np) | \(.sequential_s * 1e4 | round / 1e4) | \(.collective_s * 1e4 | round / 1e4) | \(.independent_s * 1e4 | round / 1e4) | \(.bytes / .collective_s / 1e9 * 100 | round / 100) | \(.bytes_per_rank_max / 1e6 * 10 | round / 10) | \(.load_before) -> \(.load_after) |"' "$f"
+  echo
+}
+
+# Scale plots: per-rank counts and host time vs P (log-log), one line per workload.
+scale_plots() {
+  local f=$RESULTS/scale.json
+  [ -s "$f" ] && [ "$HAVE_GNUPLOT" = 1 ] || return 0
+  mkdir -p "$TMP/scale"
+  local w
+  for w in $(jq -r 'map(.workload) | unique | .[]' "$f"); do
+    jq -r --arg w "$w" 'map(select(.workload == $w)) | sort_by(.ranks) | .[] |
+      "\(.ranks) \(.rank_messages_per_step | max) \((.rank_bytes_sent_per_step | max) / 1024) \((.rank_dispatch_boundary_s_per_step | max) * 1000) \((.rank_host_s_per_step | max) * 1000) \(.dispatch_calls_per_step)"' \
+      "$f" >"$TMP/scale/$w.dat"
+  done
+  local files=("$TMP/scale"/*.dat) name cols ylabel title
+  for name in traffic host; do
+    if [ $name = traffic ]; then
+      ylabel="per rank and step"; title="Scale model: messages and KiB sent per rank (flat = only neighbours talk)"
+    else
+      ylabel="ms per rank and step"; title="Scale model: host time per rank (dispatch boundary; outside kernels and MPI)"
+    fi
+    {
+      echo "set terminal pngcairo noenhanced size 900,620 font ',10'"
+      echo "set output '$IMG/bench_scale_$name.png'"
+      echo "set title '$title'"
+      echo "set xlabel 'MPI ranks P (weak scaling, fixed piece per rank)'"
+      echo "set ylabel '$ylabel'"
+      echo "set logscale xy 2"
+      echo "set grid"
+      echo "set key top left inside box opaque"
+      printf "plot "
+      local first=1 d wl
+      for d in "${files[@]}"; do
+        wl=$(basename "$d" .dat)
+        if [ $name = traffic ]; then
+          cols="'$d' using 1:2 with linespoints lw 2 pt 7 title '$wl messages', '$d' using 1:3 with linespoints lw 2 pt 5 title '$wl KiB sent'"
+        else
+          cols="'$d' using 1:4 with linespoints lw 2 pt 7 title '$wl dispatch boundary', '$d' using 1:5 with linespoints lw 2 pt 5 title '$wl host outside kernels and MPI'"
+        fi
+        [ $first = 1 ] || printf ", "
+        printf "%s" "$cols"
+        first=0
+      done
+      echo
+    } >"$TMP/scale_$name.gp"
+    gnuplot "$TMP/scale_$name.gp" && PLOTS+=("scale_$name")
+  done
+}
+scale_plots
+
+# Note [hand-written findings]: the block between the two markers in the
+# existing document is analysis written by people (what a profile means, the
+# baseline investigation); it is carried over verbatim when the rest is regenerated.
+HAND_BEGIN='<!-- hand-written: begin (kept by bench/report.sh) -->'
+HAND_END='<!-- hand-written: end -->'
+HAND=$TMP/hand.md
+: >"$HAND"
+if [ -f "$DOC" ]; then
+  awk -v b="$HAND_BEGIN" -v e="$HAND_END" '$0 == b { on = 1 } on { print } $0 == e { on = 0 }' "$DOC" >"$HAND"
+fi
+
 # ---- the document ---------------------------------------------------------------------
 {
   cat <<'EOF'
@@ -211,12 +345,15 @@ hand-written before/after comparison in [conv_overlap.md](conv_overlap.md)
 
 ```sh
 make bench-quick     # < 10 min on 2 cores: bench/results/quick.json
-make bench           # every scenario: bench/results/{overhead,strong,fixed,weak,maxsize,attention}.json
+make bench           # every scenario but scale: bench/results/{overhead,strong,fixed,weak,maxsize,attention,profile,io}.json
 make bench-report    # installs gnuplot-nox if missing, writes docs/benchmarks.md and docs/img/bench_*.png
 # one scenario, or one configuration by hand:
 bench/run.sh weak
 mpirun --oversubscribe --bind-to none -np 2 build/bench/shardtensor_bench run \
   --workload unet2d --mode train --shape 256,256 --baseline-threads 1,match --out /tmp/r.json
+mpirun --oversubscribe --bind-to none -np 2 build/bench/shardtensor_bench profile \
+  --workload unet2d --mode train --shape 512,512 --steps 2 --warmup 1
+make bench-scale bench-profile bench-io   # the scale model, the per-op profile, HDF5 reads
 build/bench/shardtensor_bench help
 ```
 
@@ -237,6 +374,9 @@ it on an otherwise idle machine: the `load` column records how busy it was.
 | `strong.json` | (3) strong scaling on 2 cores: P = 2 x 1 thread vs one process with 1 and with 2 threads |
 | `maxsize.json` | (4) largest trainable unet2d sample under 1 GiB of tensor memory per rank, P = 1, 2, 4, 8 |
 | `overhead.json` | (5) P = 1: the ShardTensor path vs plain libtorch, 1 thread each (speedup < 1 is the overhead) |
+| `profile.json` | `make bench-profile`: per-op forward/backward time, kernel/host/comm split and bytes of unet2d 512x512 train at P = 1, 2 next to plain libtorch with the same threads (`shardtensor_bench profile`) |
+| `scale.json` | `make bench-scale`: weak scaling with a tiny 16x32 piece per rank, unet2d (depth 2, 8 channels) and conv_stack train, P = 1, 2, 4, 8, 16 (SCALE_NPS), per rank and step: messages, bytes, dispatcher counters, host time outside kernels |
+| `io.json` | `make bench-io` (bench/run_io.sh): parallel HDF5 read of a sharded field at P = 1, 2, 4 vs one rank reading the whole file |
 | `attention.json` | sequence-sharded (ring) attention, 1 head of 64, S = 2^10 .. 2^15 at P = 1, 2, train and infer; the baseline (textbook softmax(q k^T / sqrt(d)) v, which holds the S x S scores) only up to S = 2^13 |
 
 ## What is measured
@@ -272,6 +412,11 @@ it on an otherwise idle machine: the `load` column records how busy it was.
   is relative to P = 1.
 
 EOF
+  cat "$HAND"
+  [ -s "$HAND" ] && echo
+  profile_section
+  scale_section
+  io_section
   if [ ${#FILES[@]} -eq 0 ]; then
     echo "## Results"
     echo
@@ -292,6 +437,7 @@ EOF
     [attention]="Attention: sequence-sharded scaled_dot_product_attention")
   for f in "${FILES[@]}"; do
     b=$(basename "$f" .json)
+    case $b in io | scale | profile) continue ;; esac
     echo "## ${TITLES[$b]:-$b} \`bench/results/$b.json\`"
     echo
     run_table "$b"

@@ -5,7 +5,10 @@
 #
 #   bench/run.sh quick                     # `make bench-quick`: bench/results/quick.json
 #   bench/run.sh fixed|weak|strong|maxsize|overhead|attention
-#   bench/run.sh all                       # `make bench`: every scenario above but quick
+#   bench/run.sh scale                     # `make bench-scale`: weak scaling with tiny pieces, P = 1..SCALE_NPS
+#   bench/run.sh profile                   # per-op profile, unet2d PROFILE_SHAPE at P = 1, 2
+#   bench/run.sh io                        # parallel HDF5 reads (bench/run_io.sh): bench/results/io.json
+#   bench/run.sh all                       # `make bench`: every scenario above but quick and scale
 #
 # Environment (defaults in brackets):
 #   BENCH_BIN [build/bench/shardtensor_bench]   RESULTS [bench/results]
@@ -15,6 +18,11 @@
 #   WEAK_ROWS_PER_RANK [64]  WEAK_COLS [256]   (unet2d weak scaling: global [64*P, 256])
 #   CAP_MIB [1024]  MAXSIZE_WORKLOADS [unet2d]  NORM [group]
 #   ATTN_LOG2 ["10 11 12 13 14 15"]  ATTN_BASELINE_MAX_LOG2 [13]
+#   SCALE_NPS ["1 2 4 8 16"]  SCALE_PIECE [16,32] (per-rank piece, rows x cols)  SCALE_STEPS [3]
+#   PROFILE_SHAPE [512,512]  PROFILE_NPS ["1 2"]  PROFILE_STEPS [3]
+#   BENCH_IO_BIN [build/bench/shardtensor_bench_io]  IO_NPS ["1 2 4"]  IO_SHAPES  IO_REPEATS
+# Every scenario prints `uptime` before and after it; every record carries the
+# 1-minute load, the mpirun flags and each rank's CPU affinity.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,6 +44,14 @@ MAXSIZE_WORKLOADS=${MAXSIZE_WORKLOADS:-unet2d}
 NORM=${NORM:-group}
 ATTN_LOG2=${ATTN_LOG2:-10 11 12 13 14 15}
 ATTN_BASELINE_MAX_LOG2=${ATTN_BASELINE_MAX_LOG2:-13}
+SCALE_NPS=${SCALE_NPS:-1 2 4 8 16}
+SCALE_PIECE=${SCALE_PIECE:-16,32}
+SCALE_STEPS=${SCALE_STEPS:-3}
+PROFILE_SHAPE=${PROFILE_SHAPE:-512,512}
+PROFILE_NPS=${PROFILE_NPS:-1 2}
+PROFILE_STEPS=${PROFILE_STEPS:-3}
+# The records store the launcher's flags (Note [baseline honesty]).
+export BENCH_MPIRUN_FLAGS="${MPIRUN_FLAGS:---oversubscribe --bind-to none}"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
@@ -155,6 +171,52 @@ scenario_attention() {
   done
 }
 
+# Weak scaling with tiny pieces (the scale model, docs/benchmarks.md): every
+# rank holds a SCALE_PIECE piece of a 1-D decomposition along rows, so the
+# global rows grow with P; U-Net (depth 2, 8 channels) and the conv stack,
+# train, no baseline, through `shardtensor_bench profile`: per rank and step
+# the records carry messages, bytes, CPU seconds, the host time outside
+# kernels and MPI (Note [bench profile]) and the dispatcher's counters.
+# P beyond the cores runs oversubscribed: look at counts and CPU seconds, not
+# wall time.
+scenario_scale() {
+  fresh scale
+  local np w rows cols
+  rows=${SCALE_PIECE%,*}
+  cols=${SCALE_PIECE#*,}
+  for w in conv_stack unet2d; do
+    for np in $SCALE_NPS; do
+      # shellcheck disable=SC2046
+      bench "$np" scale profile --scenario scale --workload $w $(norm_flag $w) --mode train \
+        --shape "$((rows * np)),$cols" --base-channels 8 --depth 2 --steps "$SCALE_STEPS" \
+        --warmup 1 --no-baseline --top 0
+    done
+  done
+}
+
+# Per-op profile (shardtensor_bench profile): unet2d train at PROFILE_SHAPE.
+scenario_profile() {
+  fresh profile
+  local np
+  for np in $PROFILE_NPS; do
+    bench "$np" profile profile --scenario profile --workload unet2d --norm "$NORM" --mode train \
+      --shape "$PROFILE_SHAPE" --steps "$PROFILE_STEPS" --warmup 1
+  done
+}
+
+# Parallel HDF5 reads: bench/run_io.sh (its own binary and results file io.json).
+scenario_io() {
+  local bin=${BENCH_IO_BIN:-$(dirname "$BENCH_BIN")/shardtensor_bench_io}
+  if [ ! -x "$bin" ]; then
+    echo "run.sh: $bin not built; io skipped" >&2
+    FAILED=$((FAILED + 1))
+    return 0
+  fi
+  BENCH_IO_BIN=$bin RESULTS=$RESULTS MPIRUN=$MPIRUN NPS="${IO_NPS:-1 2 4}" \
+    IO_SHAPES="${IO_SHAPES:-4096,4096 256,256,256}" REPEATS="${IO_REPEATS:-5}" \
+    bench/run_io.sh || FAILED=$((FAILED + 1))
+}
+
 # A small, honest subset (< 10 minutes on 2 cores): unet2d training at 2 and 4
 # ranks with the 1-thread baseline (and 'match' threads), its P = 1 overhead,
 # inference at 2 ranks, a conv stack at 2 ranks, and a small memory-cap search.
@@ -177,10 +239,20 @@ scenario_quick() {
 [ $# -ge 1 ] || set -- quick
 for s in "$@"; do
   case $s in
-    quick | fixed | weak | strong | maxsize | overhead | attention) "scenario_$s" ;;
-    all) for t in overhead strong fixed weak maxsize attention; do "scenario_$t"; done ;;
+    quick | fixed | weak | strong | maxsize | overhead | attention | scale | profile | io)
+      echo "run.sh: $s: load before: $(uptime)"
+      "scenario_$s"
+      echo "run.sh: $s: load after: $(uptime)"
+      ;;
+    all)
+      for t in overhead strong fixed weak maxsize attention profile io; do
+        echo "run.sh: $t: load before: $(uptime)"
+        "scenario_$t"
+        echo "run.sh: $t: load after: $(uptime)"
+      done
+      ;;
     *)
-      echo "run.sh: unknown scenario '$s' (quick fixed weak strong maxsize overhead attention all)" >&2
+      echo "run.sh: unknown scenario '$s' (quick fixed weak strong maxsize overhead attention scale profile io all)" >&2
       exit 2
       ;;
   esac

@@ -2,7 +2,7 @@
 # I/O scenario: read throughput of a sharded float32 field from one HDF5 file
 # at P = 1, 2, 4 (each rank its Shard(0) hyperslab, collective and
 # independent MPI-IO) next to a sequential whole-file read on one rank in the
-# same run. Appends JSON lines to $RESULTS/io.json (started afresh).
+# same run. Appends records to the JSON array $RESULTS/io.json (started afresh).
 #
 #   bench/run_io.sh            (after: cmake --build build --target shardtensor_bench_io)
 # Environment: BENCH_IO_BIN [build/bench/shardtensor_bench_io]  RESULTS [bench/results]
@@ -18,7 +18,7 @@ MPIRUN=${MPIRUN:-mpirun}
 export OMP_NUM_THREADS=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 mkdir -p "$RESULTS"
-: >"$RESULTS/io.json"
+rm -f "$RESULTS/io.json"
 echo "load before: $(uptime)"
 for shape in $IO_SHAPES; do
   for np in $NPS; do

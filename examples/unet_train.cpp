@@ -49,6 +49,8 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "models/unet.h"
 
 namespace st = shardtensor;
@@ -74,60 +76,56 @@ struct Config {
 
 [[noreturn]] void usage(const std::string& why) {
   if (st::world_rank() == 0) {
-    std::cerr
-        << "unet_train: " << why << "\n"
-        << "flags: --size N --steps S --solver-steps K --lr LR --mesh DATAxDOMAIN "
-           "--batch B --base-channels C --depth D --norm group|batch|none "
-           "--checkpoint DIR (\"\" = none) --resume --data FILE.h5 --png PATH --log-every N\n";
+    std::cerr << "unet_train: " << why << " (unet_train --help lists the flags)\n";
   }
   throw std::invalid_argument(why);
 }
 
-Config parse(int argc, char** argv) {
-  Config c;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage("missing value for " + a);
-      return argv[++i];
-    };
-    if (a == "--size") {
-      c.size = std::stoll(value());
-    } else if (a == "--steps") {
-      c.steps = std::stoll(value());
-    } else if (a == "--solver-steps") {
-      c.solver_steps = std::stoll(value());
-    } else if (a == "--lr") {
-      c.lr = std::stod(value());
-    } else if (a == "--mesh") {
-      std::string m = value();
-      auto x = m.find('x');
-      if (x == std::string::npos) usage("--mesh wants DATAxDOMAIN, e.g. 2x2");
-      c.data = std::stoll(m.substr(0, x));
-      c.domain = std::stoll(m.substr(x + 1));
-    } else if (a == "--batch") {
-      c.batch = std::stoll(value());
-    } else if (a == "--base-channels") {
-      c.base_channels = std::stoll(value());
-    } else if (a == "--depth") {
-      c.depth = std::stoll(value());
-    } else if (a == "--norm") {
-      c.norm = value();
-    } else if (a == "--checkpoint") {
-      c.checkpoint = value();
-    } else if (a == "--resume") {
-      c.resume = true;
-    } else if (a == "--data") {
-      c.data_file = value();
-    } else if (a == "--png") {
-      c.png = value();
-    } else if (a == "--log-every") {
-      c.log_every = std::max<int64_t>(1, std::stoll(value()));
-    } else {
-      usage("unknown flag " + a);
+/// The command line (CLI11). Returns false when only --help was asked for.
+bool parse(int argc, char** argv, Config& c) {
+  CLI::App app{
+      "unet_train: the main job (a GroupNorm U-Net learns a diffusion solver on a "
+      "data x domain mesh)",
+      "unet_train"};
+  app.add_option("--size", c.size, "global image size N (N x N)")->capture_default_str();
+  app.add_option("--steps", c.steps, "training steps")->capture_default_str();
+  app.add_option("--solver-steps", c.solver_steps, "explicit solver steps per sample")
+      ->capture_default_str();
+  app.add_option("--lr", c.lr, "Adam learning rate")->capture_default_str();
+  std::string mesh;
+  app.add_option("--mesh", mesh, "DATAxDOMAIN, e.g. 2x2 [1 x P]");
+  app.add_option("--batch", c.batch, "global batch [one sample per data coordinate]");
+  app.add_option("--base-channels", c.base_channels)->capture_default_str();
+  app.add_option("--depth", c.depth)->capture_default_str();
+  app.add_option("--norm", c.norm)
+      ->check(CLI::IsMember({"group", "batch", "none"}))
+      ->capture_default_str();
+  app.add_option("--checkpoint", c.checkpoint, "checkpoint directory (\"\" = none)")
+      ->capture_default_str();
+  app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint");
+  app.add_option("--data", c.data_file, "HDF5 file of the training batch")->capture_default_str();
+  app.add_option("--png", c.png, "output image")->capture_default_str();
+  app.add_option("--log-every", c.log_every, "print the loss every N steps")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    if (st::world_rank() == 0) std::cout << app.help();
+    return false;
+  } catch (const CLI::ParseError& e) {
+    usage(e.what());
+  }
+  if (!mesh.empty()) {
+    const auto x = mesh.find('x');
+    if (x == std::string::npos) usage("--mesh wants DATAxDOMAIN, e.g. 2x2");
+    try {
+      c.data = std::stoll(mesh.substr(0, x));
+      c.domain = std::stoll(mesh.substr(x + 1));
+    } catch (const std::exception&) {
+      usage("--mesh wants DATAxDOMAIN, e.g. 2x2");
     }
   }
-  return c;
+  c.log_every = std::max<int64_t>(1, c.log_every);
+  return true;
 }
 
 models::Norm norm_of(const std::string& n) {
@@ -392,7 +390,8 @@ bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
 }
 
 int run(int argc, char** argv) {
-  Config c = parse(argc, argv);
+  Config c;
+  if (!parse(argc, argv, c)) return 0;
   const int P = st::world_size();
   if (c.domain < 0) c.domain = P / c.data;
   if (c.data * c.domain != P) usage("--mesh DATAxDOMAIN must multiply to the number of ranks");
