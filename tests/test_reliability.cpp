@@ -235,12 +235,11 @@ TEST(NonFinite, OneRanksNaNReachesEveryRank) {
   }
 }
 
-// Found by the NaN/Inf-exact all_close: on the 2x2 mesh, softmax over a
-// sharded dim whose row holds +Inf in one rank's piece gives NaN only at the
-// Inf's position, while libtorch gives NaN for the whole row (ops/softmax.cpp:
-// the pieces without the Inf compute exp(x - inf) = 0 and never see the NaN).
-// Disabled until ops/softmax.cpp is fixed; run with --gtest_also_run_disabled_tests.
-TEST(NonFinite, DISABLED_SoftmaxWithInfInOneRanksPiece) {
+// Found by the NaN/Inf-exact all_close: softmax over a sharded dim whose row
+// holds +Inf in one rank's piece gave NaN only at the Inf's position, while
+// libtorch gives NaN for the whole row (ops/softmax.cpp subtracted 0 instead
+// of the +inf maximum). Also NaN and -Inf, and log_softmax.
+TEST(NonFinite, SoftmaxWithInfInOneRanksPiece) {
   auto mesh = test_mesh();
   for (double bad :
        {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
@@ -249,6 +248,7 @@ TEST(NonFinite, DISABLED_SoftmaxWithInfInOneRanksPiece) {
     full.index_put_({5, 4}, bad);
     at::Tensor x = st::distribute_tensor(full, mesh, fit_placements(mesh, {S0, S1}));
     EXPECT_TRUE(all_close(gathered(at::softmax(x, 1)), at::softmax(full, 1))) << bad;
+    EXPECT_TRUE(all_close(gathered(at::log_softmax(x, 1)), at::log_softmax(full, 1))) << bad;
   }
 }
 

@@ -56,7 +56,10 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
       m = x.amax(dim, true);
     }
     m = comm::all_reduce_nograd(m.contiguous(), mesh, {mesh_dim}, ReduceOp::Max);
-    m.masked_fill_(m.isinf(), 0);  // a row of -inf (or +inf) behaves as libtorch's
+    // A row of only -inf: subtract 0 (libtorch's NaN row follows from 0 / 0). A
+    // +inf anywhere in the row stays: inf - inf = NaN reaches the all-reduced
+    // sum, so the whole row is NaN on every rank, as in libtorch.
+    m.masked_fill_(m.isneginf(), 0);
     at::Tensor y = x - m;
     at::Tensor s = sum_dim(y.exp(), dim, mesh, mesh_dim);
     if (log) {
