@@ -194,11 +194,7 @@ at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const S
       sum_dims.push_back(m);
     }
   }
-  // Note [plain fast path]: mesh dims of size 1 sum nothing; a use whose sum
-  // dims all have size 1 needs no marking (and its backward no all-reduce).
-  bool nontrivial = false;
-  for (int64_t m : sum_dims) nontrivial = nontrivial || target.mesh().size(m) > 1;
-  if (nontrivial && local.requires_grad()) {
+  if (!sum_dims.empty() && local.requires_grad()) {
     local = comm::use_replicated(local, target.mesh(), sum_dims);
   }
   return local;
@@ -315,12 +311,21 @@ SpecPtr plain_output_spec(const ShardSpec& in, c10::IntArrayRef out_local) {
 void call_plain(const c10::OperatorHandle& op, std::vector<c10::IValue> args, Stack* stack) {
   const ShardSpec& in = *spec_of(args[0].toTensor());
   const Placements rep(in.mesh().ndim(), Replicate{});
+  bool shards_over_ranks = false;
+  for (int64_t m = 0; m < in.mesh().ndim(); ++m) {
+    shards_over_ranks =
+        shards_over_ranks || (is_shard(in.placements()[m]) && in.mesh().size(m) > 1);
+  }
   Stack s = std::move(args);
   s[0] = local_of(s[0].toTensor());
   for (size_t i = 1; i < s.size(); ++i) {
     if (!s[i].isTensor()) continue;
     const at::Tensor t = s[i].toTensor();
     if (!t.defined()) continue;
+    // A plain parameter is used as is unless a mesh dim of size > 1 shards
+    // the input (its gradient must then be summed over that dim): mesh dims
+    // of size 1 sum nothing.
+    if (!spec_of(t) && !shards_over_ranks) continue;
     s[i] = to_layout(t, ShardSpec(in.mesh(), rep, t.sizes().vec()), in);
   }
   op.callBoxed(&s);
