@@ -9,6 +9,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 #include "comm/transport.h"
 #include "spec/arith.h"
@@ -371,6 +375,62 @@ struct GatherRangeFn : torch::autograd::Function<GatherRangeFn> {
   }
 };
 
+// Note [halo plan cache]: a HaloPlan depends only on metadata (the mesh dim's
+// communicator, this coordinate, the local shape, dim, sizes, ranges and pad
+// mode), and building one walks every coordinate's range (O(P)). Plans are
+// therefore cached by that key, like PETSc's VecScatter or heFFTe's plans: in
+// steady state (the same layer on the same layout every step) a call finds
+// its plan and does no O(P) work beyond hashing the key. The cache holds at
+// most kMaxPlans plans and is cleared when full (a model has a bounded number
+// of distinct layouts). Keys include the MPI_Comm handle, so a plan is never
+// reused on another communicator.
+constexpr size_t kMaxPlans = 512;
+
+struct PlanKeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const {
+    size_t h = 1469598103934665603ull;
+    for (int64_t v : k) h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
+    return h;
+  }
+};
+
+std::shared_ptr<const HaloPlan> cached_plan(const Axis& a, std::vector<int64_t> local_shape,
+                                            int64_t dim, const std::vector<int64_t>& sizes,
+                                            const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                                            PadMode mode) {
+  std::vector<int64_t> key;
+  key.reserve(8 + local_shape.size() + sizes.size() + 2 * ranges.size());
+  // The handle's bits (a pointer in Open MPI, an int in MPICH). A handle
+  // reused after MPI_Comm_free gives the same plan contents for the same
+  // (me, sizes, ranges), so a stale entry is still right.
+  int64_t comm_bits = 0;
+  std::memcpy(&comm_bits, &a.comm, std::min(sizeof(a.comm), sizeof(comm_bits)));
+  key.push_back(comm_bits);
+  key.push_back(a.me);
+  key.push_back(dim);
+  key.push_back(static_cast<int64_t>(mode));
+  key.push_back(static_cast<int64_t>(local_shape.size()));
+  key.insert(key.end(), local_shape.begin(), local_shape.end());
+  key.insert(key.end(), sizes.begin(), sizes.end());
+  for (const auto& [lo, hi] : ranges) {
+    key.push_back(lo);
+    key.push_back(hi);
+  }
+  static std::mutex mu;
+  static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const HaloPlan>, PlanKeyHash>
+      cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto plan = HaloPlan::build(a, std::move(local_shape), dim, sizes, ranges, mode);
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= kMaxPlans) cache.clear();
+  cache.emplace(std::move(key), plan);
+  return plan;
+}
+
 /// Shared by gather_range and halo_exchange (which names itself in errors).
 at::Tensor gather_range_impl(Prim prim, const at::Tensor& local, const DeviceMesh& mesh,
                              int64_t mesh_dim, int64_t dim, const std::vector<int64_t>& sizes,
@@ -394,7 +454,7 @@ at::Tensor gather_range_impl(Prim prim, const at::Tensor& local, const DeviceMes
   }
   agree_or_throw(prim, a.comm, fp, checks);
   RangeArgs args;
-  args.plan = HaloPlan::build(a, local.sizes().vec(), d, sizes, ranges, mode);
+  args.plan = cached_plan(a, local.sizes().vec(), d, sizes, ranges, mode);
   args.value = value;
   return GatherRangeFn::apply(local, std::move(args));
 }

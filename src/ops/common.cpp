@@ -2,6 +2,7 @@
 
 #include <shardtensor/core/policy.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace shardtensor::ops {
@@ -265,6 +266,78 @@ void note_gather(const c10::OperatorHandle& op, const std::vector<c10::IValue>& 
   std::ostringstream name;
   name << op.operator_name();
   detail::record_gather(name.str(), bytes, mesh.rank() == 0, what);
+}
+
+bool runs_plain(const ShardSpec& spec, const at::Tensor& local,
+                const std::vector<int64_t>& local_dims) {
+  if (local.numel() == 0) return false;
+  std::vector<int> count(spec.ndim(), 0);
+  const DeviceMesh& mesh = spec.mesh();
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const auto& pl = spec.placements()[m];
+    if (is_shard(pl) && ++count[shard_dim(pl)] > 1) return false;
+    if (mesh.size(m) == 1 || is_replicate(pl)) continue;
+    if (is_partial(pl)) return false;
+    if (std::find(local_dims.begin(), local_dims.end(), shard_dim(pl)) == local_dims.end()) {
+      return false;
+    }
+    for (int64_t n : spec.shard_sizes(m)) {
+      if (n == 0) return false;
+    }
+  }
+  return true;
+}
+
+SpecPtr plain_output_spec(const ShardSpec& in, c10::IntArrayRef out_local) {
+  const DeviceMesh& mesh = in.mesh();
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(out_local.size()) == in.ndim(),
+                        "plain path: the result has another rank than the input");
+  std::vector<int64_t> shape = out_local.vec();
+  Placements pl = in.placements();
+  ShardSizes sizes(mesh.ndim());
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    if (is_partial(pl[m])) pl[m] = Replicate{};
+    if (is_shard(pl[m]) && mesh.size(m) > 1) {
+      shape[shard_dim(pl[m])] = in.global_shape()[shard_dim(pl[m])];
+      sizes[m] = in.shard_sizes(m);
+    }
+  }
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    if (is_shard(pl[m]) && mesh.size(m) == 1) sizes[m] = {shape[shard_dim(pl[m])]};
+  }
+  return make_spec(mesh, std::move(pl), std::move(shape), std::move(sizes));
+}
+
+void call_plain(const c10::OperatorHandle& op, std::vector<c10::IValue> args, Stack* stack) {
+  const ShardSpec& in = *spec_of(args[0].toTensor());
+  const Placements rep(in.mesh().ndim(), Replicate{});
+  bool shards_over_ranks = false;
+  for (int64_t m = 0; m < in.mesh().ndim(); ++m) {
+    shards_over_ranks =
+        shards_over_ranks || (is_shard(in.placements()[m]) && in.mesh().size(m) > 1);
+  }
+  Stack s = std::move(args);
+  s[0] = local_of(s[0].toTensor());
+  for (size_t i = 1; i < s.size(); ++i) {
+    if (!s[i].isTensor()) continue;
+    const at::Tensor t = s[i].toTensor();
+    if (!t.defined()) continue;
+    // A plain parameter is used as is unless a mesh dim of size > 1 shards
+    // the input (its gradient must then be summed over that dim): mesh dims
+    // of size 1 sum nothing.
+    if (!spec_of(t) && !shards_over_ranks) continue;
+    s[i] = to_layout(t, ShardSpec(in.mesh(), rep, t.sizes().vec()), in);
+  }
+  op.callBoxed(&s);
+  SpecPtr out;
+  for (auto& v : s) {
+    if (!v.isTensor()) {
+      stack->push_back(std::move(v));
+      continue;
+    }
+    if (!out) out = plain_output_spec(in, v.toTensor().sizes());
+    stack->push_back(wrap(v.toTensor(), out));
+  }
 }
 
 }  // namespace shardtensor::ops

@@ -101,4 +101,27 @@ int64_t gathered_bytes(const ShardSpec& src, const ShardSpec& dst, int64_t items
 void note_gather(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                  const DeviceMesh& mesh, int64_t bytes, const std::string& what);
 
+/// Note [plain fast path]: P = 1, or every mesh dim that shards an op's
+/// non-local dims has size 1. Local (metadata only, so every rank agrees).
+/// Whether an op that is independent along the tensor dims `local_dims` (the
+/// batch dim of a convolution, N and C of a pooling, ...) can run as the plain
+/// libtorch call on the local piece: every mesh dim of size > 1 is Replicate
+/// or Shard on one of `local_dims` with no empty piece, no tensor dim is
+/// sharded by two mesh dims, and the local piece is not empty.
+bool runs_plain(const ShardSpec& spec, const at::Tensor& local,
+                const std::vector<int64_t>& local_dims);
+
+/// Note [plain fast path]. Runs `op` itself on the local piece of args[0]
+/// (the ShardTensor input), every other tensor argument taken as replicated
+/// (to_layout; plain parameters pass through unchanged, marked with
+/// use_replicated only where a mesh dim of size > 1 shards the input), and
+/// pushes the results wrapped with plain_output_spec(). No copy and no
+/// communication beyond what libtorch's call does; autograd is libtorch's.
+void call_plain(const c10::OperatorHandle& op, std::vector<c10::IValue> args, Stack* stack);
+
+/// Local. The layout of a result of the plain path: the input's placements
+/// (Partial -> Replicate), global extent and sizes kept on dims that a mesh
+/// dim of size > 1 shards, the result's own extent elsewhere.
+SpecPtr plain_output_spec(const ShardSpec& in, c10::IntArrayRef out_local);
+
 }  // namespace shardtensor::ops

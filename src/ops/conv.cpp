@@ -727,8 +727,14 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
     spatial_dims.push_back(first_sp + i);
   }
 
-  // Note [conv layout]: the compute layout.
+  // Note [plain fast path]: nothing but the batch dim is sharded over more than one rank.
   const ShardSpec& in_spec = *spec_of(c.input);
+  if (runs_plain(in_spec, local_of(c.input),
+                 batched ? std::vector<int64_t>{0} : std::vector<int64_t>{})) {
+    return call_plain(op, std::move(args), stack);
+  }
+
+  // Note [conv layout]: the compute layout.
   Placements cp;
   ShardSizes csizes;
   for (int64_t m = 0; m < mesh.ndim(); ++m) {

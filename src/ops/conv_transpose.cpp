@@ -79,6 +79,12 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
     out_ext.push_back(o);
   }
 
+  // Note [plain fast path]: nothing but the batch dim is sharded over more than one rank.
+  if (runs_plain(*xs, local_of(x),
+                 ndim == nd + 2 ? std::vector<int64_t>{0} : std::vector<int64_t>{})) {
+    return call_plain(op, std::move(args), stack);
+  }
+
   // Plans (Note [transposed convolution halos]).
   std::vector<stencil::DimPlan> plans;
   for (int64_t i = 0; i < nd; ++i) {

@@ -146,6 +146,100 @@ struct InterpOp {
   bool has_align;  // linear modes take align_corners
 };
 
+// libtorch's kernel for `mode` on `x` with explicit per-dim output sizes and scales.
+at::Tensor upsample(const InterpOp& p, const at::Tensor& x, c10::IntArrayRef out, bool ac,
+                    const std::vector<std::optional<double>>& sc) {
+  auto o = [&](int64_t i) { return sc[i] ? c10::optional<double>(*sc[i]) : c10::nullopt; };
+  switch (p.mode) {
+    case Mode::Nearest:
+      if (p.nd == 1) return at::upsample_nearest1d(x, out, o(0));
+      if (p.nd == 2) return at::upsample_nearest2d(x, out, o(0), o(1));
+      return at::upsample_nearest3d(x, out, o(0), o(1), o(2));
+    case Mode::NearestExact:
+      if (p.nd == 1) return at::_upsample_nearest_exact1d(x, out, o(0));
+      if (p.nd == 2) return at::_upsample_nearest_exact2d(x, out, o(0), o(1));
+      return at::_upsample_nearest_exact3d(x, out, o(0), o(1), o(2));
+    case Mode::Linear:
+      if (p.nd == 1) return at::upsample_linear1d(x, out, ac, o(0));
+      if (p.nd == 2) return at::upsample_bilinear2d(x, out, ac, o(0), o(1));
+      return at::upsample_trilinear3d(x, out, ac, o(0), o(1), o(2));
+    case Mode::Cubic:
+      return at::upsample_bicubic2d(x, out, ac, o(0), o(1));
+  }
+  return at::Tensor();
+}
+
+bool same_taps(const Taps& a, int64_t a0, const Taps& b, int64_t b0, int64_t shift, int64_t count) {
+  for (int64_t j = 0; j < a.n; ++j) {
+    for (int64_t o = 0; o < count; ++o) {
+      if (a.idx[j][a0 + o] != b.idx[j][b0 + o] + shift || a.w[j][a0 + o] != b.w[j][b0 + o]) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Note [native interpolation on pieces]: along a sharded dim with an integer
+// scale s (out = s * n, and a given scale, if any, equal to s), this rank's
+// output block [o0, o1) reads the input range [L, H) (the taps' hull,
+// gathered with edge replication). libtorch's kernel run on that piece with
+// output extent s * (H - L) and scale s computes, for local output o - s L,
+// source coordinates shifted by exactly L *if* its taps (indices and weights,
+// computed by compute_taps with libtorch's own formulas and precision) equal
+// the global taps shifted by L for every output of the block. That is the
+// general condition, checked here per rank from metadata (no agreement is
+// needed: the communication, the gather of [L, H), is the same either way).
+// It holds for linear and cubic modes with align_corners = false (the source
+// coordinate (o + 1/2)/s - 1/2 is affine with slope 1/s; local clamping at 0
+// and n - 1 only happens where the global one does, because [L, H) holds every
+// tap), and for nearest modes wherever float rounding of o * (1/s) does not
+// move an index across an integer (always for s a power of two). It fails for
+// align_corners = true (scale (in - 1)/(out - 1) depends on the extent) and
+// non-integer scales; those keep the weighted gathers below. Unsharded dims
+// are passed the global output extent and the caller's scale unchanged. The
+// result is narrowed to the block; backward is libtorch's upsample backward
+// (which saves no input) followed by gather_range's halo accumulate.
+at::Tensor native_on_piece(const InterpOp& p, const at::Tensor& g, const ShardSpec& in,
+                           const std::vector<stencil::DimPlan>& plans,
+                           const std::vector<Taps>& taps, const std::vector<int64_t>& shape,
+                           const std::vector<int64_t>& out_ext,
+                           const std::vector<std::optional<double>>& scales, bool ac) {
+  if (ac) return at::Tensor();
+  const bool dbl = g.scalar_type() == at::kDouble;
+  const auto coord = in.mesh().coordinate();
+  std::vector<int64_t> call_out(out_ext);
+  std::vector<std::optional<double>> call_sc(scales);
+  std::vector<std::pair<int64_t, int64_t>> narrow(p.nd, {0, -1});  // (start, length)
+  for (const auto& plan : plans) {
+    const int64_t i = plan.dim - 2;
+    const int64_t n = shape[plan.dim], out = out_ext[i];
+    if (out % n != 0) return at::Tensor();
+    const int64_t s = out / n;
+    if (scales[i] && *scales[i] != static_cast<double>(s)) return at::Tensor();
+    const int64_t c = coord[plan.mesh_dim];
+    int64_t o0 = 0;
+    for (int64_t k = 0; k < c; ++k) o0 += plan.out_sizes[k];
+    const int64_t cnt = plan.out_sizes[c];
+    const auto [L, H] = plan.ranges[c];
+    if (cnt == 0 || H <= L) return at::Tensor();
+    const int64_t lout = s * (H - L);
+    const int64_t start = o0 - s * L;
+    if (start < 0 || start + cnt > lout) return at::Tensor();
+    const Taps lt = dbl ? compute_taps<double>(p.mode, H - L, lout, false, double(s))
+                        : compute_taps<float>(p.mode, H - L, lout, false, double(s));
+    if (!same_taps(taps[i], o0, lt, start, L, cnt)) return at::Tensor();
+    call_out[i] = lout;
+    call_sc[i] = static_cast<double>(s);
+    narrow[i] = {start, cnt};
+  }
+  at::Tensor y = upsample(p, g, call_out, ac, call_sc);
+  for (int64_t i = 0; i < p.nd; ++i) {
+    if (narrow[i].second >= 0) y = y.narrow(i + 2, narrow[i].first, narrow[i].second);
+  }
+  return y.contiguous();
+}
+
 void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
   auto args = pop_args(op, stack);
   const auto& schema = op.schema();
@@ -210,6 +304,8 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
       fail(op, args, "input and output spatial sizes must be greater than 0");
     }
   }
+  // Note [plain fast path]: no spatial dim is sharded over more than one rank.
+  if (runs_plain(*s, local_of(x), {0, 1})) return call_plain(op, std::move(args), stack);
   const std::vector<int64_t> spatial = [&] {
     std::vector<int64_t> v;
     for (int64_t i = 0; i < p.nd; ++i) v.push_back(i + 2);
@@ -263,6 +359,17 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
 
   at::Tensor local = to_layout(x, *in_spec, *in_spec);
   at::Tensor g = stencil::gather_plans(local, in_spec->mesh(), plans, PadMode::Replicate);
+
+  // Note [native interpolation on pieces]: libtorch's own upsample kernel on
+  // the halo-extended piece, where it computes exactly the global taps.
+  if (g.numel() > 0) {
+    at::Tensor y = native_on_piece(p, g, *in_spec, plans, taps, shape, out_ext, scales,
+                                   p.has_align && align_corners);
+    if (y.defined()) {
+      stack->push_back(wrap(y, out_spec));
+      return;
+    }
+  }
 
   // This rank's output block and input range along each spatial dim.
   const auto coord = in_spec->mesh().coordinate();

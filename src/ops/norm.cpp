@@ -20,20 +20,23 @@
 //    NormFn (Note [norm backward]).
 // The channel dim (dim 1) of batch/instance/group norm must not be sharded.
 //
-// Note [sharded moments]: the per-statistic moments are computed in two
-// passes, the corrected two-pass algorithm:
-//   (1) shift = all_reduce(sum x) / N;
-//   (2) d = x - shift;  (s2, s1) = all_reduce(sum d^2, sum d);
-//       delta = s1 / N;  M2 = s2 - s1^2 / N;  mean = shift + delta.
-// Pass (2) sums deviations from a value already close to the mean, so
-// nothing cancels catastrophically (never E[x^2] - E[x]^2): a field with mean
-// 1e4 and a standard deviation of 1 keeps its variance to float precision.
-// The correction delta absorbs the rounding of the float32 shift, and the
-// output is formed as ((x - shift) - delta) * rstd, where x - shift is exact
-// for x near shift (Sterbenz), so the normalized values are accurate to a few
-// ulps of the standard deviation rather than of the mean. N is the global
-// count (from global shapes), so empty pieces simply contribute zero sums;
-// one all-reduce per pass, each over the statistic's size only.
+// Note [sharded moments]: each rank first computes its LOCAL moments with the
+// corrected two-pass algorithm on its piece (n_r elements per statistic):
+//   m = mean(x);  d = x - m;  s1 = sum d;  s2 = sum d^2;
+//   mean_r = m + s1 / n_r;  M2_r = s2 - s1^2 / n_r   (mean_r, M2_r in float64)
+// which sums deviations from a value already close to the mean, so nothing
+// cancels catastrophically. The ranks' moments are then merged with ONE
+// all-reduce, in float64, of (n_r mean_r, M2_r + n_r mean_r^2):
+//   mean = sum(n_r mean_r) / N;  M2 = sum(M2_r + n_r mean_r^2) - N mean^2.
+// The subtraction in the merge cancels only relative to mean^2 in float64
+// (a field with mean 1e4 and a standard deviation of 1 keeps its variance to
+// ~1e-8 relative), and mean is exact to float64. For the output, mean is split
+// into shift = float(mean) and delta = mean - shift, and the output is formed
+// as (x - shift) * (rstd w) + (b - delta rstd w), where x - shift is exact for
+// x near shift (Sterbenz), so the normalized values are accurate to a few ulps
+// of the standard deviation rather than of the mean. N is the global count
+// (from global shapes); empty pieces contribute zeros. One all-reduce of twice
+// the statistic's size in forward.
 //
 // Note [norm backward]: with xhat = (x - mean) * rstd and g = dy * w,
 //   dx = rstd * (g - mean_R(g) - xhat * mean_R(g * xhat)),
@@ -49,6 +52,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 
 #include "ops/common.h"
@@ -86,13 +90,28 @@ struct Moments {
 Moments moments(const at::Tensor& x, const NormPlan& p) {
   at::NoGradGuard no_grad;
   const at::Tensor xd = x.detach();
+  double n = 1;
+  for (int64_t d : p.dims) n *= static_cast<double>(xd.size(d));
+  at::Tensor pack;
+  if (n > 0) {
+    const at::Tensor lm = xd.mean(p.dims, true);
+    at::Tensor d = xd - lm;  // the only full-size temporary
+    const at::Tensor s1 = d.sum(p.dims, true).to(at::kDouble);
+    const at::Tensor s2 = d.mul_(d).sum(p.dims, true).to(at::kDouble);
+    const at::Tensor mean_r = lm.to(at::kDouble) + s1 / n;
+    const at::Tensor m2_r = s2 - s1 * s1 / n;
+    pack = at::stack({mean_r * n, m2_r + mean_r * mean_r * n});
+  } else {
+    auto shape = xd.sum(p.dims, true).sizes().vec();
+    shape.insert(shape.begin(), 2);
+    pack = at::zeros(shape, xd.options().dtype(at::kDouble));
+  }
+  pack = sum_mesh(pack, p);
+  const at::Tensor mean = pack[0] / p.count;
   Moments m;
-  m.shift = sum_mesh(xd.sum(p.dims, true), p) / p.count;
-  at::Tensor d = xd - m.shift;  // the only full-size temporary
-  at::Tensor s1 = d.sum(p.dims, true);
-  at::Tensor s = sum_mesh(at::stack({d.mul_(d).sum(p.dims, true), s1}), p);
-  m.delta = s[1] / p.count;
-  m.m2 = (s[0] - s[1] * m.delta).clamp_min(0);
+  m.shift = mean.to(xd.scalar_type());
+  m.delta = (mean - m.shift.to(at::kDouble)).to(xd.scalar_type());
+  m.m2 = (pack[1] - mean * mean * p.count).clamp_min(0).to(xd.scalar_type());
   return m;
 }
 
@@ -106,10 +125,13 @@ struct NormFn : torch::autograd::Function<NormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& b, const at::Tensor& shift, const at::Tensor& delta,
                             const at::Tensor& rstd, std::shared_ptr<const NormPlan> plan) {
+    // ((x - shift) - delta) * rstd * w + b as (x - shift) * scale + offset,
+    // scale and offset of the statistics' size (times the weight's).
+    const at::Tensor scale = plan->has_w ? rstd * w : rstd;
+    at::Tensor offset = -delta * scale;
+    if (plan->has_b) offset = offset + b;
     at::Tensor y = x - shift;
-    y.sub_(delta).mul_(rstd);
-    if (plan->has_w) y.mul_(w);
-    if (plan->has_b) y.add_(b);
+    y.mul_(scale).add_(offset);
     ctx->save_for_backward({x, plan->has_w ? w : at::Tensor(), shift, delta, rstd});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
     ctx->saved_data["b_shape"] = b.sizes().vec();
@@ -163,9 +185,10 @@ ShardSpec replicated_spec(const DeviceMesh& mesh, c10::IntArrayRef shape) {
 
 // A per-channel parameter (weight, bias, running stat) of `op`, replicated and
 // marked for use in `compute` (Note [replicated gradients]); undefined stays undefined.
+// With convert = false, only validates (the plain path converts it itself).
 at::Tensor channel_param(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                          const at::Tensor& t, int64_t channels, const ShardSpec& compute,
-                         const char* what) {
+                         const char* what, bool convert = true) {
   if (!t.defined()) return t;
   if (t.dim() != 1 || t.size(0) != channels) {
     std::ostringstream os;
@@ -179,6 +202,7 @@ at::Tensor channel_param(const c10::OperatorHandle& op, const std::vector<c10::I
          std::string(what) + " must be a plain (replicated) tensor, got " +
              to_string(s->placements()));
   }
+  if (!convert) return t;
   return to_layout(t, replicated_spec(compute.mesh(), t.sizes()), compute);
 }
 
@@ -230,9 +254,23 @@ std::vector<int64_t> mesh_dims_where(const ShardSpec& in, Pred pred) {
   std::vector<int64_t> out;
   for (int64_t m = 0; m < in.mesh().ndim(); ++m) {
     const auto& pl = in.placements()[m];
-    if (is_shard(pl) && pred(shard_dim(pl))) out.push_back(m);
+    // A mesh dim of size 1 shards nothing (Note [plain fast path]).
+    if (is_shard(pl) && in.mesh().size(m) > 1 && pred(shard_dim(pl))) out.push_back(m);
   }
   return out;
+}
+
+// Note [plain fast path] for normalizations: the plain libtorch op runs when
+// NO mesh dim shards a reduced dim (a mesh dim of size 1 included). When only
+// mesh dims of size 1 shard reduced dims, the merged-moments path runs without
+// any communication (mesh_dims_where skips them) instead: libtorch's own
+// kernels lose the variance of a field whose mean is large against its spread
+// (LargeMeanStability in tests/test_norm.cpp), which the two-pass moments keep.
+bool reduces_over_shard(const ShardSpec& in, const std::function<bool(int64_t)>& reduced) {
+  for (const auto& pl : in.placements()) {
+    if (is_shard(pl) && reduced(shard_dim(pl))) return true;
+  }
+  return false;
 }
 
 NormPlan make_plan(std::vector<int64_t> dims, const ShardSpec& in, std::vector<int64_t> mesh_dims,
@@ -284,10 +322,23 @@ void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   if (!training && (!rm.defined() || !rv.defined())) {
     fail(op, args, "running_mean and running_var must be defined in evaluation mode");
   }
+  channel_param(op, args, opt_tensor(args[1]), channels, in, "weight", false);
+  channel_param(op, args, opt_tensor(args[2]), channels, in, "bias", false);
+  {
+    // Note [plain fast path]: in training the statistics reduce over every dim but C.
+    std::vector<int64_t> local_dims;
+    for (int64_t d = 0; !training && d < nd; ++d) {
+      if (d != 1) local_dims.push_back(d);
+    }
+    if (!(training && reduces_over_shard(in, [](int64_t d) { return d != 1; })) &&
+        runs_plain(*spec_of(x), local_of(x), local_dims)) {
+      return call_plain(op, std::move(args), stack);
+    }
+  }
   at::Tensor w = channel_param(op, args, opt_tensor(args[1]), channels, in, "weight");
   at::Tensor b = channel_param(op, args, opt_tensor(args[2]), channels, in, "bias");
   auto mdims = mesh_dims_where(in, [](int64_t d) { return d != 1; });
-  if (!training || mdims.empty()) {
+  if (!training || !reduces_over_shard(in, [](int64_t d) { return d != 1; })) {
     // Eval mode (running statistics, elementwise) or nothing reduced is sharded: local.
     at::Tensor y = local.numel() == 0 ? empty_result(local, w, b)
                                       : at::batch_norm(local, w, b, rm, rv, training, momentum, eps,
@@ -336,12 +387,22 @@ void instance_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
          "Expected running_mean and running_var to be defined when use_input_stats "
          "is false");
   }
+  channel_param(op, args, opt_tensor(args[1]), channels, in, "weight", false);
+  channel_param(op, args, opt_tensor(args[2]), channels, in, "bias", false);
+  // Note [plain fast path]: the running statistics average over the batch.
+  if (!(use_input_stats && reduces_over_shard(in, [](int64_t d) { return d >= 2; })) &&
+      runs_plain(
+          *spec_of(x), local_of(x),
+          use_input_stats && rm.defined() ? std::vector<int64_t>{} : std::vector<int64_t>{0})) {
+    return call_plain(op, std::move(args), stack);
+  }
   at::Tensor w = channel_param(op, args, opt_tensor(args[1]), channels, in, "weight");
   at::Tensor b = channel_param(op, args, opt_tensor(args[2]), channels, in, "bias");
   auto spatial = mesh_dims_where(in, [](int64_t d) { return d >= 2; });
   auto batch = mesh_dims_where(in, [](int64_t d) { return d == 0; });
   const bool update = use_input_stats && rm.defined();
-  if (!use_input_stats || (spatial.empty() && (!update || batch.empty()))) {
+  if (!use_input_stats ||
+      (!reduces_over_shard(in, [](int64_t d) { return d >= 2; }) && (!update || batch.empty()))) {
     at::Tensor y = local.numel() == 0 ? empty_result(local, w, b)
                                       : at::instance_norm(local, w, b, rm, rv, use_input_stats,
                                                           momentum, eps, args[8].toBool());
@@ -396,10 +457,17 @@ void group_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
              c10::str(c10::IntArrayRef(in.global_shape())) +
              " and num_groups=" + std::to_string(groups));
   }
+  channel_param(op, args, opt_tensor(args[2]), channels, in, "weight", false);
+  channel_param(op, args, opt_tensor(args[3]), channels, in, "bias", false);
+  // Note [plain fast path]: statistics per (n, group).
+  if (!reduces_over_shard(in, [](int64_t d) { return d >= 2; }) &&
+      runs_plain(*spec_of(x), local_of(x), {0})) {
+    return call_plain(op, std::move(args), stack);
+  }
   at::Tensor w = channel_param(op, args, opt_tensor(args[2]), channels, in, "weight");
   at::Tensor b = channel_param(op, args, opt_tensor(args[3]), channels, in, "bias");
   auto spatial = mesh_dims_where(in, [](int64_t d) { return d >= 2; });
-  if (spatial.empty()) {
+  if (!reduces_over_shard(in, [](int64_t d) { return d >= 2; })) {
     stack->push_back(wrap(local.numel() == 0
                               ? empty_result(local, w, b)
                               : at::group_norm(local, groups, w, b, eps, args[5].toBool()),
@@ -450,19 +518,42 @@ void layer_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
              ", expected input with shape [*, " + c10::str(c10::IntArrayRef(normalized)) +
              "], but got input of size " + c10::str(c10::IntArrayRef(in.global_shape())));
   }
-  at::Tensor wl, bl;
   for (int i : {2, 3}) {
     at::Tensor t = opt_tensor(args[i]);
-    if (!t.defined()) continue;
-    if (t.sizes().vec() != normalized) {
+    if (t.defined() && t.sizes().vec() != normalized) {
       fail(op, args,
            std::string(i == 2 ? "weight" : "bias") + " should have the normalized shape " +
                c10::str(c10::IntArrayRef(normalized)) + ", got " + c10::str(t.sizes()));
     }
+  }
+  {
+    // Note [plain fast path]: statistics over the trailing normalized dims;
+    // weight and bias must then be whole on every rank (not sharded over > 1 rank).
+    std::vector<int64_t> lead;
+    for (int64_t d = 0; d < nd - k; ++d) lead.push_back(d);
+    bool params_whole = true;
+    for (int i : {2, 3}) {
+      const at::Tensor t = opt_tensor(args[i]);
+      if (const ShardSpec* ps = t.defined() ? spec_of(t) : nullptr) {
+        for (int64_t m = 0; m < ps->mesh().ndim(); ++m) {
+          params_whole =
+              params_whole && (is_replicate(ps->placements()[m]) || ps->mesh().size(m) == 1);
+        }
+      }
+    }
+    if (params_whole && !reduces_over_shard(in, [&](int64_t d) { return d >= nd - k; }) &&
+        runs_plain(*spec_of(x), local_of(x), lead)) {
+      return call_plain(op, std::move(args), stack);
+    }
+  }
+  at::Tensor wl, bl;
+  for (int i : {2, 3}) {
+    at::Tensor t = opt_tensor(args[i]);
+    if (!t.defined()) continue;
     (i == 2 ? wl : bl) = to_layout(t, operand_spec(in, t.sizes()), in);
   }
   auto mdims = mesh_dims_where(in, [&](int64_t d) { return d >= nd - k; });
-  if (mdims.empty()) {
+  if (!reduces_over_shard(in, [&](int64_t d) { return d >= nd - k; })) {
     stack->push_back(wrap(local.numel() == 0
                               ? empty_result(local, wl, bl)
                               : at::layer_norm(local, normalized, wl, bl, eps, args[5].toBool()),

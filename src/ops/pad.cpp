@@ -127,6 +127,14 @@ void pad_rule(const c10::OperatorHandle& op, Stack* stack) {
     if (out_shape[d] < 0) fail(op, args, "the padding gives a negative output extent");
   }
 
+  // Note [plain fast path]: no padded dim is sharded over more than one rank.
+  {
+    std::vector<int64_t> lead;
+    for (int64_t d = 0; d < self.dim() - static_cast<int64_t>(pad.size()) / 2; ++d)
+      lead.push_back(d);
+    if (runs_plain(*s, local_of(self), lead)) return call_plain(op, std::move(args), stack);
+  }
+
   // Partial and Shard on the padded dims are kept; Partial is resolved.
   const ShardSpec compute = without_partial(*s);
   std::vector<stencil::DimPlan> plans;

@@ -134,6 +134,13 @@ Setup setup(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
   return st;
 }
 
+// Note [plain fast path]: pooling is independent along N and C.
+bool plain(const std::vector<c10::IValue>& args, const Setup& st) {
+  std::vector<int64_t> lead;
+  for (int64_t d = 0; d < st.spatial.front(); ++d) lead.push_back(d);
+  return runs_plain(*spec_of(args[0].toTensor()), local_of(args[0].toTensor()), lead);
+}
+
 bool any_spatial_sharded(const Setup& st) {
   for (int64_t d : st.spatial) {
     if (st.spec.mesh_dim_of(d) >= 0) return true;
@@ -202,6 +209,7 @@ void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
     if (st.out_ext.back() <= 0) fail(op, args, "output size is too small");
   }
   if (divisor_override && *divisor_override == 0) fail(op, args, "divisor must be not zero");
+  if (plain(args, st)) return call_plain(op, std::move(args), stack);
   if (!any_spatial_sharded(st)) return run_local(op, std::move(args), st, p, stack);
 
   auto plans = stencil::window_plans(st.spec, st.spatial, kernel, stride, dil, pad, st.out_ext);
@@ -289,6 +297,80 @@ void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
 int64_t astart(int64_t i, int64_t n, int64_t out) { return div_floor(i * n, out); }
 int64_t aend(int64_t i, int64_t n, int64_t out) { return div_ceil((i + 1) * n, out); }
 
+// Note [adaptive reduce]: an adaptive average pool whose output along every
+// sharded dim is smaller than the number of ranks sharding it
+// (AdaptiveAvgPool2d(1) before a classifier head, ...) would send most of the
+// input to a few coordinates (O(N) on one rank). Instead every rank pools its
+// own piece: the adaptive op itself on the unsharded dims (output extent
+// there; its local extent on the sharded dims, where the windows [i, i+1) make
+// it the identity), then, along each sharded dim, the weighted window sums of
+// its rows as a (out x local) matrix with entries 1/|window| where a global
+// row falls in the window; the partial results are summed with one
+// all-reduce over the sharded mesh dims (comm::all_reduce: backward identity,
+// the gradient of the replicated result being the full one on every rank).
+// The output is Replicate on those mesh dims. Decided from global shapes and
+// the spec only.
+bool small_output(const Setup& st) {
+  bool any = false;
+  for (size_t i = 0; i < st.spatial.size(); ++i) {
+    const int64_t m = st.spec.mesh_dim_of(st.spatial[i]);
+    if (m < 0 || st.spec.mesh().size(m) == 1) continue;
+    if (st.out_ext[i] >= st.spec.mesh().size(m)) return false;
+    any = true;
+  }
+  return any;
+}
+
+void adaptive_avg_reduce(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                         const Setup& st, Stack* stack) {
+  const int64_t nd = static_cast<int64_t>(st.spatial.size());
+  const DeviceMesh& mesh = st.spec.mesh();
+  const auto offsets = st.spec.local_offsets();
+  std::vector<int64_t> call_out(st.out_ext);
+  std::vector<int64_t> reduce_dims;
+  Placements pl = st.spec.placements();
+  ShardSizes sizes = st.spec.all_shard_sizes();
+  for (int64_t i = 0; i < nd; ++i) {
+    const int64_t m = st.spec.mesh_dim_of(st.spatial[i]);
+    if (m < 0) continue;
+    call_out[i] = st.local.size(st.spatial[i]);
+    reduce_dims.push_back(m);
+    pl[m] = Replicate{};
+    sizes[m] = {};
+  }
+  at::Tensor y;
+  if (st.local.numel() == 0) {
+    // An empty piece contributes zeros (and stays connected for backward).
+    std::vector<int64_t> shape = st.local.sizes().vec();
+    for (int64_t i = 0; i < nd; ++i) shape[st.spatial[i]] = st.out_ext[i];
+    y = st.local.sum() * 0 + at::zeros(shape, st.local.options());
+  } else {
+    y = nd == 1   ? at::adaptive_avg_pool1d(st.local, call_out)
+        : nd == 2 ? at::adaptive_avg_pool2d(st.local, call_out)
+                  : at::adaptive_avg_pool3d(st.local, call_out);
+    for (int64_t i = 0; i < nd; ++i) {
+      const int64_t d = st.spatial[i];
+      if (st.spec.mesh_dim_of(d) < 0) continue;
+      const int64_t n = st.in_ext[i], on = st.out_ext[i], nl = y.size(d), o0 = offsets[d];
+      std::vector<double> w(on * nl, 0.0);
+      for (int64_t o = 0; o < on; ++o) {
+        const int64_t a = astart(o, n, on), b = aend(o, n, on);
+        for (int64_t j = std::max(a - o0, int64_t{0}); j < std::min(b - o0, nl); ++j) {
+          w[o * nl + j] = 1.0 / static_cast<double>(b - a);
+        }
+      }
+      const at::Tensor wt = at::tensor(w, at::kDouble).to(y.scalar_type()).view({on, nl});
+      y = at::matmul(wt, y.movedim(d, -2)).movedim(-2, d);
+    }
+  }
+  y = comm::all_reduce(y.contiguous(), mesh, reduce_dims);
+  std::vector<int64_t> shape = st.spec.global_shape();
+  for (int64_t i = 0; i < nd; ++i) shape[st.spatial[i]] = st.out_ext[i];
+  (void)op;
+  (void)args;
+  stack->push_back(wrap(y, make_spec(mesh, std::move(pl), std::move(shape), std::move(sizes))));
+}
+
 // Note [adaptive windows]: output i of an adaptive pool reads
 // [floor(i*n/out), ceil((i+1)*n/out)); an output block [o0, o1) thus reads
 // [start(o0), end(o1-1)). These windows are no sliding window (their lengths
@@ -308,7 +390,12 @@ void adaptive_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
     if (st.out_ext[i] <= 0) fail(op, args, "output_size must be positive");
     if (st.in_ext[i] <= 0) fail(op, args, "spatial dims of the input must be non-empty");
   }
+  if (plain(args, st)) return call_plain(op, std::move(args), stack);
   if (!any_spatial_sharded(st)) return run_local(op, std::move(args), st, p, stack);
+
+  if (p.kind == Kind::AdaptiveAvg && small_output(st)) {
+    return adaptive_avg_reduce(op, std::move(args), st, stack);
+  }
 
   std::vector<stencil::DimPlan> plans;
   for (int64_t i = 0; i < nd; ++i) {
