@@ -211,7 +211,9 @@ at::Tensor neighborhood_attention(const at::Tensor& q, const at::Tensor& k, cons
       mask = mask.defined() ? mask.logical_and(vsd) : vsd;
       full.push_back(K);
     }
-    flat.push_back(-1);
+    int64_t taps = 1;
+    for (int64_t sd = 0; sd < nd; ++sd) taps *= K;
+    flat.push_back(taps);  // explicit: a piece may hold no queries
     mask = mask.expand(full).reshape(flat);
     s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
   }
