@@ -18,6 +18,7 @@
 #include <shardtensor/ops/fft.h>
 #include <shardtensor/ops/graph.h>
 #include <shardtensor/ops/halo.h>
+#include <shardtensor/ops/neighborhood_attention.h>
 #include <shardtensor/ops/neighbors.h>
 #include <shardtensor/ops/rebalance.h>
 #include <shardtensor/spec/placement.h>
