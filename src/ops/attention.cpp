@@ -432,12 +432,12 @@ at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 // ---- the sharded path -----------------------------------------------------------------------
 
-at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& mask, bool causal, double scale, const Shapes& s) {
-  const ShardSpec& sq = *spec_of(q);
+// q, k, v on one mesh, k and v laid out alike (both sharded paths).
+void check_same_mesh_and_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& mask) {
   const ShardSpec& sk = *spec_of(k);
   const ShardSpec& sv = *spec_of(v);
-  const DeviceMesh& mesh = sq.mesh();
+  const DeviceMesh& mesh = spec_of(q)->mesh();
   if (sk.mesh() != mesh || sv.mesh() != mesh) {
     fail_call(q, k, v, mask, "q, k and v live on different meshes");
   }
@@ -446,6 +446,32 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         q, k, v, mask,
         "k and v must have the same layout (" + sk.to_string() + " vs " + sv.to_string() + ")");
   }
+}
+
+// This rank's block of the mask for scores laid out as `score_spec`: a plain
+// mask is sliced, a sharded one must already have that layout.
+at::Tensor mask_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& mask, const ShardSpec& score_spec) {
+  if (!mask.defined()) return at::Tensor();
+  const ShardSpec target = operand_spec(score_spec, mask.sizes());
+  const ShardSpec* ms = spec_of(mask);
+  if (ms == nullptr) return detail::local_slice(mask, target);
+  if (ms->mesh() != score_spec.mesh()) fail_call(q, k, v, mask, "the mask lives on another mesh");
+  if (*ms != target) {
+    fail_call(q, k, v, mask,
+              "the mask must be a plain tensor or laid out as the scores' block [B, Hq, Sq, "
+              "Sk] (sharded with the queries): expected " +
+                  target.to_string() + ", got " + ms->to_string());
+  }
+  return local_of(mask);
+}
+
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& mask, bool causal, double scale, const Shapes& s) {
+  const ShardSpec& sq = *spec_of(q);
+  const ShardSpec& sk = *spec_of(k);
+  const DeviceMesh& mesh = sq.mesh();
+  check_same_mesh_and_kv(q, k, v, mask);
   if (sq.placements() != sk.placements()) {
     fail_call(q, k, v, mask,
               "q and k/v must have the same placements (" + to_string(sq.placements()) + " vs " +
@@ -488,22 +514,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     score_sizes[plan->ring_dim] = sq.shard_sizes(plan->ring_dim);
   }
   const ShardSpec score_spec(mesh, score_pl, {s.B, s.Hq, s.Sq, s.Sk}, score_sizes);
-  at::Tensor mask_local;
-  if (mask.defined()) {
-    const ShardSpec target = operand_spec(score_spec, mask.sizes());
-    if (const ShardSpec* ms = spec_of(mask)) {
-      if (ms->mesh() != mesh) fail_call(q, k, v, mask, "the mask lives on another mesh");
-      if (*ms != target) {
-        fail_call(q, k, v, mask,
-                  "the mask must be a plain tensor or sharded with the queries: expected "
-                  "the layout " +
-                      target.to_string() + ", got " + ms->to_string());
-      }
-      mask_local = local_of(mask);
-    } else {
-      mask_local = detail::local_slice(mask, target);
-    }
-  }
+  at::Tensor mask_local = mask_block(q, k, v, mask, score_spec);
 
   // ---- no communication above this line; every check ran on every rank alike ----
   plan->groups = s.Hq / s.Hkv;
@@ -587,16 +598,8 @@ at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& mask, bool causal, double scale, const Shapes& s) {
   const ShardSpec& sq = *spec_of(q);
   const ShardSpec& sk = *spec_of(k);
-  const ShardSpec& sv = *spec_of(v);
   const DeviceMesh& mesh = sq.mesh();
-  if (sk.mesh() != mesh || sv.mesh() != mesh) {
-    fail_call(q, k, v, mask, "q, k and v live on different meshes");
-  }
-  if (sk != sv) {
-    fail_call(
-        q, k, v, mask,
-        "k and v must have the same layout (" + sk.to_string() + " vs " + sv.to_string() + ")");
-  }
+  check_same_mesh_and_kv(q, k, v, mask);
   auto dim_of = [](const Placement& p) {
     return is_shard(p) ? (shard_dim(p) < 0 ? shard_dim(p) + 4 : shard_dim(p)) : int64_t(-1);
   };
@@ -634,20 +637,7 @@ at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     }
   }
   const ShardSpec score_spec(mesh, score_pl, {s.B, s.Hq, s.Sq, s.Sk}, score_sizes);
-  at::Tensor mask_local;
-  if (mask.defined()) {
-    const ShardSpec target = operand_spec(score_spec, mask.sizes());
-    if (const ShardSpec* ms = spec_of(mask)) {
-      if (*ms != target) {
-        fail_call(q, k, v, mask,
-                  "the mask must be a plain tensor or laid out as the scores' block: expected " +
-                      target.to_string() + ", got " + ms->to_string());
-      }
-      mask_local = local_of(mask);
-    } else {
-      mask_local = detail::local_slice(mask, target);
-    }
-  }
+  at::Tensor mask_local = mask_block(q, k, v, mask, score_spec);
   // ---- no communication above this line; every check ran on every rank alike ----
   at::Tensor ql = local_of(q), kl = local_of(k), vl = local_of(v);
   const int64_t g = s.Hq / s.Hkv;

@@ -1,4 +1,3 @@
-// PENDING (not compiled yet, not registered): move to bench/workloads/ once it builds.
 // gnn: the MeshGraphNet-style model of examples/gnn_train.cpp on its
 // generated triangle mesh (--shape N: about N vertices, Morton order). Nodes
 // are sharded by rows (mesh dim 0); every rank takes the edges whose
