@@ -139,7 +139,9 @@ struct Cli {
   Cli() {
     app.footer(kCommands);
     app.add_option("command", o.command, "run | maxsize | profile | list | help")->required();
-    app.add_option("--workload", o.workload, "conv_stack | unet2d | unet3d | attention (if built)")
+    std::string names;
+    for (const auto& [name, w] : registry()) names += (names.empty() ? "" : " | ") + name;
+    app.add_option("--workload", o.workload, names + " (`list` describes them)")
         ->capture_default_str();
     app.add_option("--mode", o.mode,
                    "train: forward + backward + SGD step, loss = mean(out^2); "
