@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "models/check.h"
 #include "models/diffusion.h"
 #include "models/fno.h"
 
@@ -94,11 +95,7 @@ Config parse(int argc, char** argv) {
   return c;
 }
 
-double max_over_ranks(double v) {
-  double out = 0;
-  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return out;
-}
+using check::max_over_ranks;
 
 models::FNOOptions model_options(const Config& c, int64_t modes) {
   return models::FNOOptions(2, 1).width(c.width).modes1(modes).modes2(modes);
@@ -142,19 +139,10 @@ bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   // float64: summation-order noise is ~1e-16 relative; Adam's first step
   // divides by |g| + 1e-8, so a parameter compares to within rtol 1e-8 of lr-sized moves.
   const double rtol = 1e-8, atol = 1e-10;
-  double worst = std::abs(loss.item<double>() - ref_loss.item<double>()) /
-                 (atol + rtol * std::abs(ref_loss.item<double>()));
-  std::string worst_name = "loss";
-  for (const auto& p : net->named_parameters()) {
-    auto r = ref->named_parameters()[p.key()];
-    double e = ((p.value() - r).abs() / (atol + rtol * r.abs())).max().item<double>();
-    if (e > worst) {
-      worst = e;
-      worst_name = p.key();
-    }
-  }
-  worst = max_over_ranks(worst);
-  const bool ok = worst <= 1.0;
+  const check::StepError err = check::compare_step(*net, *ref, loss, ref_loss, rtol, atol);
+  const double worst = err.worst;
+  const std::string& worst_name = err.where;
+  const bool ok = err.ok();
   if (root) {
     std::printf(
         "check: one sharded Adam step on %lldx%lld (batch %lld, float64) vs single-process: loss "

@@ -33,6 +33,7 @@
 
 #include <shardtensor/shardtensor.h>
 
+#include "models/check.h"
 #include "models/graphnet.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -101,10 +102,7 @@ at::Tensor loss_of(GraphNet& net, const Graph& g) {
   return (net->forward(g) - g.target).pow(2).mean();
 }
 
-double max_over_ranks(double v) {
-  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return v;
-}
+using check::max_over_ranks;
 
 /// One sharded Adam step in float64 against a single-process step.
 bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
@@ -129,19 +127,10 @@ bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   // lr * sign-like, so a wrong ghost or a missing gradient sum is far above
   // these tolerances.
   const double rtol = 1e-8, atol = 1e-10;
-  double worst = std::abs(loss.item<double>() - ref_loss.item<double>()) /
-                 (atol + rtol * std::abs(ref_loss.item<double>()));
-  std::string worst_name = "loss";
-  for (const auto& p : net->named_parameters()) {
-    auto r = ref->named_parameters()[p.key()];
-    double err = ((p.value() - r).abs() / (atol + rtol * r.abs())).max().item<double>();
-    if (err > worst) {
-      worst = err;
-      worst_name = p.key();
-    }
-  }
-  worst = max_over_ranks(worst);
-  const bool ok = worst <= 1.0;
+  const check::StepError err = check::compare_step(*net, *ref, loss, ref_loss, rtol, atol);
+  const double worst = err.worst;
+  const std::string& worst_name = err.where;
+  const bool ok = err.ok();
   if (root) {
     std::printf(
         "check: one sharded Adam step on a %lld-node mesh (float64, %lld ranks) vs single-process: "

@@ -1,9 +1,9 @@
 #pragma once
 // The main job's data: a domain-parallel diffusion solver (u_t = div(kappa
 // grad u), zero-flux walls, explicit flux-form steps) that generates each
-// sample on the fly on the sharded grid, and a small PNG writer. The same code
-// as examples/unet_train.cpp (there it is inline); shared here so that other
-// examples (fno_train) train on exactly the same data.
+// sample on the fly on the sharded grid, and a small PNG writer. Shared by
+// examples/unet_train.cpp and examples/fno_train.cpp, so that both train on
+// exactly the same data.
 #include <png.h>
 #include <torch/torch.h>
 
