@@ -222,19 +222,7 @@ at::Tensor padded_slice(const at::Tensor& full, int64_t dim, int64_t lo, int64_t
 const std::vector<PadMode> kModes = {PadMode::Constant, PadMode::Reflect, PadMode::Replicate,
                                      PadMode::Circular};
 
-const char* mode_str(PadMode m) {
-  switch (m) {
-    case PadMode::Constant:
-      return "Constant";
-    case PadMode::Reflect:
-      return "Reflect";
-    case PadMode::Replicate:
-      return "Replicate";
-    case PadMode::Circular:
-      return "Circular";
-  }
-  return "?";
-}
+const char* mode_str(PadMode m) { return shardtensor::pad_mode_name(m); }
 
 /// Whether torch::nn::functional::pad semantics define [lo, hi) for extent n.
 bool mode_allows(PadMode mode, int64_t n, int64_t lo, int64_t hi) {

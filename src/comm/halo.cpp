@@ -110,20 +110,6 @@ std::vector<Run> plan_range(int64_t lo, int64_t hi, const std::vector<int64_t>& 
   return runs;
 }
 
-const char* mode_name(PadMode m) {
-  switch (m) {
-    case PadMode::Constant:
-      return "Constant";
-    case PadMode::Reflect:
-      return "Reflect";
-    case PadMode::Replicate:
-      return "Replicate";
-    case PadMode::Circular:
-      return "Circular";
-  }
-  return "?";
-}
-
 bool check_ranges(Checks& checks, const std::vector<std::pair<int64_t, int64_t>>& ranges,
                   const Axis& a, int64_t n, PadMode mode) {
   if (!checks.require(static_cast<int64_t>(ranges.size()) == a.size, "ranges has ", ranges.size(),
@@ -139,7 +125,7 @@ bool check_ranges(Checks& checks, const std::vector<std::pair<int64_t, int64_t>>
     if (lo == hi || (lo >= 0 && hi <= n) || mode == PadMode::Constant) {
       continue;
     }
-    const char* m = mode_name(mode);
+    const char* m = pad_mode_name(mode);
     if (mode == PadMode::Reflect) {
       if (!checks.require(n >= 2, "PadMode::", m, " needs at least 2 elements, the dim has ", n,
                           " (range of coordinate ", c, " is [", lo, ", ", hi, "))") ||
@@ -485,3 +471,21 @@ at::Tensor halo_exchange(const at::Tensor& local, const DeviceMesh& mesh, int64_
 }
 
 }  // namespace shardtensor::comm
+
+namespace shardtensor {
+
+const char* pad_mode_name(PadMode mode) {
+  switch (mode) {
+    case PadMode::Constant:
+      return "Constant";
+    case PadMode::Reflect:
+      return "Reflect";
+    case PadMode::Replicate:
+      return "Replicate";
+    case PadMode::Circular:
+      return "Circular";
+  }
+  return "?";
+}
+
+}  // namespace shardtensor

@@ -31,6 +31,10 @@ enum class PadMode {
   Circular,   ///< wrap to the far end of the global domain
 };
 
+/// Local. The enumerator's name ("Constant", "Reflect", "Replicate",
+/// "Circular"), for messages.
+const char* pad_mode_name(PadMode mode);
+
 namespace comm {
 
 /// Collective over `mesh_dims`. Forward: element-wise sum over the ranks of
