@@ -258,10 +258,7 @@ void new_factory_rule(const c10::OperatorHandle& op, Stack* stack) {
   const at::Tensor& x = args[0].toTensor();
   const ShardSpec* s = spec_of(x);
   if (!s) fail(op, args, "the first argument must be the ShardTensor");
-  std::vector<int64_t> shape;
-  for (const c10::IValue& v : args[1].toListRef()) {
-    shape.push_back(v.isSymInt() ? v.toSymInt().expect_int() : v.toInt());
-  }
+  const std::vector<int64_t> shape = int_list(args[1]);
   for (int64_t n : shape) {
     if (n < 0) fail(op, args, "negative size");
   }

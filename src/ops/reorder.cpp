@@ -23,15 +23,6 @@
 namespace shardtensor::ops {
 namespace {
 
-std::vector<int64_t> int_list(const c10::IValue& v) {
-  if (v.isIntList()) return v.toIntVector();
-  std::vector<int64_t> out;
-  for (const c10::IValue& e : v.toListRef()) {
-    out.push_back(e.isInt() ? e.toInt() : e.toSymInt().expect_int());
-  }
-  return out;
-}
-
 // Local piece `x` (layout `s`) whose element runs now belong at `runs[c]` on
 // coordinate c along `d`: repartitioned back to s's sizes.
 at::Tensor move_runs(const at::Tensor& x, const ShardSpec& s, int64_t d,

@@ -29,7 +29,7 @@ void topk_rule(const c10::OperatorHandle& op, Stack* stack) {
   const ShardSpec* sp = spec_of(args[0].toTensor());
   if (!sp) fail(op, args, "the tensor argument `self` must be the ShardTensor");
   const ShardSpec s = without_partial(*sp);
-  const int64_t k = args[1].isInt() ? args[1].toInt() : args[1].toSymInt().expect_int();
+  const int64_t k = int_arg(args[1]);
   const int64_t d = at::maybe_wrap_dim(args[2].toInt(), std::max<int64_t>(s.ndim(), 1));
   const bool largest = args[3].toBool();
   const bool sorted = args[4].toBool();
