@@ -1,7 +1,8 @@
 // Scans along sharded and unsharded dims (Note [distributed scan]) and prelu
 // with per-channel weights (Note [prelu layout]), against single-process
 // libtorch: forward and gradients, float32 and float64, balanced and
-// empty-first shards.
+// empty-first shards; and pixel_shuffle/pixel_unshuffle (Note [pixel shuffle
+// blocks]).
 #include <torch/torch.h>
 
 #include "testing.h"
@@ -191,4 +192,42 @@ TEST(Selection, Topk) {
   auto y = at::topk(sx, 2, 0);
   EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
   EXPECT_TRUE(throws_everywhere([&] { auto z = at::topk(sx, 10, 0); }, {"topk", "out of range"}));
+}
+
+// Note [pixel shuffle blocks]: aligned pieces run the plain op locally; unaligned
+// ones are moved to the nearest aligned split first.
+TEST(Rearrange, PixelShuffleUnshuffle) {
+  auto mesh = test_mesh();
+  // [B, C r^2, H, W] with r = 2: shard the channels, H, W or the batch.
+  const std::vector<Placements> layouts = {{S2, S3}, {S3, S2}, {S1, S2}, {S0, S3}, {S1, S3}};
+  sweep(
+      mesh, "pixel_shuffle 2", [](const at::Tensor& t) { return at::pixel_shuffle(t, 2); },
+      rnd({2, 12, 5, 3}, 21), layouts);
+  sweep(
+      mesh, "pixel_shuffle 3", [](const at::Tensor& t) { return at::pixel_shuffle(t, 3); },
+      rnd({1, 18, 4, 2}, 22), layouts);
+  sweep(
+      mesh, "pixel_unshuffle 2", [](const at::Tensor& t) { return at::pixel_unshuffle(t, 2); },
+      rnd({2, 3, 10, 6}, 23), layouts);
+  sweep(
+      mesh, "shuffle(unshuffle)",
+      [](const at::Tensor& t) { return at::pixel_shuffle(at::pixel_unshuffle(t, 2) * 2.0, 2); },
+      rnd({1, 2, 8, 12}, 24), layouts);
+
+  // Aligned pieces: no communication and no gather; the output's rows follow
+  // the input's (each piece's H extent times r).
+  auto x = rnd({1, 4, 8 * mesh.size(), 6}, 25);
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}));
+  st::reset_comm_stats();
+  auto y = at::pixel_shuffle(sx, 2);
+  EXPECT_EQ(st::comm_stats().bytes_sent, 0);
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  EXPECT_EQ(st::ShardTensor(y).local().size(2), 2 * st::ShardTensor(sx).local().size(2));
+  EXPECT_TRUE(at::equal(gathered(y), at::pixel_shuffle(x, 2)));
+  st::reset_comm_stats();  // gathered() sent bytes
+  auto z = at::pixel_unshuffle(y, 2);
+  EXPECT_EQ(st::comm_stats().bytes_sent, 0);
+  EXPECT_TRUE(at::equal(gathered(z), x));
+  EXPECT_TRUE(throws_everywhere([&] { auto bad = at::pixel_shuffle(sx, 3); },
+                                {"pixel_shuffle", "divisible", "Shard"}));
 }
