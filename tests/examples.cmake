@@ -14,3 +14,25 @@ if(TARGET fno_train AND TARGET gnn_train)
     ENVIRONMENT "${SHARDTENSOR_TEST_ENV}" TIMEOUT 300 PROCESSORS 2 LABELS "mpi;example"
     FAIL_REGULAR_EXPRESSION "MISMATCH")
 endif()
+
+# The main job's pipeline on a small grid at 4 ranks: the solver writes each
+# batch to HDF5, training reads every rank's subdomain, a sharded checkpoint is
+# saved; then a second run resumes from it (on a 2x2 data x domain mesh, so the
+# checkpoint is read back onto another layout) and must say where it resumed.
+if(TARGET unet_train)
+  set(_unet_args --size 64 --steps 2 --solver-steps 10 --base-channels 4 --depth 2
+                 --checkpoint example_unet_ckpt --data example_unet_data.h5 --png example_unet.png)
+  add_test(NAME example.unet_train.np4
+    COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np 4 $<TARGET_FILE:unet_train>
+            ${_unet_args})
+  add_test(NAME example.unet_train_resume.np4
+    COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np 4 $<TARGET_FILE:unet_train>
+            ${_unet_args} --mesh 2x2 --resume)
+  set_tests_properties(example.unet_train.np4 PROPERTIES FIXTURES_SETUP unet_checkpoint)
+  set_tests_properties(example.unet_train_resume.np4 PROPERTIES FIXTURES_REQUIRED unet_checkpoint
+    PASS_REGULAR_EXPRESSION "resumed from example_unet_ckpt at step 2.*MATCH"
+    FAIL_REGULAR_EXPRESSION "MISMATCH|MPI_ABORT|exited on signal")
+  set_tests_properties(example.unet_train.np4 example.unet_train_resume.np4 PROPERTIES
+    ENVIRONMENT "${SHARDTENSOR_TEST_ENV}" TIMEOUT 300 PROCESSORS 2 LABELS "mpi;example"
+    FAIL_REGULAR_EXPRESSION "MISMATCH|MPI_ABORT|exited on signal")
+endif()
