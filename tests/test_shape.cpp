@@ -252,6 +252,39 @@ TEST(ShapeView, UnsafeViewAliasReshapeAsAndDtype) {
         },
         {RefInput{x, p, false}}, mesh));
   }
+  // To a dtype of another size with the last dim sharded: each piece
+  // reinterprets its own bytes (float32 <-> int16 / uint8 / float64).
+  auto y = seeded_randn({3, 4, 12});
+  for (const auto& w : std::vector<st::Placements>{{S2, S0}, {S0, S2}}) {
+    const auto p = fit_placements(mesh, w);
+    for (bool empty : {false, true}) {
+      RefInput in = empty ? empty_first_input(mesh, y, p, false) : RefInput{y, p, false};
+      EXPECT_TRUE(reference_check(
+          [](const std::vector<at::Tensor>& v, const std::vector<at::Tensor>&) {
+            return v[0].view(at::kShort).bitwise_xor(3).view(at::kFloat);
+          },
+          {in}, mesh))
+          << st::to_string(p);
+      EXPECT_TRUE(reference_check(
+          [](const std::vector<at::Tensor>& v, const std::vector<at::Tensor>&) {
+            return v[0].view(at::kByte).to(at::kFloat);
+          },
+          {in}, mesh))
+          << st::to_string(p);
+    }
+  }
+  // Wider elements: every piece must hold a whole number of them.
+  auto sy = st::distribute_tensor(y, mesh, fit_placements(mesh, {S2, S0}),
+                                  /*requires_grad=*/false);
+  if (st::ShardTensor(sy).spec().shard_sizes(0).size() == 1 ||
+      std::all_of(st::ShardTensor(sy).spec().shard_sizes(0).begin(),
+                  st::ShardTensor(sy).spec().shard_sizes(0).end(),
+                  [](int64_t n) { return n % 2 == 0; })) {
+    EXPECT_TRUE(at::equal(gathered(sy.view(at::kDouble)), y.view(at::kDouble)));
+  } else {
+    EXPECT_TRUE(throws_everywhere([&] { auto z = sy.view(at::kDouble); },
+                                  {"view", "whole number", "Shard"}));
+  }
 }
 
 TEST(ShapeView, UncleanViewThrowsEverywhere) {

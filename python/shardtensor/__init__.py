@@ -37,7 +37,8 @@ abort = _runtime.abort
 
 def comm_stats():
     """This rank's communication counters since the last reset: dict with
-    bytes_sent, bytes_received, messages, comm_seconds. Local."""
+    bytes_sent, bytes_received, messages, comm_seconds, gathered_bytes (bytes
+    replicated beyond this rank's piece by a rule or the generic fallback). Local."""
     return _C.comm_stats()
 
 

@@ -447,6 +447,7 @@ PYBIND11_MODULE(_C, m) {
     d["bytes_received"] = s.bytes_received;
     d["messages"] = s.messages;
     d["comm_seconds"] = s.comm_seconds;
+    d["gathered_bytes"] = s.gathered_bytes;
     return d;
   });
   m.def("reset_comm_stats", &st::reset_comm_stats);

@@ -436,17 +436,35 @@ void view_rule(const c10::OperatorHandle& op, Stack* stack) {
   const ShardSpec& s = self_spec(op, args);
   const at::Tensor& self = args[0].toTensor();
   if (op.schema().overload_name() == "dtype") {
-    // Reinterpreting the dtype only changes the last dim (by the ratio of the
-    // element sizes), which must then not be sharded.
+    // Reinterpreting the dtype only changes the last dim, by the ratio of the
+    // element sizes. Where that dim is sharded, every piece reinterprets its
+    // own bytes (a local view): its extent scales by the same ratio, which
+    // needs every piece's bytes along it to be a whole number of new elements
+    // (metadata: every rank agrees, and all throw together otherwise).
     const auto dtype = args[1].toScalarType();
     at::Tensor local = local_of(self);
     const auto meta = at::empty(s.global_shape(), self.options().device(at::kMeta)).view(dtype);
-    if (meta.sizes().vec() != s.global_shape() && s.ndim() > 0 &&
-        s.mesh_dim_of(s.ndim() - 1) >= 0) {
-      fail(op, args, "viewing as a dtype of another size changes the last dim, which is sharded");
+    ShardSizes sizes = s.all_shard_sizes();
+    const int64_t m = s.ndim() > 0 ? s.mesh_dim_of(s.ndim() - 1) : -1;
+    if (meta.sizes().vec() != s.global_shape() && m >= 0) {
+      const int64_t from = self.element_size(), to = c10::elementSize(dtype);
+      for (int64_t& n : sizes[m]) {
+        if ((n * from) % to != 0) {
+          fail(op, args,
+               "viewing as " + std::string(c10::toString(dtype)) +
+                   " changes the sharded last dim, and a piece of " + std::to_string(n) +
+                   " elements is not a whole number of the new elements; redistribute first");
+        }
+        n = n * from / to;
+      }
     }
-    stack->push_back(wrap(local.view(dtype), make_spec(s.mesh(), s.placements(), meta.sizes().vec(),
-                                                       s.all_shard_sizes())));
+    auto spec = make_spec(s.mesh(), s.placements(), meta.sizes().vec(), sizes);
+    // An empty piece has no bytes to reinterpret, and its strides may not
+    // satisfy view's checks: it becomes an empty piece of the new dtype.
+    at::Tensor out = local.numel() == 0
+                         ? at::empty(spec->local_shape(), local.options().dtype(dtype))
+                         : local.view(dtype);
+    stack->push_back(wrap(out, spec));
     return;
   }
   stack->push_back(view_impl(op, args, self, int_list(args[1]), ViewKind::View));
