@@ -396,6 +396,14 @@ TEST_F(Conv, HaloExchangeHelper) {
         expected = d == dim ? expected.narrow(d, off, len + l + r) : expected.narrow(d, off, len);
       }
       EXPECT_TRUE(all_close(halo, expected.detach())) << "dim " << dim;
+      // Split phase: begin, work on the interior, end: the same result.
+      auto pending = st::halo_exchange_begin(sx, dim, l, r, mode, 0.25);
+      at::Tensor interior = st::ShardTensor(sx).local() * 2.0;
+      (void)pending.test();
+      at::Tensor split = st::halo_exchange_end(pending);
+      EXPECT_TRUE(at::equal(split, halo)) << "split phase, dim " << dim;
+      EXPECT_THROW(st::halo_exchange_end(pending), c10::Error);
+      (void)interior;
     }
   }
   // An error names the helper, on every rank, and leaves nothing hanging.
@@ -409,30 +417,39 @@ TEST_F(Conv, HaloExchangeHelperGradient) {
   // gradient equals the gradient of sum over ranks of <window_r(pad(x)), y_r>.
   auto x = rnd({2, 11, 4}, 62);
   auto pl = fit_placements(mesh, {S1, S2});
-  for (st::PadMode mode : {st::PadMode::Constant, st::PadMode::Circular, st::PadMode::Reflect}) {
-    auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) -> at::Tensor {
-      if (!st::ShardTensor::is_shard_tensor(in[0])) {
-        // Reference: interior of the 3-point stencil over the padded field.
-        at::Tensor p;
-        if (mode == st::PadMode::Constant) {
-          p = at::constant_pad_nd(in[0], {0, 0, 1, 2}, 0.0);
-        } else {
-          p = at::_pad_enum(in[0].unsqueeze(0), {0, 0, 1, 2}, mode == st::PadMode::Reflect ? 0 : 2,
-                            c10::nullopt)
-                  .squeeze(0);
+  for (bool split : {false, true})  // halo_exchange, and its begin/end form
+    for (st::PadMode mode : {st::PadMode::Constant, st::PadMode::Circular, st::PadMode::Reflect}) {
+      auto fn = [&](const std::vector<at::Tensor>& in,
+                    const std::vector<at::Tensor>&) -> at::Tensor {
+        if (!st::ShardTensor::is_shard_tensor(in[0])) {
+          // Reference: interior of the 3-point stencil over the padded field.
+          at::Tensor p;
+          if (mode == st::PadMode::Constant) {
+            p = at::constant_pad_nd(in[0], {0, 0, 1, 2}, 0.0);
+          } else {
+            p = at::_pad_enum(in[0].unsqueeze(0), {0, 0, 1, 2},
+                              mode == st::PadMode::Reflect ? 0 : 2, c10::nullopt)
+                    .squeeze(0);
+          }
+          const int64_t n = in[0].size(1);
+          return p.narrow(1, 0, n) + 2 * p.narrow(1, 1, n) - p.narrow(1, 3, n);
         }
-        const int64_t n = in[0].size(1);
-        return p.narrow(1, 0, n) + 2 * p.narrow(1, 1, n) - p.narrow(1, 3, n);
-      }
-      at::Tensor h = st::halo_exchange(in[0], 1, 1, 2, mode);
-      const auto& spec = st::ShardTensor(in[0]).spec();
-      const int64_t n = spec.local_shape()[1];
-      at::Tensor y = h.narrow(1, 0, n) + 2 * h.narrow(1, 1, n) - h.narrow(1, 3, n);
-      return st::ShardTensor::from_local(y, spec.mesh(), spec.placements(), spec.all_shard_sizes());
-    };
-    EXPECT_TRUE(check(fn, {sh(x, {S1, S2})}));
-    EXPECT_TRUE(check(fn, {empty(x, {S1, S2})}));
-  }
+        at::Tensor h;
+        if (split) {
+          auto pending = st::halo_exchange_begin(in[0], 1, 1, 2, mode);
+          h = st::halo_exchange_end(pending);
+        } else {
+          h = st::halo_exchange(in[0], 1, 1, 2, mode);
+        }
+        const auto& spec = st::ShardTensor(in[0]).spec();
+        const int64_t n = spec.local_shape()[1];
+        at::Tensor y = h.narrow(1, 0, n) + 2 * h.narrow(1, 1, n) - h.narrow(1, 3, n);
+        return st::ShardTensor::from_local(y, spec.mesh(), spec.placements(),
+                                           spec.all_shard_sizes());
+      };
+      EXPECT_TRUE(check(fn, {sh(x, {S1, S2})})) << "split " << split;
+      EXPECT_TRUE(check(fn, {empty(x, {S1, S2})})) << "split " << split;
+    }
 }
 
 // -------------------------------------------------- traffic, memory, errors

@@ -417,11 +417,13 @@ std::shared_ptr<const HaloPlan> cached_plan(const Axis& a, std::vector<int64_t> 
   return plan;
 }
 
-/// Shared by gather_range and halo_exchange (which names itself in errors).
-at::Tensor gather_range_impl(Prim prim, const at::Tensor& local, const DeviceMesh& mesh,
-                             int64_t mesh_dim, int64_t dim, const std::vector<int64_t>& sizes,
-                             const std::vector<std::pair<int64_t, int64_t>>& ranges, PadMode mode,
-                             double value, int64_t left, int64_t right) {
+/// Validation (every rank throws together) and the cached plan, shared by
+/// gather_range, halo_exchange and halo_exchange_start (which name themselves
+/// in errors).
+RangeArgs prepare_range(Prim prim, const at::Tensor& local, const DeviceMesh& mesh,
+                        int64_t mesh_dim, int64_t dim, const std::vector<int64_t>& sizes,
+                        const std::vector<std::pair<int64_t, int64_t>>& ranges, PadMode mode,
+                        double value, int64_t left, int64_t right) {
   const Axis a = axis(prim, mesh, mesh_dim);
   Checks checks(prim);
   TORCH_CHECK(local.defined(), prefix(prim), "the local tensor is undefined");
@@ -442,8 +444,50 @@ at::Tensor gather_range_impl(Prim prim, const at::Tensor& local, const DeviceMes
   RangeArgs args;
   args.plan = cached_plan(a, local.sizes().vec(), d, sizes, ranges, mode);
   args.value = value;
-  return GatherRangeFn::apply(local, std::move(args));
+  return args;
 }
+
+at::Tensor gather_range_impl(Prim prim, const at::Tensor& local, const DeviceMesh& mesh,
+                             int64_t mesh_dim, int64_t dim, const std::vector<int64_t>& sizes,
+                             const std::vector<std::pair<int64_t, int64_t>>& ranges, PadMode mode,
+                             double value, int64_t left, int64_t right) {
+  return GatherRangeFn::apply(local, prepare_range(prim, local, mesh, mesh_dim, dim, sizes, ranges,
+                                                   mode, value, left, right));
+}
+
+std::vector<std::pair<int64_t, int64_t>> halo_ranges(const std::vector<int64_t>& sizes,
+                                                     int64_t left, int64_t right) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  const auto off = exclusive_offsets(sizes);
+  for (size_t c = 0; c < sizes.size(); ++c) {
+    // Validated in prepare_range (a negative total width is a negative length).
+    ranges.emplace_back(off[c] - left, off[c] + sizes[c] + right);
+  }
+  return ranges;
+}
+
+// Note [split-phase halo]: halo_exchange_start posts the plan's exchange on a
+// detached copy of the piece's data (no autograd inside the transport), and
+// finish() attaches the finished result to autograd with HaloEndFn, whose
+// backward is the same plan's adjoint: the gradient equals halo_exchange's.
+struct EndArgs {
+  std::shared_ptr<const HaloPlan> plan;
+  at::Tensor out;  // the finished result (not an autograd input)
+};
+
+struct HaloEndFn : torch::autograd::Function<HaloEndFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, EndArgs args) {
+    (void)local;
+    at::Tensor out = std::move(args.out);
+    args.out = at::Tensor();
+    save_args(ctx, std::move(args));
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& a = saved_args<EndArgs>(ctx);
+    return {a.plan->run_adjoint(grads[0]), Variable()};
+  }
+};
 
 }  // namespace
 
@@ -460,14 +504,50 @@ at::Tensor gather_range(const at::Tensor& local, const DeviceMesh& mesh, int64_t
 at::Tensor halo_exchange(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
                          int64_t dim, const std::vector<int64_t>& sizes, int64_t left,
                          int64_t right, PadMode mode, double value) {
-  const Prim p = Prim::HaloExchange;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  const auto off = exclusive_offsets(sizes);
-  for (size_t c = 0; c < sizes.size(); ++c) {
-    // Validated in gather_range_impl (a negative total width is a negative length).
-    ranges.emplace_back(off[c] - left, off[c] + sizes[c] + right);
+  return gather_range_impl(Prim::HaloExchange, local, mesh, mesh_dim, dim, sizes,
+                           halo_ranges(sizes, left, right), mode, value, left, right);
+}
+
+struct HaloExchangeInFlight::Impl {
+  at::Tensor local;
+  std::shared_ptr<const HaloPlan> plan;
+  PendingHalo pending;
+};
+
+HaloExchangeInFlight::HaloExchangeInFlight() = default;
+HaloExchangeInFlight::~HaloExchangeInFlight() = default;
+HaloExchangeInFlight::HaloExchangeInFlight(HaloExchangeInFlight&&) noexcept = default;
+HaloExchangeInFlight& HaloExchangeInFlight::operator=(HaloExchangeInFlight&&) noexcept = default;
+
+bool HaloExchangeInFlight::test() {
+  TORCH_CHECK(impl_, "shardtensor::comm::HaloExchangeInFlight: test() after finish()");
+  return impl_->pending.test();
+}
+
+at::Tensor HaloExchangeInFlight::finish() {
+  TORCH_CHECK(impl_, "shardtensor::comm::HaloExchangeInFlight: finish() called twice");
+  std::unique_ptr<Impl> impl = std::move(impl_);
+  EndArgs args;
+  args.plan = impl->plan;
+  args.out = impl->pending.finish();
+  return HaloEndFn::apply(impl->local, std::move(args));
+}
+
+HaloExchangeInFlight halo_exchange_start(const at::Tensor& local, const DeviceMesh& mesh,
+                                         int64_t mesh_dim, int64_t dim,
+                                         const std::vector<int64_t>& sizes, int64_t left,
+                                         int64_t right, PadMode mode, double value) {
+  RangeArgs args = prepare_range(Prim::HaloExchange, local, mesh, mesh_dim, dim, sizes,
+                                 halo_ranges(sizes, left, right), mode, value, left, right);
+  HaloExchangeInFlight h;
+  h.impl_ = std::make_unique<HaloExchangeInFlight::Impl>();
+  h.impl_->local = local;
+  h.impl_->plan = args.plan;
+  {
+    at::NoGradGuard no_grad;
+    h.impl_->pending = args.plan->start(local.detach(), value);
   }
-  return gather_range_impl(p, local, mesh, mesh_dim, dim, sizes, ranges, mode, value, left, right);
+  return h;
 }
 
 }  // namespace shardtensor::comm

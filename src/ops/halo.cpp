@@ -63,4 +63,38 @@ at::Tensor halo_exchange(const at::Tensor& t, int64_t dim, int64_t left, int64_t
   return local.index_select(dim, at::tensor(idx, at::kLong));
 }
 
+bool PendingHaloExchange::test() {
+  TORCH_CHECK(!ended_, "shardtensor::PendingHaloExchange::test: the exchange was already ended");
+  return sharded_ ? in_flight_.test() : true;
+}
+
+PendingHaloExchange halo_exchange_begin(const at::Tensor& t, int64_t dim, int64_t left,
+                                        int64_t right, PadMode mode, double value) {
+  const ShardSpec* s = ops::spec_of(t);
+  TORCH_CHECK(s != nullptr,
+              "shardtensor::halo_exchange_begin: expected a ShardTensor, got a plain tensor");
+  TORCH_CHECK(dim >= -t.dim() && dim < t.dim(), "shardtensor::halo_exchange_begin: dim ", dim,
+              " is out of range for a ", t.dim(), "-d tensor");
+  if (dim < 0) dim += t.dim();
+  const ShardSpec spec = ops::without_partial(*s);
+  const int64_t m = spec.mesh_dim_of(dim);
+  PendingHaloExchange p;
+  if (m >= 0) {
+    at::Tensor local = ops::to_layout(t, spec, spec);
+    p.in_flight_ = comm::halo_exchange_start(local, spec.mesh(), m, dim, spec.shard_sizes(m), left,
+                                             right, mode, value);
+    p.sharded_ = true;
+  } else {
+    p.ready_ = halo_exchange(t, dim, left, right, mode, value);  // local: nothing to wait for
+  }
+  return p;
+}
+
+at::Tensor halo_exchange_end(PendingHaloExchange& pending) {
+  TORCH_CHECK(!pending.ended_, "shardtensor::halo_exchange_end: the exchange was already ended");
+  pending.ended_ = true;
+  if (!pending.sharded_) return std::move(pending.ready_);
+  return pending.in_flight_.finish();
+}
+
 }  // namespace shardtensor

@@ -16,6 +16,7 @@
 #include <shardtensor/mesh/device_mesh.h>
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -113,6 +114,39 @@ at::Tensor gather_range(const at::Tensor& local, const DeviceMesh& mesh, int64_t
 at::Tensor halo_exchange(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
                          int64_t dim, const std::vector<int64_t>& sizes, int64_t left,
                          int64_t right, PadMode mode = PadMode::Constant, double value = 0.0);
+
+/// A halo exchange in flight (halo_exchange_start). Move-only; destroying one
+/// that was not finished cancels its receives and waits for its sends.
+class HaloExchangeInFlight {
+ public:
+  HaloExchangeInFlight();
+  ~HaloExchangeInFlight();
+  HaloExchangeInFlight(HaloExchangeInFlight&&) noexcept;
+  HaloExchangeInFlight& operator=(HaloExchangeInFlight&&) noexcept;
+  /// Local, non-blocking: drives MPI progress; true once the halos arrived.
+  bool test();
+  /// Local: waits for the halos and returns the extended piece, exactly what
+  /// halo_exchange() returns, connected to autograd (backward: the halo
+  /// accumulate, collective over the mesh dim). Call once.
+  at::Tensor finish();
+  struct Impl;
+
+ private:
+  friend HaloExchangeInFlight halo_exchange_start(const at::Tensor&, const DeviceMesh&, int64_t,
+                                                  int64_t, const std::vector<int64_t>&, int64_t,
+                                                  int64_t, PadMode, double);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Collective over `mesh_dim`, split phase (Note [split-phase halo]): validates
+/// like halo_exchange() (throwing on every rank before any message), posts the
+/// exchange and returns at once; the caller computes on its interior, then
+/// calls finish(). Like PETSc's DMGlobalToLocalBegin/End.
+HaloExchangeInFlight halo_exchange_start(const at::Tensor& local, const DeviceMesh& mesh,
+                                         int64_t mesh_dim, int64_t dim,
+                                         const std::vector<int64_t>& sizes, int64_t left,
+                                         int64_t right, PadMode mode = PadMode::Constant,
+                                         double value = 0.0);
 
 }  // namespace comm
 }  // namespace shardtensor
