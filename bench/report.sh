@@ -386,7 +386,8 @@ it on an otherwise idle machine: the `load` column records how busy it was.
   `conv_stack` (6 x Conv2d 3x3 + ReLU, 16 channels), `attention` (ring attention on S),
   `natten2d` (7x7 neighbourhood attention on [B, heads, H, W, D]), `fno2d` (the FNO of
   examples/fno_train), `gnn` (the MeshGraphNet of examples/gnn_train on an N-vertex mesh);
-  `shardtensor_bench list` describes each. No scenario runs the last three yet.
+  `shardtensor_bench list` describes each. No `run.sh` scenario runs the last three yet;
+  one run of each is recorded by hand in `irregular.json` (hand-written section below).
   Inputs are sharded along the spatial dims (mesh dim i shards spatial dim i).
 - **Modes**: `train` = forward + backward + SGD (momentum) step, loss = global
   mean of out^2; `infer` = forward under NoGradGuard.
