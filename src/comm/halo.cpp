@@ -374,9 +374,7 @@ constexpr size_t kMaxPlans = 512;
 
 struct PlanKeyHash {
   size_t operator()(const std::vector<int64_t>& k) const {
-    size_t h = 1469598103934665603ull;
-    for (int64_t v : k) h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
-    return h;
+    return static_cast<size_t>(Fingerprint().add(k).value());
   }
 };
 
