@@ -22,18 +22,33 @@ int64_t source_index(int64_t g, int64_t n, PadMode mode) {
   return g;
 }
 
+/// The layout and the wrapped dim of halo_exchange's tensor argument; throws,
+/// naming `fn`, if `t` is not a ShardTensor or `dim` is out of range.
+struct HaloTarget {
+  ShardSpec spec;
+  int64_t dim;
+  int64_t mesh_dim;  // -1: no mesh dim shards `dim`
+};
+
+HaloTarget halo_target(const at::Tensor& t, int64_t dim, const char* fn) {
+  const ShardSpec* s = ops::spec_of(t);
+  TORCH_CHECK(s != nullptr, "shardtensor::", fn, ": expected a ShardTensor, got a plain tensor");
+  TORCH_CHECK(dim >= -t.dim() && dim < t.dim(), "shardtensor::", fn, ": dim ", dim,
+              " is out of range for a ", t.dim(), "-d tensor");
+  if (dim < 0) dim += t.dim();
+  ShardSpec spec = ops::without_partial(*s);
+  const int64_t m = spec.mesh_dim_of(dim);
+  return {std::move(spec), dim, m};
+}
+
 }  // namespace
 
 at::Tensor halo_exchange(const at::Tensor& t, int64_t dim, int64_t left, int64_t right,
                          PadMode mode, double value) {
-  const ShardSpec* s = ops::spec_of(t);
-  TORCH_CHECK(s != nullptr,
-              "shardtensor::halo_exchange: expected a ShardTensor, got a plain tensor");
-  TORCH_CHECK(dim >= -t.dim() && dim < t.dim(), "shardtensor::halo_exchange: dim ", dim,
-              " is out of range for a ", t.dim(), "-d tensor");
-  if (dim < 0) dim += t.dim();
-  const ShardSpec spec = ops::without_partial(*s);
-  const int64_t m = spec.mesh_dim_of(dim);
+  const HaloTarget target = halo_target(t, dim, "halo_exchange");
+  const ShardSpec& spec = target.spec;
+  const int64_t m = target.mesh_dim;
+  dim = target.dim;
   if (m >= 0) {
     at::Tensor local = ops::to_layout(t, spec, spec);
     return comm::halo_exchange(local, spec.mesh(), m, dim, spec.shard_sizes(m), left, right, mode,
@@ -70,14 +85,10 @@ bool PendingHaloExchange::test() {
 
 PendingHaloExchange halo_exchange_begin(const at::Tensor& t, int64_t dim, int64_t left,
                                         int64_t right, PadMode mode, double value) {
-  const ShardSpec* s = ops::spec_of(t);
-  TORCH_CHECK(s != nullptr,
-              "shardtensor::halo_exchange_begin: expected a ShardTensor, got a plain tensor");
-  TORCH_CHECK(dim >= -t.dim() && dim < t.dim(), "shardtensor::halo_exchange_begin: dim ", dim,
-              " is out of range for a ", t.dim(), "-d tensor");
-  if (dim < 0) dim += t.dim();
-  const ShardSpec spec = ops::without_partial(*s);
-  const int64_t m = spec.mesh_dim_of(dim);
+  const HaloTarget target = halo_target(t, dim, "halo_exchange_begin");
+  const ShardSpec& spec = target.spec;
+  const int64_t m = target.mesh_dim;
+  dim = target.dim;
   PendingHaloExchange p;
   if (m >= 0) {
     at::Tensor local = ops::to_layout(t, spec, spec);
