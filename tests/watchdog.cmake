@@ -25,3 +25,21 @@ foreach(scenario throw_mid_op skip_collective rank_exits skip_exchange backward_
       TIMEOUT 120 PROCESSORS 2 LABELS "mpi;watchdog")
   endforeach()
 endforeach()
+# Carried errors (Note [carried errors]): a check of the local tensor fails on
+# one rank only, without SHARDTENSOR_DEBUG. Every rank raises (naming the
+# primitive and the culprit's error), the next op raises everywhere, and
+# finalize ends the job with exit code 86. When every rank fails alike nothing
+# was started: every rank raises and the next op runs normally (exit code 0).
+set(_carried_one_rank_bad_piece "86;caught: .*all_gather.*the local tensor has extent 3;raises at the next op: .*inconsistent")
+set(_carried_every_rank_bad_piece "0;caught: .*all_gather.*the local tensor has extent 3;continues: the next sum is right")
+foreach(scenario one_rank_bad_piece every_rank_bad_piece)
+  foreach(np 2 3 4)
+    add_test(NAME carried_errors.${scenario}.np${np}
+      COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/carried_check.sh 60 ${np} "${_carried_${scenario}}"
+              ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np ${np}
+              $<TARGET_FILE:watchdog_scenario> ${scenario})
+    set_tests_properties(carried_errors.${scenario}.np${np} PROPERTIES
+      ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=20"
+      TIMEOUT 90 PROCESSORS 2 LABELS "mpi;watchdog")
+  endforeach()
+endforeach()

@@ -6,10 +6,12 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace st = shardtensor;
 
@@ -84,6 +86,34 @@ int main(int argc, char** argv) {
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(120));
     }
+  } else if (scenario == "one_rank_bad_piece" || scenario == "every_rank_bad_piece") {
+    // Note [carried errors]: a check of the local tensor fails on the culprit
+    // only (or on every rank); no SHARDTENSOR_DEBUG. Every rank must raise,
+    // naming the primitive and the culprit's error, within the timeout.
+    const bool everyone = scenario == "every_rank_bad_piece";
+    std::vector<int64_t> sizes(st::world_size(), 4);
+    const bool bad = everyone || rank == culprit;
+    at::Tensor piece = torch::ones({bad ? 3 : 4, 2});
+    try {
+      at::Tensor full = st::comm::all_gather(piece, mesh, 0, 0, sizes);
+      std::printf("rank %d: unexpected: all_gather completed (%lld rows)\n", rank,
+                  static_cast<long long>(full.size(0)));
+    } catch (const c10::Error& e) {
+      std::printf("rank %d caught: %s\n", rank, e.what_without_backtrace());
+    }
+    std::fflush(stdout);
+    // The next collective: fine when every rank failed alike (nothing was
+    // started), an error everywhere when some ranks had started theirs.
+    try {
+      const float s = (x * 2).sum().item<float>();
+      torch::manual_seed(0);
+      const float want = (torch::randn({4 * st::world_size(), 3}) * 2).sum().item<float>();
+      std::printf("rank %d continues: the next sum is %s\n", rank,
+                  std::abs(s - want) <= 1e-4f * (1 + std::abs(want)) ? "right" : "WRONG");
+    } catch (const c10::Error& e) {
+      std::printf("rank %d raises at the next op: %s\n", rank, e.what_without_backtrace());
+    }
+    std::fflush(stdout);
   } else {
     std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
     return 2;

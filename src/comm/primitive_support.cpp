@@ -3,14 +3,18 @@
 #include "comm/primitive_support.h"
 
 #include "comm/diagnostic.h"
+#include "comm/error_channel.h"
 #include "comm/transport.h"
 #include "core/debug.h"
 
 namespace shardtensor::comm::internal {
 
 void agree_or_throw(Prim p, MPI_Comm comm, Fingerprint fp, const Checks& checks) {
+  // Numbers the call and reads the error channel on every rank, in both modes
+  // (Note [carried errors]).
+  const errors::CallId call = errors::enter(comm);
   if (!shardtensor::detail::debug_enabled() || transport::comm_size(comm) == 1) {
-    TORCH_CHECK(checks.ok(), checks.error());
+    if (!checks.ok()) errors::fail(call, checks.error());
     return;
   }
   fp.add(static_cast<int64_t>(p));

@@ -37,8 +37,10 @@
 /// fingerprint of its arguments plus a "my checks failed" flag over the
 /// participating communicator, and throws on every rank, naming the primitive,
 /// when the fingerprints differ or any rank's checks failed: a mismatch is an
-/// error, not a hang. Backward passes communicate only if every rank reaches
-/// them: a primitive whose output takes part in the loss on some ranks and not
+/// error, not a hang. Without debug mode, a check that fails on some ranks
+/// only is carried to the others on the error channel (Note [carried errors]
+/// in comm/error_channel.h), so every rank raises then too. Backward passes communicate only if
+/// every rank reaches them: a primitive whose output takes part in the loss on some ranks and not
 /// on others hangs in backward (as any collective called by a subset would).
 
 #include <ATen/core/Tensor.h>

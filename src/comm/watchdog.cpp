@@ -1,6 +1,8 @@
 // The watchdog (Note [watchdog] in shardtensor/core/runtime.h).
 #include "comm/watchdog.h"
 
+#include "comm/error_channel.h"
+
 #include <shardtensor/core/runtime.h>
 
 #include <chrono>
@@ -72,10 +74,9 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
   if (n == 0) {
     return MPI_SUCCESS;
   }
+  // Always poll, also with the watchdog off, so that errors carried from other
+  // ranks reach this wait (Note [carried errors]).
   const double limit = shardtensor::timeout();
-  if (limit <= 0) {
-    return MPI_Waitall(n, requests, statuses);
-  }
   const auto start = Clock::now();
   for (;;) {
     int flag = 0;
@@ -83,8 +84,9 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
     if (rc != MPI_SUCCESS || flag) {
       return rc;
     }
+    errors::poll(n, requests, site.peers != nullptr, site.primitive);
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-    if (waited > limit) {
+    if (limit > 0 && waited > limit) {
       expire(n, requests, site, waited, limit);
     }
     // Poll hard at first (short waits are the common case and latency matters),

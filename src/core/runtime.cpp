@@ -4,6 +4,8 @@
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/runtime.h>
 
+#include "core/channel.h"
+
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -29,9 +31,10 @@ namespace {
 
 struct RuntimeState {
   std::mutex mutex;
-  bool initialized = false;  // between init() and finalize()
-  bool owns_mpi = false;     // init() called MPI_Init_thread, so finalize() finalizes
-  int thread_level = -1;     // MPI_THREAD_* provided
+  bool initialized = false;                // between init() and finalize()
+  bool owns_mpi = false;                   // init() called MPI_Init_thread, so finalize() finalizes
+  int thread_level = -1;                   // MPI_THREAD_* provided
+  MPI_Comm error_channel = MPI_COMM_NULL;  // Note [carried errors] (comm/error_channel.h)
   std::vector<std::function<void()>> finalize_hooks;
 };
 
@@ -131,8 +134,19 @@ void init(int* argc, char*** argv) {
     s.thread_level = provided;
   }
   at::set_num_threads(threads);
+  // Every rank calls init(), so the duplicate is collective like MPI_Init itself.
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s.error_channel));
+  MPI_Comm_set_name(s.error_channel, "shardtensor error channel");
   s.initialized = true;
 }
+
+namespace detail {
+MPI_Comm error_channel() {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.initialized ? s.error_channel : MPI_COMM_NULL;
+}
+}  // namespace detail
 
 void finalize() {
   auto& s = state();
@@ -155,6 +169,10 @@ void finalize() {
     return;
   }
   s.initialized = false;
+  if (s.error_channel != MPI_COMM_NULL && mpi_initialized() && !mpi_finalized()) {
+    MPI_Comm_free(&s.error_channel);
+  }
+  s.error_channel = MPI_COMM_NULL;
   const bool owns = s.owns_mpi;
   s.owns_mpi = false;
   if (owns && mpi_initialized() && !mpi_finalized()) {

@@ -1,0 +1,402 @@
+// Carried errors (Note [carried errors] in comm/error_channel.h).
+#include "comm/error_channel.h"
+
+#include <c10/util/Exception.h>
+#include <shardtensor/core/runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/channel.h"
+#include "core/fingerprint.h"
+
+namespace shardtensor {
+namespace detail {
+void register_finalize_hook(std::function<void()> hook);  // core/runtime.cpp
+}  // namespace detail
+
+namespace comm::errors {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kTag = 4242;
+enum Kind : int64_t { kFailed = 1, kPoison = 2 };
+
+/// What the library caches on each communicator it has seen (an MPI
+/// attribute, so it goes away with the communicator).
+struct CommInfo {
+  uint64_t key = 0;
+  std::vector<int> world_ranks;  // of the communicator's ranks, in its order
+};
+
+int delete_info(MPI_Comm, int, void* value, void*) {
+  delete static_cast<CommInfo*>(value);
+  return MPI_SUCCESS;
+}
+
+struct Message {
+  int64_t kind = 0;
+  uint64_t key = 0;
+  uint64_t seq = 0;
+  int origin = -1;  // world rank
+  std::string text;
+};
+
+/// A call that failed here (locally or carried at entry): the world ranks of
+/// its communicator not yet heard from.
+struct Failure {
+  std::set<int> waiting;
+};
+
+struct State {
+  int keyval = MPI_KEYVAL_INVALID;
+  bool hook_registered = false;
+  bool poisoned = false;
+  int poison_origin = -1;
+  std::string poison_text;
+  std::map<std::pair<uint64_t, uint64_t>, Failure> failures;
+  // Calls are numbered per set of ranks (the key), not per MPI_Comm handle:
+  // two handles over the same ranks (a mesh dim and a one-dim group) share
+  // the numbering, which every rank advances in the same order.
+  std::map<uint64_t, uint64_t> next_seq;
+  // Failures of calls this rank has not entered yet (ranks ahead of it).
+  std::multimap<std::pair<uint64_t, uint64_t>, Message> early;
+  // Sends in flight, with their buffers (kept until MPI has completed them).
+  std::deque<std::pair<MPI_Request, std::vector<char>>> sends;
+};
+
+State& state() {
+  static State* s = new State();  // leaked: usable from finalize hooks at exit
+  return *s;
+}
+
+int world_rank_of_me() {
+  int r = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+CommInfo& info_of(MPI_Comm comm) {
+  auto& s = state();
+  if (s.keyval == MPI_KEYVAL_INVALID) {
+    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, delete_info, &s.keyval, nullptr);
+  }
+  void* value = nullptr;
+  int found = 0;
+  MPI_Comm_get_attr(comm, s.keyval, &value, &found);
+  if (found) {
+    return *static_cast<CommInfo*>(value);
+  }
+  auto* info = new CommInfo();
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  MPI_Comm_group(comm, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  int n = 0;
+  MPI_Group_size(group, &n);
+  std::vector<int> ranks(n);
+  for (int i = 0; i < n; ++i) ranks[i] = i;
+  info->world_ranks.resize(n);
+  MPI_Group_translate_ranks(group, n, ranks.data(), world, info->world_ranks.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  std::vector<int64_t> as64(info->world_ranks.begin(), info->world_ranks.end());
+  info->key = shardtensor::detail::Fingerprint().add(as64).value();
+  MPI_Comm_set_attr(comm, s.keyval, info);
+  return *info;
+}
+
+void reap_sends() {
+  auto& s = state();
+  while (!s.sends.empty()) {
+    int done = 0;
+    MPI_Test(&s.sends.front().first, &done, MPI_STATUS_IGNORE);
+    if (!done) break;
+    s.sends.pop_front();
+  }
+}
+
+void post(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
+          const std::vector<int>& targets) {
+  auto& s = state();
+  reap_sends();
+  const int me = world_rank_of_me();
+  const int64_t header[4] = {kind, static_cast<int64_t>(key), static_cast<int64_t>(seq), me};
+  for (int target : targets) {
+    if (target == me) continue;
+    std::vector<char> buf(sizeof(header) + text.size());
+    std::memcpy(buf.data(), header, sizeof(header));
+    std::memcpy(buf.data() + sizeof(header), text.data(), text.size());
+    s.sends.emplace_back(MPI_REQUEST_NULL, std::move(buf));
+    auto& back = s.sends.back();
+    MPI_Isend(back.second.data(), static_cast<int>(back.second.size()), MPI_BYTE, target, kTag,
+              channel, &back.first);
+  }
+}
+
+std::vector<int> all_world_ranks() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  std::vector<int> r(n);
+  for (int i = 0; i < n; ++i) r[i] = i;
+  return r;
+}
+
+/// Calls `handle` on every message waiting on the channel.
+void drain(MPI_Comm channel, const std::function<void(const Message&)>& handle) {
+  for (;;) {
+    int flag = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, kTag, channel, &flag, &status);
+    if (!flag) return;
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    std::vector<char> buf(static_cast<size_t>(bytes));
+    MPI_Recv(buf.data(), bytes, MPI_BYTE, status.MPI_SOURCE, kTag, channel, MPI_STATUS_IGNORE);
+    int64_t header[4] = {0, 0, 0, -1};
+    if (buf.size() >= sizeof(header)) std::memcpy(header, buf.data(), sizeof(header));
+    Message m;
+    m.kind = header[0];
+    m.key = static_cast<uint64_t>(header[1]);
+    m.seq = static_cast<uint64_t>(header[2]);
+    m.origin = static_cast<int>(header[3]);
+    if (buf.size() > sizeof(header)) {
+      m.text.assign(buf.data() + sizeof(header), buf.size() - sizeof(header));
+    }
+    handle(m);
+  }
+}
+
+/// The world rank whose error a message is about.
+int culprit(const Message& m) { return m.kind == kPoison ? static_cast<int>(m.seq) : m.origin; }
+
+void poison(MPI_Comm channel, int origin, const std::string& text, bool tell_everyone) {
+  auto& s = state();
+  if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
+    std::fprintf(stderr, "[carried errors] world rank %d poisoned by %d: %s\n", world_rank_of_me(),
+                 origin, text.c_str());
+  }
+  if (!s.poisoned) {
+    s.poisoned = true;
+    s.poison_origin = origin;
+    s.poison_text = text;
+  }
+  if (tell_everyone) {
+    // A poison names the rank whose error started it (in the seq slot).
+    post(channel, kPoison, 0, static_cast<uint64_t>(s.poison_origin), s.poison_text,
+         all_world_ranks());
+  }
+}
+
+/// True if `m` is handled without poisoning the job: a verdict on one of
+/// this rank's own failures, or a failure of a call this rank has not entered
+/// yet (kept for then).
+bool settle_verdict(const Message& m) {
+  auto& s = state();
+  if (m.kind == kFailed) {
+    auto it = s.failures.find({m.key, m.seq});
+    if (it != s.failures.end()) {
+      it->second.waiting.erase(m.origin);
+      return true;
+    }
+    auto seq = s.next_seq.find(m.key);
+    if (seq == s.next_seq.end() || m.seq >= seq->second) {
+      // A call this rank has not entered yet: it finds the error there.
+      s.early.emplace(std::make_pair(m.key, m.seq), m);
+      return true;
+    }
+  }
+  return false;
+}
+
+[[noreturn]] void throw_poisoned(const char* where) {
+  auto& s = state();
+  TORCH_CHECK(false, "shardtensor: ", where, ": communication is inconsistent since world rank ",
+              s.poison_origin, " raised an error that other ranks were waiting on: ", s.poison_text,
+              " (Note [carried errors]: every shardtensor call now raises; end the job; finalize "
+              "exits with code ",
+              kCarriedErrorExitCode, ")");
+}
+
+bool unresolved() {
+  for (const auto& kv : state().failures) {
+    if (!kv.second.waiting.empty()) return true;
+  }
+  return false;
+}
+
+/// Waits until every earlier failure of this rank has a verdict from all the
+/// other ranks of its communicator (watchdog-bounded); drops the settled ones.
+void resolve(MPI_Comm channel) {
+  auto& s = state();
+  const auto start = Clock::now();
+  const double limit = shardtensor::timeout();
+  while (unresolved()) {
+    drain(channel, [&](const Message& m) {
+      if (settle_verdict(m)) return;
+      poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
+    });
+    if (s.poisoned || !unresolved()) break;
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    if (limit > 0 && waited > limit) {
+      std::fprintf(stderr,
+                   "shardtensor watchdog: world rank %d waited %g s (SHARDTENSOR_TIMEOUT = %g s) "
+                   "for the other ranks' verdict on an error it raised (Note [carried errors]); "
+                   "aborting the job with exit code %d\n",
+                   world_rank_of_me(), waited, limit, kWatchdogExitCode);
+      shardtensor::abort(kWatchdogExitCode);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(waited < 1e-2 ? 1 : 100));
+  }
+  for (auto it = s.failures.begin(); it != s.failures.end();) {
+    it = it->second.waiting.empty() ? s.failures.erase(it) : std::next(it);
+  }
+}
+
+void register_hook() {
+  auto& s = state();
+  if (s.hook_registered) return;
+  s.hook_registered = true;
+  shardtensor::detail::register_finalize_hook([] {
+    const MPI_Comm channel = shardtensor::detail::error_channel();
+    if (channel == MPI_COMM_NULL) return;
+    resolve(channel);
+    auto& st = state();
+    if (st.poisoned) {
+      std::fprintf(stderr,
+                   "shardtensor: world rank %d ends the job with exit code %d: communication "
+                   "was left inconsistent by an error raised on world rank %d (%s) (Note "
+                   "[carried errors])\n",
+                   world_rank_of_me(), kCarriedErrorExitCode, st.poison_origin,
+                   st.poison_text.c_str());
+      shardtensor::abort(kCarriedErrorExitCode);
+    }
+  });
+}
+
+}  // namespace
+
+CallId enter(MPI_Comm comm) {
+  CallId id;
+  const MPI_Comm channel = shardtensor::detail::error_channel();
+  if (channel == MPI_COMM_NULL || comm == MPI_COMM_NULL) return id;
+  register_hook();
+  CommInfo& info = info_of(comm);
+  id.comm = comm;
+  id.comm_key = info.key;
+  auto& s = state();
+  // Before this call is numbered, so that failures of it by ranks ahead of
+  // this one count as early (they are taken below, not as a poison).
+  drain(channel, [&](const Message& m) {
+    if (settle_verdict(m)) return;
+    poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
+  });
+  if (!s.poisoned) resolve(channel);
+  if (s.poisoned) throw_poisoned("a shardtensor primitive");
+  id.seq = s.next_seq[info.key]++;
+  if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
+    std::fprintf(stderr, "[carried errors] world rank %d enters call %llu on %llx\n",
+                 world_rank_of_me(), static_cast<unsigned long long>(id.seq),
+                 static_cast<unsigned long long>(id.comm_key));
+  }
+  // Failures of this very call by ranks that got here first: fail alike,
+  // before communicating, and tell the others of the communicator.
+  const Message* carried = nullptr;
+  Message first_carried;
+  for (auto it = s.early.lower_bound({id.comm_key, id.seq});
+       it != s.early.end() && it->first == std::make_pair(id.comm_key, id.seq);) {
+    if (carried == nullptr) {
+      first_carried = it->second;
+      carried = &first_carried;
+      Failure f;
+      for (int r : info.world_ranks) f.waiting.insert(r);
+      f.waiting.erase(world_rank_of_me());
+      s.failures[{id.comm_key, id.seq}] = std::move(f);
+      post(channel, kFailed, id.comm_key, id.seq, it->second.text, info.world_ranks);
+    }
+    s.failures[{id.comm_key, id.seq}].waiting.erase(it->second.origin);
+    it = s.early.erase(it);
+  }
+  if (carried != nullptr) {
+    TORCH_CHECK(false, first_carried.text, " [raised on world rank ", first_carried.origin,
+                " and carried to world rank ", world_rank_of_me(),
+                " before it communicated (Note [carried errors])]");
+  }
+  return id;
+}
+
+void fail(const CallId& call, const std::string& message) {
+  const MPI_Comm channel = shardtensor::detail::error_channel();
+  if (channel != MPI_COMM_NULL && call.comm != MPI_COMM_NULL) {
+    CommInfo& info = info_of(call.comm);
+    if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
+      std::fprintf(stderr, "[carried errors] world rank %d fails call %llu on %llx\n",
+                   world_rank_of_me(), static_cast<unsigned long long>(call.seq),
+                   static_cast<unsigned long long>(call.comm_key));
+    }
+    if (info.world_ranks.size() > 1) {
+      Failure f;
+      for (int r : info.world_ranks) f.waiting.insert(r);
+      f.waiting.erase(world_rank_of_me());
+      auto& s = state();
+      s.failures[{call.comm_key, call.seq}] = std::move(f);
+      post(channel, kFailed, call.comm_key, call.seq, message, info.world_ranks);
+    }
+  }
+  TORCH_CHECK(false, message);
+}
+
+void poll(int n, MPI_Request* requests, bool p2p, const char* what) {
+  const MPI_Comm channel = shardtensor::detail::error_channel();
+  if (channel == MPI_COMM_NULL) return;
+  auto& s = state();
+  bool abandon = false;
+  Message why;
+  drain(channel, [&](const Message& m) {
+    if (settle_verdict(m)) return;
+    if (!abandon) {
+      abandon = true;
+      why = m;
+    }
+    poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
+  });
+  if (!abandon) return;
+  // Cancel what can be cancelled (point-to-point); collective requests cannot
+  // be, and are left to MPI (the job ends at finalize).
+  for (int i = 0; i < n; ++i) {
+    if (requests[i] == MPI_REQUEST_NULL) continue;
+    if (p2p) {
+      MPI_Cancel(&requests[i]);
+      int done = 0;
+      const auto start = Clock::now();
+      while (!done && std::chrono::duration<double>(Clock::now() - start).count() < 0.5) {
+        MPI_Test(&requests[i], &done, MPI_STATUS_IGNORE);
+      }
+      if (!done) MPI_Request_free(&requests[i]);
+    }
+    requests[i] = MPI_REQUEST_NULL;
+  }
+  const char* op = OpLabel::current();
+  TORCH_CHECK(false, "shardtensor: world rank ", world_rank_of_me(), " stopped waiting in ", what,
+              " during op '", (*op != '\0' ? op : "<none>"), "' because world rank ",
+              s.poison_origin, " raised: ", s.poison_text,
+              " (Note [carried errors]: communication is now inconsistent; every shardtensor "
+              "call raises from now on; end the job; finalize exits with code ",
+              kCarriedErrorExitCode, ")");
+}
+
+bool poisoned() { return state().poisoned; }
+
+}  // namespace comm::errors
+}  // namespace shardtensor

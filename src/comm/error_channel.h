@@ -1,0 +1,81 @@
+#pragma once
+/// \file Carried errors: a validation that fails on some ranks only becomes an
+/// error on every rank (private to comm/).
+///
+/// Note [carried errors]
+/// ~~~~~~~~~~~~~~~~~~~~~
+/// Most argument checks of a primitive see only values that are the same on
+/// every rank and throw alike everywhere. Checks of the *local* tensor (its
+/// extent along the sharded dim, its rank, its dtype) can fail on one rank
+/// only; before, that rank threw while the others entered the primitive's
+/// communication and waited for it until the watchdog ended the job
+/// (SHARDTENSOR_DEBUG=1 avoided this with an extra all-reduce per primitive).
+/// Without debug mode, and without any extra message on the success path,
+/// errors are now carried:
+///  - Every primitive call on a communicator C gets a sequence number k
+///    (ranks call primitives on C in the same order, Note [collective
+///    discipline]), so (C, k) names the call on every rank.
+///  - A rank whose checks fail posts the error, tagged (C, k), to every other
+///    rank of C on the error channel (the library's duplicate of
+///    MPI_COMM_WORLD), then throws it.
+///  - Every blocking wait polls the channel (one MPI_Iprobe per poll, in the
+///    watchdog's loop), and so does the entry of every primitive. A rank that
+///    finds the error at the entry of the same call (C, k) throws it before
+///    it communicates and tells the others of C it failed alike. A rank that
+///    finds it while waiting (it has already posted its messages or its part
+///    of a collective) cancels what it can, throws it, and *poisons* the job:
+///    it tells every rank that communication is now inconsistent (its
+///    abandoned collective could match a later call), and from then on every
+///    primitive on every rank raises at entry.
+///  - A rank that failed does not move on blindly: at its next primitive (or
+///    at finalize) it waits, watchdog-bounded, until every other rank of C has
+///    either failed alike (then nothing is lost and the job continues, as
+///    when every rank rejects the same bad argument) or poisoned the job
+///    (then it raises too).
+///  - A poisoned job cannot finalize MPI safely (collectives were abandoned),
+///    so shardtensor::finalize() ends it with MPI_Abort(kCarriedErrorExitCode)
+///    after printing one line, instead of hanging in MPI_Finalize.
+/// So every rank throws, names the op and the failing rank, and nothing hangs
+/// or computes on with half-finished communication. With SHARDTENSOR_TIMEOUT=0
+/// waits still poll (they only never expire).
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+
+namespace shardtensor::comm::errors {
+
+/// Exit code of a job ended at finalize because an error was carried into
+/// communication that other ranks had already started.
+constexpr int kCarriedErrorExitCode = 86;
+
+/// Names one primitive call on one communicator, identically on every rank of it.
+struct CallId {
+  uint64_t comm_key = 0;  // a fingerprint of the communicator's world ranks
+  uint64_t seq = 0;       // the how-manieth primitive call on this communicator
+  MPI_Comm comm = MPI_COMM_NULL;
+};
+
+/// Local unless an error is pending. The entry of every primitive call on
+/// `comm` (after its local checks, before any communication): numbers the
+/// call, reads the error channel, and throws c10::Error if an error of
+/// another rank reached this call or the job is poisoned. May wait for the
+/// other ranks' verdict on an earlier failure of this rank (see the Note).
+CallId enter(MPI_Comm comm);
+
+/// Posts `message` to the other ranks of the call's communicator and throws
+/// it here as c10::Error. For a call whose checks failed on this rank.
+[[noreturn]] void fail(const CallId& call, const std::string& message);
+
+/// Local. Called between polls of a blocking wait on `n` requests (for the
+/// transport primitive `what`, during op `op`; `p2p`: point-to-point requests
+/// that can be cancelled). Throws c10::Error, after cancelling or abandoning
+/// the requests (they are set to MPI_REQUEST_NULL), when another rank has
+/// carried an error here or poisoned the job.
+void poll(int n, MPI_Request* requests, bool p2p, const char* what);
+
+/// Local. True once the job is poisoned (Note [carried errors]).
+bool poisoned();
+
+}  // namespace shardtensor::comm::errors
