@@ -492,7 +492,7 @@ TEST_F(Conv, ForwardSendsExactlyTheHaloBytes) {
 
 TEST_F(Conv, MemoryEfficientBackward) {
   // Note [conv memory]: 6 x (Conv2d 3x3 padding 1 + ReLU) forward + backward;
-  // the sharded peak per rank must stay within 1.2x of the single-process peak / P.
+  // the sharded peak per rank must stay within 1.1x of the single-process peak / P.
   const int64_t P = mesh.size();
   torch::manual_seed(0);
   torch::nn::Sequential net;
@@ -512,7 +512,7 @@ TEST_F(Conv, MemoryEfficientBackward) {
   }
   st::distribute_module(*net, mesh);
   {
-    auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2}), true);
+    auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}), true);
     const int64_t base = st::memory_stats().current_bytes;
     st::reset_peak_memory_stats();
     // AnyModule (inside Sequential) accepts exactly at::Tensor, not the ShardTensor handle.
@@ -526,9 +526,9 @@ TEST_F(Conv, MemoryEfficientBackward) {
         "rank, ratio to single/P = %.3f\n",
         static_cast<long long>(P), single / 1e6, sharded / 1e6, ratio);
   }
-  if (P == 4 && !is_mesh_2x2()) {
-    EXPECT_TRUE(all_ranks(ratio <= 1.2)) << "ratio " << ratio;
-  }
+  // Every rank count and the 2x2 mesh (measured: 1.000 at P = 1, 1.003-1.007
+  // at P = 2-4 and on 2x2): halos are the only extra memory.
+  EXPECT_TRUE(all_ranks(ratio <= 1.1)) << "ratio " << ratio;
 }
 
 TEST_F(Conv, UnsupportedCasesThrowEverywhere) {

@@ -250,7 +250,7 @@ TEST(UNet, TrainingStepMemoryPerRank) {
         "ratio to single/P = %.3f\n",
         static_cast<long long>(P), single / 1e6, sharded / 1e6, ratio);
   }
-  if (P == 4) {
-    EXPECT_TRUE(all_ranks(ratio <= 1.2)) << "ratio " << ratio;
-  }
+  // Every rank count and the 2x2 mesh (measured: 1.000 at P = 1, 1.002-1.008
+  // at P = 2-4 and on 2x2).
+  EXPECT_TRUE(all_ranks(ratio <= 1.1)) << "ratio " << ratio;
 }
