@@ -7,6 +7,9 @@
 // is never released fails this test.
 #include <torch/torch.h>
 
+#include "comm/error_channel.h"
+#include "comm/grad_sink.h"
+#include "comm/halo.h"
 #include "comm/transport.h"
 #include "mesh/live_comms.h"
 #include "testing.h"
@@ -39,6 +42,8 @@ TORCH_MODULE(TinyUNet);
 
 struct Snapshot {
   int64_t memory = 0, mesh_comms = 0, dup_comms = 0, step_bytes = 0, step_messages = 0;
+  // The library's caches and registries.
+  size_t halo_plans = 0, grad_sinks = 0, error_channel = 0;
 };
 
 }  // namespace
@@ -70,6 +75,9 @@ TEST(LongRun, ThousandStepsStayFlat) {
     s.memory = st::memory_stats().current_bytes;
     s.mesh_comms = st::detail::live_mesh_communicators();
     s.dup_comms = st::comm::transport::live_duplicates();
+    s.halo_plans = st::comm::halo_plan_cache_size();
+    s.grad_sinks = st::comm::detail::grad_sink_registry_size();
+    s.error_channel = st::comm::errors::tracked_entries();
     return s;
   };
   constexpr int kSteps = 1000;
@@ -90,6 +98,13 @@ TEST(LongRun, ThousandStepsStayFlat) {
       << "one step sent " << early.step_bytes << " B in " << early.step_messages
       << " messages at step 11 and " << late.step_bytes << " B in " << late.step_messages
       << " at step " << kSteps;
+  EXPECT_TRUE(
+      all_ranks(late.halo_plans == early.halo_plans && (mesh.size() == 1 || early.halo_plans > 0)))
+      << early.halo_plans << " -> " << late.halo_plans << " cached halo plans";
+  EXPECT_TRUE(all_ranks(late.grad_sinks == early.grad_sinks))
+      << early.grad_sinks << " -> " << late.grad_sinks << " gradient-sink registry entries";
+  EXPECT_TRUE(all_ranks(late.error_channel == early.error_channel))
+      << early.error_channel << " -> " << late.error_channel << " error-channel entries";
   // It trained (a flat run that does nothing would pass the checks above).
   EXPECT_LT(last, first);
 }

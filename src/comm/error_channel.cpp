@@ -398,5 +398,11 @@ void poll(int n, MPI_Request* requests, bool p2p, const char* what) {
 
 bool poisoned() { return state().poisoned; }
 
+size_t tracked_entries() {
+  reap_sends();
+  auto& s = state();
+  return s.next_seq.size() + s.failures.size() + s.early.size() + s.sends.size();
+}
+
 }  // namespace comm::errors
 }  // namespace shardtensor

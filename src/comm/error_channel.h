@@ -78,4 +78,9 @@ void poll(int n, MPI_Request* requests, bool p2p, const char* what);
 /// Local. True once the job is poisoned (Note [carried errors]).
 bool poisoned();
 
+/// Local. Entries the error channel keeps (communicators numbered, failures
+/// awaiting verdicts, early failures, sends in flight); constant in steady
+/// state (the long-run test asserts it).
+size_t tracked_entries();
+
 }  // namespace shardtensor::comm::errors

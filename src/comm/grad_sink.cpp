@@ -58,6 +58,11 @@ std::shared_ptr<ReplicatedGradSink> grad_sink_for(const at::Tensor& t, const Dev
   return it->second.sink;
 }
 
+size_t grad_sink_registry_size() {
+  std::lock_guard<std::mutex> lock(sink_mutex());
+  return sink_registry().size();
+}
+
 }  // namespace detail
 
 }  // namespace shardtensor::comm

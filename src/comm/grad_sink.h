@@ -33,4 +33,8 @@ void set_grad_sink(const at::Tensor& leaf, const DeviceMesh& mesh,
 std::shared_ptr<ReplicatedGradSink> grad_sink_for(const at::Tensor& t, const DeviceMesh& mesh,
                                                   const std::vector<int64_t>& mesh_dims);
 
+/// Local. Number of entries in the sink registry (live registered leaves,
+/// plus dead ones not yet swept); the long-run test asserts it stays constant.
+size_t grad_sink_registry_size();
+
 }  // namespace shardtensor::comm::detail

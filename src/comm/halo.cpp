@@ -378,6 +378,16 @@ struct PlanKeyHash {
   }
 };
 
+struct PlanCache {
+  std::mutex mu;
+  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const HaloPlan>, PlanKeyHash> cache;
+};
+
+PlanCache& plan_cache_state() {
+  static auto* c = new PlanCache();  // never destroyed (plans may be used at exit)
+  return *c;
+}
+
 std::shared_ptr<const HaloPlan> cached_plan(const Axis& a, std::vector<int64_t> local_shape,
                                             int64_t dim, const std::vector<int64_t>& sizes,
                                             const std::vector<std::pair<int64_t, int64_t>>& ranges,
@@ -400,9 +410,8 @@ std::shared_ptr<const HaloPlan> cached_plan(const Axis& a, std::vector<int64_t> 
     key.push_back(lo);
     key.push_back(hi);
   }
-  static std::mutex mu;
-  static std::unordered_map<std::vector<int64_t>, std::shared_ptr<const HaloPlan>, PlanKeyHash>
-      cache;
+  auto& mu = plan_cache_state().mu;
+  auto& cache = plan_cache_state().cache;
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(key);
@@ -546,6 +555,11 @@ HaloExchangeInFlight halo_exchange_start(const at::Tensor& local, const DeviceMe
     h.impl_->pending = args.plan->start(local.detach(), value);
   }
   return h;
+}
+
+size_t halo_plan_cache_size() {
+  std::lock_guard<std::mutex> lock(plan_cache_state().mu);
+  return plan_cache_state().cache.size();
 }
 
 }  // namespace shardtensor::comm

@@ -98,4 +98,8 @@ class HaloPlan {
   MPI_Comm comm = MPI_COMM_NULL;  // the mesh dim's communicator
 };
 
+/// Local. Number of halo plans cached (Note [halo plan cache]); bounded, and
+/// constant in steady state (the long-run test asserts it).
+size_t halo_plan_cache_size();
+
 }  // namespace shardtensor::comm
