@@ -2,6 +2,7 @@
 // the others enter a collective or an exchange; the job must end within the
 // timeout with the watchdog's message and exit code, never hang. Run by
 // tests/watchdog_check.sh, which asserts the exit code, the message and the time.
+#include <mpi.h>
 #include <shardtensor/shardtensor.h>
 #include <torch/torch.h>
 
@@ -12,6 +13,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "comm/blocking.h"
 
 namespace st = shardtensor;
 
@@ -83,6 +86,17 @@ int main(int argc, char** argv) {
     if (rank != culprit) {
       loss.backward();
       std::printf("rank %d: unexpected: backward completed\n", rank);
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(120));
+    }
+  } else if (scenario == "blocking_collective") {
+    // A collective inside another library (as HDF5's MPI-IO runs H5Dwrite),
+    // which the transport cannot poll: bounded by a BlockingScope.
+    if (rank != culprit) {
+      st::comm::watchdog::BlockingScope scope("MPI_Barrier (stand-in for a collective H5Dwrite)",
+                                              mesh.comm(0));
+      MPI_Barrier(mesh.comm(0));
+      std::printf("rank %d: unexpected: barrier completed\n", rank);
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(120));
     }

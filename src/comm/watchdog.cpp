@@ -1,13 +1,16 @@
 // The watchdog (Note [watchdog] in shardtensor/core/runtime.h).
 #include "comm/watchdog.h"
 
+#include "comm/blocking.h"
 #include "comm/error_channel.h"
 
 #include <shardtensor/core/runtime.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -99,6 +102,93 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
+}
+
+// ---- blocking scopes (a monitor thread) ---------------------------------------------
+
+namespace {
+
+struct Scope {
+  long long id = -1;
+  const char* what = "";
+  std::string op;
+  std::string comm;
+  Clock::time_point start;
+  double limit = 0;
+};
+
+struct Monitor {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Scope> scopes;  // open scopes, innermost last
+  long long next_id = 0;
+  bool started = false;
+};
+
+Monitor& monitor() {
+  static auto* m = new Monitor();  // leaked: the detached thread may outlive statics
+  return *m;
+}
+
+void monitor_loop() {
+  Monitor& m = monitor();
+  std::unique_lock<std::mutex> lock(m.mu);
+  for (;;) {
+    if (m.scopes.empty()) {
+      m.cv.wait(lock);
+      continue;
+    }
+    const Scope s = m.scopes.back();
+    const auto deadline = s.start + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(s.limit));
+    if (m.cv.wait_until(lock, deadline) == std::cv_status::timeout && !m.scopes.empty() &&
+        m.scopes.back().id == s.id) {
+      const double waited = std::chrono::duration<double>(Clock::now() - s.start).count();
+      int world = -1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &world);  // a local query, allowed from any thread
+      std::fprintf(stderr,
+                   "shardtensor watchdog: world rank %d waited %g s (SHARDTENSOR_TIMEOUT = %g s) "
+                   "in %s during op '%s' on %s for every rank of the communicator (a blocking "
+                   "collective inside another library that some rank has not entered); ending "
+                   "this process with exit code %d so that the launcher ends the job\n",
+                   world, waited, s.limit, s.what, s.op.c_str(), s.comm.c_str(), kWatchdogExitCode);
+      std::fflush(stderr);
+      std::fflush(stdout);
+      std::_Exit(kWatchdogExitCode);
+    }
+  }
+}
+
+}  // namespace
+
+BlockingScope::BlockingScope(const char* what, MPI_Comm comm) {
+  const double limit = shardtensor::timeout();
+  if (limit <= 0) return;
+  Scope s;
+  s.what = what;
+  const char* op = OpLabel::current();
+  s.op = *op != '\0' ? op : "<none>";
+  s.comm = comm_description(comm);
+  s.start = Clock::now();
+  s.limit = limit;
+  Monitor& m = monitor();
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (!m.started) {
+    std::thread(monitor_loop).detach();
+    m.started = true;
+  }
+  s.id = m.next_id++;
+  m.scopes.push_back(std::move(s));
+  active_ = true;
+  m.cv.notify_all();
+}
+
+BlockingScope::~BlockingScope() {
+  if (!active_) return;
+  Monitor& m = monitor();
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.scopes.pop_back();
+  m.cv.notify_all();
 }
 
 int wait(MPI_Request* request, MPI_Status* status, const WaitSite& site) {

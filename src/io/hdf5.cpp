@@ -17,11 +17,13 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "comm/agree.h"
+#include "comm/blocking.h"
 #include "io/h5.h"
 
 #ifndef H5_HAVE_PARALLEL
@@ -33,6 +35,20 @@ namespace shardtensor::io {
 namespace detail {
 
 namespace {
+
+/// Bounds one collective HDF5 call under MPI-IO with the watchdog (Note
+/// [watchdog]): the call blocks inside MPI-IO, where the transport cannot
+/// poll, so a rank that never joins it ends the job instead of hanging it.
+/// Nothing for a file without a mesh.
+class Collective {
+ public:
+  Collective(const std::optional<DeviceMesh>& mesh, const char* what) {
+    if (mesh) scope_.emplace(what, mesh->comm());
+  }
+
+ private:
+  std::optional<comm::watchdog::BlockingScope> scope_;
+};
 
 /// Silences HDF5's automatic error-stack printing for the guard's lifetime
 /// (failures are reported as c10::Error with the stack's message instead).
@@ -435,12 +451,15 @@ File::File(const std::string& path, const std::optional<DeviceMesh>& mesh, OpenM
   }
 #endif
   hid_t id = -1;
-  if (mode == OpenMode::Read) {
-    id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get());
-  } else if (mode == OpenMode::ReadWrite && exists) {
-    id = H5Fopen(path.c_str(), H5F_ACC_RDWR, fapl.get());
-  } else {
-    id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get());
+  {
+    Collective bound(mesh_, "H5Fopen/H5Fcreate (collective MPI-IO file open)");
+    if (mode == OpenMode::Read) {
+      id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl.get());
+    } else if (mode == OpenMode::ReadWrite && exists) {
+      id = H5Fopen(path.c_str(), H5F_ACC_RDWR, fapl.get());
+    } else {
+      id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get());
+    }
   }
   std::string err;
   if (id < 0) {
@@ -466,6 +485,7 @@ File::File(const std::string& path, const std::optional<DeviceMesh>& mesh, OpenM
 File::~File() {
   if (id_ >= 0) {
     QuietHdf5 quiet;
+    Collective bound(mesh_, "H5Fclose (collective MPI-IO file close)");
     H5Fclose(static_cast<hid_t>(id_));
   }
   if (fapl_ >= 0) H5Pclose(static_cast<hid_t>(fapl_));
@@ -473,7 +493,11 @@ File::~File() {
 
 void File::close() {
   QuietHdf5 quiet;
-  const herr_t rc = id_ >= 0 ? H5Fclose(static_cast<hid_t>(id_)) : 0;
+  herr_t rc = 0;
+  if (id_ >= 0) {
+    Collective bound(mesh_, "H5Fclose (collective MPI-IO file close)");
+    rc = H5Fclose(static_cast<hid_t>(id_));
+  }
   id_ = -1;
   agree(rc >= 0, "close HDF5 file '" + path_ + "'",
         rc >= 0 ? std::string() : "H5Fclose failed (" + h5_error() + ")");
@@ -640,8 +664,12 @@ HaloRead read_dataset(File& file, const std::string& dataset, const DeviceMesh& 
     H5Sselect_none(fspace.get());
     H5Sselect_none(mspace.get());
   }
-  herr_t rc = H5Dread(dset.get(), mem_type(moved), mspace.get(), fspace.get(), dxpl.get(),
-                      npoints > 0 && sel_ok ? buf.data_ptr() : nullptr);
+  herr_t rc = -1;
+  {
+    Collective bound(file.mesh(), "H5Dread (collective MPI-IO read)");
+    rc = H5Dread(dset.get(), mem_type(moved), mspace.get(), fspace.get(), dxpl.get(),
+                 npoints > 0 && sel_ok ? buf.data_ptr() : nullptr);
+  }
   if (!sel_ok) rc = -1;
   file.agree(rc >= 0, what, "H5Dread failed (" + (rc >= 0 ? std::string() : h5_error()) + ")");
   shardtensor::detail::record_io(npoints * static_cast<int64_t>(ft.size), 0, 1, 0);
@@ -774,9 +802,12 @@ void write_dataset(File& file, const std::string& dataset, const at::Tensor& ten
   }
   Hid fspace = make_space(global);
   const hid_t type = mem_type(moved);
+  std::optional<Collective> create_bound(std::in_place, file.mesh(),
+                                         "H5Dcreate2 (collective dataset creation)");
   Hid dset(H5Dcreate2(static_cast<hid_t>(file.id()), name.c_str(), type, fspace.get(), lcpl.get(),
                       dcpl.get(), H5P_DEFAULT),
            H5Dclose);
+  create_bound.reset();
   file.agree(dset.ok(), what,
              "cannot create the dataset (" + (dset.ok() ? std::string() : h5_error()) + ")");
   err = capture([&] {
@@ -805,8 +836,12 @@ void write_dataset(File& file, const std::string& dataset, const at::Tensor& ten
     H5Sselect_none(mspace.get());
   }
   Hid dxpl = make_dxpl(file, opts.transfer());
-  herr_t rc = H5Dwrite(dset.get(), type, mspace.get(), fspace.get(), dxpl.get(),
-                       npoints > 0 && sel_ok ? local.data_ptr() : nullptr);
+  herr_t rc = -1;
+  {
+    Collective bound(file.mesh(), "H5Dwrite (collective MPI-IO write)");
+    rc = H5Dwrite(dset.get(), type, mspace.get(), fspace.get(), dxpl.get(),
+                  npoints > 0 && sel_ok ? local.data_ptr() : nullptr);
+  }
   if (!sel_ok) rc = -1;
   file.agree(rc >= 0, what, "H5Dwrite failed (" + (rc >= 0 ? std::string() : h5_error()) + ")");
   shardtensor::detail::record_io(0, sel_ok ? npoints * local.element_size() : 0, 0, 1);
