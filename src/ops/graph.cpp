@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <shardtensor/tensor/shard_tensor.h>
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -284,6 +285,107 @@ std::vector<at::Tensor> rebalance(const std::vector<at::Tensor>& tensors, const 
     out.push_back(s.redistribute(s.placements(), all));
   }
   if (new_sizes) *new_sizes = sizes;
+  return out;
+}
+
+std::vector<at::Tensor> rebalance(const std::vector<at::Tensor>& tensors, double measured_seconds,
+                                  std::vector<int64_t>* new_sizes) {
+  TORCH_CHECK(!tensors.empty() && ShardTensor::is_shard_tensor(tensors[0]),
+              "shardtensor::rebalance(measured_seconds): expected at least one ShardTensor "
+              "sharded by rows");
+  ShardTensor first(tensors[0]);
+  const int64_t md = row_mesh_dim(first, "rebalance");
+  const auto& mesh = first.mesh();
+  comm::check_all(
+      mesh, std::isfinite(measured_seconds) && measured_seconds >= 0,
+      "shardtensor::rebalance(measured_seconds)",
+      "measured_seconds must be finite and >= 0, got " + std::to_string(measured_seconds));
+  // Replicas along the other mesh dims hold the same rows but timed their own
+  // run: take the slowest, so that every replica gets the same weights.
+  std::vector<int64_t> others;
+  for (int64_t d = 0; d < mesh.ndim(); ++d) {
+    if (d != md) others.push_back(d);
+  }
+  at::Tensor secs = at::full({1}, measured_seconds, at::kDouble);
+  if (!others.empty()) secs = comm::all_reduce_nograd(secs, mesh, others, ReduceOp::Max);
+  const int64_t rows = first.local().size(0);
+  at::Tensor w_local = at::full(
+      {rows}, rows > 0 ? secs.item<double>() / static_cast<double>(rows) : 0.0, at::kDouble);
+  at::Tensor weights =
+      ShardTensor::from_local(w_local, mesh, first.placements(), first.spec().all_shard_sizes());
+  return rebalance(tensors, weights, new_sizes);
+}
+
+RebalancedGraph rebalance_graph(const std::vector<at::Tensor>& node_tensors,
+                                const at::Tensor& edge_index,
+                                const std::vector<at::Tensor>& edge_tensors,
+                                const at::Tensor& weights, int64_t dst_column) {
+  const char* what = "shardtensor::rebalance_graph";
+  TORCH_CHECK(ShardTensor::is_shard_tensor(edge_index) && edge_index.dim() == 2 &&
+                  edge_index.scalar_type() == at::kLong,
+              what, ": edge_index must be an int64 ShardTensor [E, k] sharded by rows, got shape ",
+              edge_index.sizes(), " and dtype ", edge_index.scalar_type());
+  ShardTensor ei(edge_index);
+  const int64_t emd = row_mesh_dim(ei, "rebalance_graph");
+  TORCH_CHECK(dst_column >= 0 && dst_column < edge_index.size(1), what, ": dst_column ", dst_column,
+              " is out of range for edge_index of shape ", edge_index.sizes());
+  RebalancedGraph out;
+  out.nodes = rebalance(node_tensors, weights, &out.node_sizes);
+  ShardTensor w(weights);
+  const int64_t md = row_mesh_dim(w, "rebalance_graph");
+  TORCH_CHECK(emd == md && ei.mesh() == w.mesh(), what,
+              ": edge_index must be sharded by rows along the same mesh dim as the nodes (", md,
+              "), got mesh dim ", emd);
+  const auto& mesh = w.mesh();
+  const int64_t P = mesh.size(md), me = mesh.coordinate()[md];
+  const int64_t n = w.size(0);
+  // The owner of every local edge's destination under the new partition.
+  at::Tensor ends = at::tensor(std::vector<int64_t>(out.node_sizes.begin(), out.node_sizes.end()))
+                        .cumsum(0);  // exclusive upper bounds of coordinates
+  at::Tensor dst = ei.local().select(1, dst_column).contiguous();
+  const bool ids_ok =
+      dst.numel() == 0 || (dst.ge(0).all().item<bool>() && dst.lt(n).all().item<bool>());
+  comm::check_all(mesh, ids_ok, what,
+                  "a destination id in edge_index is outside [0, " + std::to_string(n) + ")");
+  at::Tensor owner = at::searchsorted(ends, dst, /*out_int32=*/false, /*right=*/true);
+  at::Tensor perm = owner.numel() > 0 ? std::get<1>(owner.sort(/*stable=*/true, 0, false))
+                                      : at::zeros({0}, at::kLong);
+  at::Tensor counts = at::zeros({P, P}, at::kLong);
+  if (owner.numel() > 0) counts[me] = at::bincount(owner, {}, P);
+  counts = comm::all_reduce_nograd(counts, mesh, {md}, ReduceOp::Sum);  // [from, to]
+  at::Tensor before = counts.cumsum(0) - counts;                        // rows from lower ranks
+  at::Tensor dst_total = counts.sum(0);
+  std::vector<int64_t> dst_sizes(P);
+  for (int64_t c = 0; c < P; ++c) dst_sizes[c] = dst_total[c].item<int64_t>();
+  std::vector<int64_t> dst_off(P, 0);
+  for (int64_t c = 1; c < P; ++c) dst_off[c] = dst_off[c - 1] + dst_sizes[c - 1];
+  std::vector<std::vector<comm::Segment>> segments(P);
+  for (int64_t r = 0; r < P; ++r) {
+    for (int64_t c = 0; c < P; ++c) {
+      const int64_t len = counts[r][c].item<int64_t>();
+      if (len > 0) segments[r].push_back({dst_off[c] + before[r][c].item<int64_t>(), len});
+    }
+  }
+  out.edge_sizes = dst_sizes;
+  auto move_edges = [&](const at::Tensor& t) {
+    TORCH_CHECK(ShardTensor::is_shard_tensor(t), what,
+                ": every edge tensor must be a ShardTensor sharded by rows like edge_index");
+    ShardTensor s(t);
+    const int64_t tmd = row_mesh_dim(s, "rebalance_graph");
+    TORCH_CHECK(tmd == md && s.spec().shard_sizes(tmd) == ei.spec().shard_sizes(md), what,
+                ": an edge tensor of global shape ", t.sizes(),
+                " is not sharded by rows like edge_index (sizes ",
+                at::IntArrayRef(ei.spec().shard_sizes(md)), ")");
+    at::Tensor sorted = s.local().index_select(0, perm);
+    at::Tensor moved = comm::repartition(sorted, mesh, md, 0, segments, dst_sizes);
+    ShardSizes all = s.spec().all_shard_sizes();
+    all[md] = dst_sizes;
+    return ShardTensor::from_local(moved, mesh, s.placements(), all);
+  };
+  out.edge_index = move_edges(edge_index);
+  for (const auto& t : edge_tensors) out.edges.push_back(move_edges(t));
+  out.plan =
+      GhostPlan::build(mesh, md, out.node_sizes, ShardTensor(out.edge_index).local().flatten());
   return out;
 }
 
