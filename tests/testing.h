@@ -80,6 +80,29 @@ using RefFn = std::function<at::Tensor(const std::vector<at::Tensor>& inputs,
                                            double rtol = 1e-5, double atol = 1e-6,
                                            bool check_backward = true);
 
+/// Note [precision check]. Collective. The reduced-precision form of
+/// reference_check: the float inputs and `params` are rounded to `dtype`
+/// (kHalf, kBFloat16), then `fn` runs three times: on plain `dtype` tensors
+/// (single-process libtorch in that dtype), on plain float64 tensors holding
+/// the same rounded values (the exact answer), and on the sharded `dtype`
+/// inputs. For the output and every gradient (input grads, then param grads;
+/// the cotangent is rounded to `dtype` too), with E_single and E_sharded the
+/// largest |result - exact| where the single-process result is finite:
+///   E_sharded <= factor * E_single + unit * max|exact|,
+/// where `unit` is the dtype's unit roundoff (2^-8 bf16, 2^-11 f16): `factor`
+/// allows another, equally valid order of roundings, the unit one extra
+/// rounding of an intermediate (a partial result rounded to the dtype before
+/// it is combined). Where the single-process result is Inf/NaN and the exact
+/// one is finite (an overflow of the dtype), the sharded value must be the
+/// same non-finite value or within that bound; where the exact one is
+/// non-finite, the same non-finite value as single-process. The sharded
+/// result must also have single-process's dtype and shape. With
+/// SHARDTENSOR_PRECISION_REPORT set, rank 0 prints E_sharded / E_single.
+::testing::AssertionResult precision_check(const RefFn& fn, const std::vector<RefInput>& inputs,
+                                           const DeviceMesh& mesh, at::ScalarType dtype,
+                                           const std::vector<at::Tensor>& params = {},
+                                           double factor = 2.0, bool check_backward = true);
+
 /// Collective for ShardTensors. Gathered value of any tensor: full_tensor() of a ShardTensor, the
 /// tensor itself otherwise.
 at::Tensor gathered(const at::Tensor& t);

@@ -198,10 +198,12 @@ struct FwdState {
 };
 
 // Merges one K/V block (`src`'s rows) into the online softmax.
-void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb,
-                   const at::Tensor& vb, int64_t n, int64_t src, FwdState& st,
+void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb_in,
+                   const at::Tensor& vb_in, int64_t n, int64_t src, FwdState& st,
                    const Progress& progress) {
   const int64_t g = p.groups;
+  // Note [reduced precision]: blocks travel in their own dtype, compute in q4's (float32).
+  const at::Tensor kb = kb_in.to(q4.scalar_type()), vb = vb_in.to(q4.scalar_type());
   for (const Run& qr : p.q_runs) {
     if (qr.len == 0) continue;
     at::Tensor qq = rows4(q4, g, n, qr);
@@ -232,10 +234,11 @@ void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb
 
 // Adds one K/V block's (`src`'s) contribution to dq4 and to dkv ([2, B, Hkv, len, D]).
 void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4,
-                    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& kb,
-                    const at::Tensor& vb, int64_t n, int64_t src, at::Tensor& dq4, at::Tensor& dkv,
-                    const Progress& progress) {
+                    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& kb_in,
+                    const at::Tensor& vb_in, int64_t n, int64_t src, at::Tensor& dq4,
+                    at::Tensor& dkv, const Progress& progress) {
   const int64_t g = p.groups;
+  const at::Tensor kb = kb_in.to(q4.scalar_type()), vb = vb_in.to(q4.scalar_type());
   for (const Run& qr : p.q_runs) {
     if (qr.len == 0) continue;
     at::Tensor qq = rows4(q4, g, n, qr), dd = rows4(do4, g, n, qr);
@@ -277,11 +280,15 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const RingPlan& p = *plan;
     const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
     const int64_t Hkv = k.size(1);
-    at::Tensor q4 = q.contiguous().view({B, Hkv, p.groups * n, D});
+    // Note [reduced precision]: for float16/bfloat16 q, k, v the running max,
+    // sum and accumulator (and the scores) are float32; the output is rounded
+    // once, lse stays float32.
+    const auto acc = q.options().dtype(acc_dtype(q.scalar_type()));
+    at::Tensor q4 = q.contiguous().view({B, Hkv, p.groups * n, D}).to(acc);
     FwdState st;
-    st.m = at::full({B, Hkv, p.groups * n}, kNegInf, q.options());
-    st.l = at::zeros({B, Hkv, p.groups * n}, q.options());
-    st.acc = at::zeros({B, Hkv, p.groups * n, D}, q.options());
+    st.m = at::full({B, Hkv, p.groups * n}, kNegInf, acc);
+    st.l = at::zeros({B, Hkv, p.groups * n}, acc);
+    st.acc = at::zeros({B, Hkv, p.groups * n, D}, acc);
 
     at::Tensor cur = at::stack({k, v}).contiguous();
     for (int64_t t = 0; t < p.P; ++t) {
@@ -297,7 +304,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     }
     at::Tensor out4 = st.acc.div_(st.l.unsqueeze(-1));
     at::Tensor lse = st.m.masked_fill(st.m.isneginf(), 0.0).add_(st.l.log());
-    at::Tensor out = out4.view({B, Hq, n, D});
+    at::Tensor out = out4.view({B, Hq, n, D}).to(q.scalar_type());
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
     return out;
@@ -312,10 +319,13 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const int64_t Hkv = k.size(1), G = p.groups * n;
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
     at::NoGradGuard no_grad;
-    at::Tensor q4 = q.contiguous().view({B, Hkv, G, D});
-    at::Tensor do4 = dout.contiguous().view({B, Hkv, G, D});
-    at::Tensor delta = (dout * out).sum(-1).view({B, Hkv, G});
-    at::Tensor dq4 = at::zeros({B, Hkv, G, D}, q.options());
+    // Note [reduced precision]: as forward, float32 for float16/bfloat16; the
+    // dK/dV accumulators circulate in float32 and are rounded once, at home.
+    const auto acc = q.options().dtype(lse.scalar_type());
+    at::Tensor q4 = q.contiguous().view({B, Hkv, G, D}).to(acc);
+    at::Tensor do4 = dout.contiguous().view({B, Hkv, G, D}).to(acc);
+    at::Tensor delta = (do4 * out.contiguous().view({B, Hkv, G, D}).to(acc)).sum(-1);
+    at::Tensor dq4 = at::zeros({B, Hkv, G, D}, acc);
 
     at::Tensor cur = at::stack({k, v}).contiguous();
     comm::RingShift acc_in;
@@ -327,7 +337,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         next = comm::RingShift::start(cur, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
                                       comm::kRingTagBlocks);
       }
-      at::Tensor dkv = at::zeros(kv_shape(k, p.kv_sizes[src]), q.options());
+      at::Tensor dkv = at::zeros(kv_shape(k, p.kv_sizes[src]), acc);
       backward_block(p, q4, do4, lse, delta, cur[0], cur[1], n, src, dq4, dkv, [&] {
         next.progress();
         if (t > 0) acc_in.progress();
@@ -338,7 +348,8 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
       if (t + 1 < p.P) cur = next.finish();
     }
     at::Tensor dkv = acc_in.finish();  // this rank's block, complete
-    return {dq4.view({B, Hq, n, D}), dkv[0], dkv[1], at::Tensor()};
+    return {dq4.view({B, Hq, n, D}).to(q.scalar_type()), dkv[0].to(k.scalar_type()),
+            dkv[1].to(v.scalar_type()), at::Tensor()};
   }
 };
 
@@ -670,6 +681,11 @@ at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   // Stabilizers are detached constants (they cancel exactly), so every
   // differentiable path is exp(score - constant): no 0 * inf in backward for a
   // row with no visible key here (empty piece, mask, causal).
+  // Note [reduced precision]: float16/bfloat16 scores are combined in float32
+  // (exp, partial sums, all-reduces) and the result is rounded once.
+  const at::ScalarType out_type = sc.scalar_type();
+  sc = sc.to(acc_dtype(out_type));
+  vv = vv.to(sc.scalar_type());
   at::Tensor top_local, factor;
   {
     at::NoGradGuard no_grad;
@@ -684,7 +700,7 @@ at::Tensor mixed_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   at::Tensor e = at::exp(sc - top_local);  // [b, Hq, Sq, Sk_local], 0 where hidden
   at::Tensor num = comm::all_reduce(at::matmul(e, vv) * factor, mesh, {kv_dim});
   at::Tensor den = comm::all_reduce(e.sum(-1, /*keepdim=*/true) * factor, mesh, {kv_dim});
-  return wrap(num / den, spec_ptr_of(q));
+  return wrap((num / den).to(out_type), spec_ptr_of(q));
 }
 
 }  // namespace
@@ -703,6 +719,18 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
   }
   if (n_sharded != 3) {
     fail_call(q, k, v, attn_mask, "q, k and v must be all ShardTensors or all plain tensors");
+  }
+  {
+    // Note [reduced precision]: the sharded paths compute float16/bfloat16 in
+    // float32; they must still refuse a dtype libtorch's matmul/softmax refuse.
+    const bool rg = ops::will_backward(q) || ops::will_backward(k) || ops::will_backward(v);
+    const std::string why =
+        ops::dtype_support_error("scaled_dot_product_attention", {q.scalar_type()}, rg,
+                                 [](c10::ArrayRef<at::ScalarType> t, bool grad) {
+                                   at::Tensor x = ops::probe_ones({1, 1, 2, 2}, t[0], grad);
+                                   return plain_attention(x, x, x, at::Tensor(), false, 1.0);
+                                 });
+    if (!why.empty()) fail_call(q, k, v, attn_mask, why);
   }
   if (spec_of(q)->placements() != spec_of(k)->placements() &&
       spec_of(q)->mesh() == spec_of(k)->mesh()) {

@@ -1,11 +1,82 @@
 #include "ops/common.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <shardtensor/core/policy.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <tuple>
 
 namespace shardtensor::ops {
+
+at::ScalarType acc_dtype(at::ScalarType t) { return is_reduced_float(t) ? at::kFloat : t; }
+
+bool is_reduced_float(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+bool will_backward(const at::Tensor& t) {
+  return t.defined() && at::GradMode::is_enabled() && t.requires_grad();
+}
+
+at::ScalarType dtype_or_none(const at::Tensor& t) {
+  return t.defined() ? t.scalar_type() : at::ScalarType::Undefined;
+}
+
+at::Tensor probe_ones(c10::IntArrayRef shape, at::ScalarType dtype, bool requires_grad) {
+  if (dtype == at::ScalarType::Undefined) return at::Tensor();
+  return at::ones(shape, at::TensorOptions().dtype(dtype)).requires_grad_(requires_grad);
+}
+
+std::string dtype_support_error(const char* family, std::vector<at::ScalarType> dtypes,
+                                bool backward, const DtypeProbe& probe) {
+  TORCH_INTERNAL_ASSERT(!dtypes.empty());
+  if (!at::isFloatingType(dtypes[0])) return {};  // integer inputs: the rules' own checks
+  bool plain = dtypes[0] == at::kFloat || dtypes[0] == at::kDouble;
+  for (at::ScalarType t : dtypes) {
+    plain = plain && (t == dtypes[0] || t == at::ScalarType::Undefined);
+  }
+  if (plain) return {};
+  static std::mutex mu;
+  static std::map<std::tuple<std::string, std::vector<at::ScalarType>, bool>, std::string> verdicts;
+  auto key = std::make_tuple(std::string(family), dtypes, backward);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = verdicts.find(key);
+    if (it != verdicts.end()) return it->second;
+  }
+  std::string why;
+  try {
+    // Plain tensors, no autocast (it would change the dtypes probed), grad as asked.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+    at::AutoGradMode grad(backward);
+    at::Tensor out = probe(dtypes, backward);
+    if (backward && out.requires_grad()) out.sum().backward();
+  } catch (const c10::Error& e) {
+    why = e.what_without_backtrace();
+    why = why.substr(0, why.find('\n'));
+    if (why.empty()) why = "libtorch's kernel failed";
+  }
+  if (!why.empty()) {
+    std::string types;
+    for (at::ScalarType t : dtypes) {
+      if (t == at::ScalarType::Undefined) continue;
+      types += (types.empty() ? "" : ", ") + std::string(c10::toString(t));
+    }
+    why = std::string(family) + " on " + types + (backward ? " (with backward)" : "") +
+          " has no working CPU kernel in this libtorch: " + why;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  verdicts.emplace(std::move(key), why);
+  return why;
+}
+
+void check_dtype_support(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                         const char* family, std::vector<at::ScalarType> dtypes, bool backward,
+                         const DtypeProbe& probe) {
+  const std::string why = dtype_support_error(family, std::move(dtypes), backward, probe);
+  if (!why.empty()) fail(op, args, why);
+}
 
 bool is_written(const c10::Argument& a) { return a.alias_info() && a.alias_info()->isWrite(); }
 

@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <shardtensor/comm/primitives.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -100,6 +101,47 @@ int64_t gathered_bytes(const ShardSpec& src, const ShardSpec& dst, int64_t items
 /// `bytes` in CommStats::gathered_bytes and warns once per op on mesh rank 0.
 void note_gather(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                  const DeviceMesh& mesh, int64_t bytes, const std::string& what);
+
+/// Note [reduced precision]: float16 and bfloat16 pieces. Rules that combine
+/// partial results across ranks (sums, statistics, online softmax) compute
+/// and communicate them in float32 and round once, at the end, to the input's
+/// dtype, so the sharded result is at least as accurate as libtorch's own
+/// kernels (which accumulate in float32 too). Local.
+/// The accumulation dtype: float32 for float16/bfloat16, `t` otherwise.
+at::ScalarType acc_dtype(at::ScalarType t);
+/// Whether `t` is float16 or bfloat16.
+bool is_reduced_float(at::ScalarType t);
+
+/// Note [reduced precision]. A tiny plain call of the op family's libtorch
+/// kernel with the given dtypes (the input's first, then its parameters';
+/// at::ScalarType::Undefined for an absent one), on an input that requires
+/// grad when `requires_grad`.
+using DtypeProbe =
+    std::function<at::Tensor(c10::ArrayRef<at::ScalarType> dtypes, bool requires_grad)>;
+
+/// Note [reduced precision]. Local, and the same verdict on every rank (it
+/// depends on the dtypes alone), so call it before any communication. Unless
+/// every dtype in `dtypes` is the same float32/float64, runs `probe` (with
+/// autocast off, and its backward when `backward`); if libtorch throws,
+/// throws on every rank a c10::Error naming the op, its shapes and
+/// placements, with libtorch's own message. This keeps a rule that composes
+/// the op from other kernels from succeeding where libtorch's kernel fails
+/// (no float16 kernel, a parameter dtype libtorch refuses), and keeps ranks
+/// with empty pieces (which may never call the kernel) from going on to a
+/// collective alone. A probe may also TORCH_CHECK its result (a kernel this
+/// libtorch computes wrongly). Verdicts are cached per (family, dtypes, backward).
+void check_dtype_support(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                         const char* family, std::vector<at::ScalarType> dtypes, bool backward,
+                         const DtypeProbe& probe);
+/// The same verdict as a message ("" when supported), for callers that are not ops.
+std::string dtype_support_error(const char* family, std::vector<at::ScalarType> dtypes,
+                                bool backward, const DtypeProbe& probe);
+/// The dtype of `t`, at::ScalarType::Undefined when `t` is undefined.
+at::ScalarType dtype_or_none(const at::Tensor& t);
+/// A tensor of ones of `shape` and `dtype` for a probe, undefined when `dtype` is Undefined.
+at::Tensor probe_ones(c10::IntArrayRef shape, at::ScalarType dtype, bool requires_grad = false);
+/// Whether the backward pass of a call on `t` will run (grad mode on and `t` requires grad).
+bool will_backward(const at::Tensor& t);
 
 /// Note [plain fast path]: P = 1, or every mesh dim that shards an op's
 /// non-local dims has size 1. Local (metadata only, so every rank agrees).

@@ -643,6 +643,21 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t wdim = c.weight.dim();
   if (wdim < 3 || wdim > 5) fail(op, args, "expected a 3-d, 4-d or 5-d weight");
   const int64_t nsp = wdim - 2;
+  // Note [reduced precision]: libtorch's verdict on these dtypes, before any communication.
+  check_dtype_support(op, args, nsp == 1 ? "conv1d" : (nsp == 2 ? "conv2d" : "conv3d"),
+                      {c.input.scalar_type(), c.weight.scalar_type(), dtype_or_none(c.bias)},
+                      will_backward(c.input) || will_backward(c.weight) || will_backward(c.bias),
+                      [nsp](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                        std::vector<int64_t> xs{1, 1}, ws{1, 1};
+                        for (int64_t i = 0; i < nsp; ++i) {
+                          xs.push_back(3);
+                          ws.push_back(2);
+                        }
+                        const std::vector<int64_t> one(nsp, 1), zero(nsp, 0);
+                        return at::convolution(probe_ones(xs, t[0], rg), probe_ones(ws, t[1]),
+                                               probe_ones({1}, t[2]), one, zero, one, false, zero,
+                                               1);
+                      });
   const int64_t idim = c.input.dim();
   if (idim != nsp + 2 && idim != nsp + 1) {
     fail(op, args,

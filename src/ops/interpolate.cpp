@@ -246,6 +246,40 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
   const at::Tensor& x = args[0].toTensor();
   const ShardSpec* s = spec_of(x);
   if (!s) fail(op, args, "the input must be the ShardTensor");
+  {
+    // Note [reduced precision]: libtorch's verdict on the input's dtype, before any communication.
+    static const char* const names[4] = {"nearest", "nearest-exact", "linear", "cubic"};
+    const std::string family = std::string("upsample ") + names[static_cast<int>(p.mode)] + " " +
+                               std::to_string(p.nd) + "d";
+    check_dtype_support(op, args, family.c_str(), {x.scalar_type()}, will_backward(x),
+                        [p](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                          std::vector<int64_t> shape{1, 1}, size;
+                          for (int64_t i = 0; i < p.nd; ++i) {
+                            shape.push_back(2);
+                            size.push_back(4);
+                          }
+                          const at::Tensor in = probe_ones(shape, t[0], rg);
+                          switch (p.mode) {
+                            case Mode::Nearest:
+                              return p.nd == 1 ? at::upsample_nearest1d(in, size)
+                                               : (p.nd == 2 ? at::upsample_nearest2d(in, size)
+                                                            : at::upsample_nearest3d(in, size));
+                            case Mode::NearestExact:
+                              return p.nd == 1
+                                         ? at::_upsample_nearest_exact1d(in, size)
+                                         : (p.nd == 2 ? at::_upsample_nearest_exact2d(in, size)
+                                                      : at::_upsample_nearest_exact3d(in, size));
+                            case Mode::Linear:
+                              return p.nd == 1
+                                         ? at::upsample_linear1d(in, size, false)
+                                         : (p.nd == 2 ? at::upsample_bilinear2d(in, size, false)
+                                                      : at::upsample_trilinear3d(in, size, false));
+                            case Mode::Cubic:
+                              return at::upsample_bicubic2d(in, size, false);
+                          }
+                          return in;
+                        });
+  }
   const int64_t ndim = s->ndim();
   if (ndim != p.nd + 2) {
     fail(op, args, "expected a " + std::to_string(p.nd + 2) + "-D input (N, C, spatial...)");

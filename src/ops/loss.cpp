@@ -76,10 +76,11 @@ at::Tensor target_local(const c10::OperatorHandle& op, const std::vector<c10::IV
 }
 
 // Sum (or mean with `denom`) of the local per-element loss over every rank of
-// the mesh dims that shard the input: a plain tensor.
+// the mesh dims that shard the input: a plain tensor, in acc_dtype(l) (Note
+// [reduced precision]: float32 for float16/bfloat16; the caller rounds once).
 at::Tensor reduce_loss(const at::Tensor& l, const ShardSpec& in, int64_t reduction,
                        const at::Tensor& denom) {
-  at::Tensor s = l.sum();
+  at::Tensor s = l.sum(acc_dtype(l.scalar_type()));
   auto mdims = sharded_mesh_dims(in);
   if (!mdims.empty()) s = comm::all_reduce(s, in.mesh(), mdims);
   if (reduction == kMean) s = s / denom;
@@ -114,6 +115,38 @@ void elementwise_loss_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t ri = arg_index(op, "reduction");
   const int64_t reduction = args[ri].toInt();
   check_reduction(op, args, reduction);
+  {
+    // Note [reduced precision]: libtorch's verdict on these dtypes, before any
+    // communication: the op itself on two-element tensors (weights broadcast).
+    std::vector<at::ScalarType> dtypes;
+    bool backward = false;
+    for (const auto& v : args) {
+      if (!v.isTensor()) continue;
+      dtypes.push_back(dtype_or_none(v.toTensor()));
+      backward = backward || will_backward(v.toTensor());
+    }
+    const std::string family(op.operator_name().name.substr(6));
+    check_dtype_support(op, args, family.c_str(), dtypes, backward,
+                        [&](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                          Stack s;
+                          size_t k = 0;
+                          for (const auto& v : args) {
+                            if (!v.isTensor()) {
+                              s.push_back(v);
+                              continue;
+                            }
+                            at::Tensor p;
+                            if (t[k] != at::ScalarType::Undefined) {
+                              p = at::full({2}, 0.5, at::TensorOptions().dtype(t[k]));
+                              if (k == 0) p.requires_grad_(rg);
+                            }
+                            ++k;
+                            s.push_back(p);
+                          }
+                          op.callBoxed(&s);
+                          return s[0].toTensor();
+                        });
+  }
   const ShardSpec* xs = spec_of(x);
   const ShardSpec* ts = spec_of(args[1].toTensor());
   // The input's layout decides (or the target's, if only the target is sharded).
@@ -142,8 +175,9 @@ void elementwise_loss_rule(const c10::OperatorHandle& op, Stack* stack) {
   if (reduction == kNone) {
     stack->push_back(wrap(l, spec));
   } else {
-    at::Tensor denom = at::scalar_tensor(static_cast<double>(in.numel()), l.options());
-    stack->push_back(reduce_loss(l, in, reduction, denom));
+    at::Tensor denom = at::scalar_tensor(static_cast<double>(in.numel()),
+                                         l.options().dtype(acc_dtype(l.scalar_type())));
+    stack->push_back(reduce_loss(l, in, reduction, denom).to(l.scalar_type()));
   }
 }
 
@@ -219,6 +253,20 @@ void class_loss_rule(const c10::OperatorHandle& op, Stack* stack) {
              c10::str(w.sizes()));
   }
   const bool prob_targets = ce && at::isFloatingType(t.scalar_type());
+  // Note [reduced precision]: libtorch's verdict on these dtypes, before any communication.
+  check_dtype_support(
+      op, args, ce ? "cross_entropy_loss" : "nll_loss",
+      {x.scalar_type(), prob_targets ? t.scalar_type() : at::ScalarType::Undefined,
+       dtype_or_none(w)},
+      will_backward(x) || will_backward(w),
+      [ce, prob_targets, smoothing](c10::ArrayRef<at::ScalarType> d, bool rg) {
+        at::Tensor input = probe_ones({2, 3}, d[0], rg);
+        at::Tensor target = prob_targets ? probe_ones({2, 3}, d[1])
+                                         : at::zeros({2}, at::TensorOptions().dtype(at::kLong));
+        at::Tensor weight = probe_ones({3}, d[2]);
+        return ce ? at::cross_entropy_loss(input, target, weight, kNone, -100, smoothing)
+                  : at::nll_loss_nd(input, target, weight, kNone, -100);
+      });
   auto out_spec = std::make_shared<const ShardSpec>(without_class_dim(in, cdim));
   auto tspec = prob_targets ? spec : out_spec;
   if (!prob_targets && at::isFloatingType(t.scalar_type())) {
@@ -259,10 +307,11 @@ void class_loss_rule(const c10::OperatorHandle& op, Stack* stack) {
     at::Tensor lp = xl.numel() == 0 ? xl : at::log_softmax(xl, cdim);
     l = none_loss(lp, false);
     at::Tensor smooth = none_loss(lp, true);
-    at::Tensor denom = weight_sum(tl, wl, ignore_index, in, xl.scalar_type());
+    at::Tensor denom = weight_sum(tl, wl, ignore_index, in, acc_dtype(xl.scalar_type()));
     at::Tensor a = reduce_loss(l, in, kMean, denom);
     at::Tensor b = reduce_loss(smooth, in, kMean, denom);
-    stack->push_back(a * (1.0 - smoothing) + b * (smoothing / static_cast<double>(classes)));
+    stack->push_back((a * (1.0 - smoothing) + b * (smoothing / static_cast<double>(classes)))
+                         .to(l.scalar_type()));
     return;
   } else {
     l = none_loss(xl, false);
@@ -274,13 +323,14 @@ void class_loss_rule(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor denom;
   {
     at::NoGradGuard ng;
+    const at::ScalarType acc = acc_dtype(l.scalar_type());
     if (prob_targets) {
-      denom = at::scalar_tensor(static_cast<double>(out_spec->numel()), xl.options());
+      denom = at::scalar_tensor(static_cast<double>(out_spec->numel()), xl.options().dtype(acc));
     } else {
-      denom = weight_sum(tl, wl, ignore_index, in, xl.scalar_type());
+      denom = weight_sum(tl, wl, ignore_index, in, acc);
     }
   }
-  stack->push_back(reduce_loss(l, in, reduction, denom));
+  stack->push_back(reduce_loss(l, in, reduction, denom).to(l.scalar_type()));
 }
 
 const RuleRegistrar r_elementwise({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",

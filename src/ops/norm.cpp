@@ -89,7 +89,8 @@ struct Moments {
 
 Moments moments(const at::Tensor& x, const NormPlan& p) {
   at::NoGradGuard no_grad;
-  const at::Tensor xd = x.detach();
+  // Note [reduced precision]: float16/bfloat16 statistics in float32.
+  const at::Tensor xd = x.detach().to(acc_dtype(x.scalar_type()));
   double n = 1;
   for (int64_t d : p.dims) n *= static_cast<double>(xd.size(d));
   at::Tensor pack;
@@ -127,14 +128,18 @@ struct NormFn : torch::autograd::Function<NormFn> {
                             const at::Tensor& rstd, std::shared_ptr<const NormPlan> plan) {
     // ((x - shift) - delta) * rstd * w + b as (x - shift) * scale + offset,
     // scale and offset of the statistics' size (times the weight's).
+    // Note [reduced precision]: shift, delta and rstd are float32 for a
+    // float16/bfloat16 x; y is formed in float32 and rounded once.
     const at::Tensor scale = plan->has_w ? rstd * w : rstd;
     at::Tensor offset = -delta * scale;
     if (plan->has_b) offset = offset + b;
     at::Tensor y = x - shift;
     y.mul_(scale).add_(offset);
+    y = y.to(x.scalar_type());
     ctx->save_for_backward({x, plan->has_w ? w : at::Tensor(), shift, delta, rstd});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
     ctx->saved_data["b_shape"] = b.sizes().vec();
+    ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
     return y;
   }
 
@@ -146,17 +151,24 @@ struct NormFn : torch::autograd::Function<NormFn> {
     const bool need_x = ctx->needs_input_grad(0);
     const bool need_w = w.defined() && ctx->needs_input_grad(1);
     const bool need_b = p.has_b && ctx->needs_input_grad(2);
+    // Note [reduced precision]: in the statistics' dtype (float32 for
+    // float16/bfloat16), each gradient rounded once to its input's dtype.
+    const at::ScalarType acc = rstd.scalar_type();
     at::Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(x);
+    dy = dy.to(acc);
     at::Tensor xhat = (x - shift).sub_(delta).mul_(rstd);
     at::Tensor dx, dw, db;
-    if (need_w) dw = (dy * xhat).sum_to_size(w.sizes());
-    if (need_b) db = dy.sum_to_size(ctx->saved_data.at("b_shape").toIntVector());
+    if (need_w) dw = (dy * xhat).sum_to_size(w.sizes()).to(w.scalar_type());
+    if (need_b) {
+      db = dy.sum_to_size(ctx->saved_data.at("b_shape").toIntVector())
+               .to(c10::ScalarType(ctx->saved_data.at("b_dtype").toInt()));
+    }
     if (need_x) {
       at::Tensor g = w.defined() ? dy * w : dy;
       at::Tensor s = sum_mesh(at::stack({g.sum(p.dims, true), (g * xhat).sum(p.dims, true)}), p);
       xhat.mul_(s[1] / p.count);
-      dx = (g - s[0] / p.count).sub_(xhat).mul_(rstd);
+      dx = (g - s[0] / p.count).sub_(xhat).mul_(rstd).to(x.scalar_type());
     }
     return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -299,6 +311,28 @@ at::Tensor empty_result(const at::Tensor& local, const at::Tensor& w, const at::
   return y;
 }
 
+// Note [reduced precision]: libtorch's verdict on the input's and the
+// parameters' dtypes (every tensor argument, in order, undefined ones as
+// Undefined), before any communication; a backward probe when a gradient
+// will be computed.
+void check_dtypes(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                  const char* family, const DtypeProbe& probe) {
+  std::vector<at::ScalarType> dtypes;
+  bool backward = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& ty = op.schema().arguments()[i].type();
+    const bool tensor =
+        args[i].isTensor() ||
+        (args[i].isNone() && ty->kind() == c10::TypeKind::OptionalType &&
+         ty->expectRef<c10::OptionalType>().getElementType()->kind() == c10::TypeKind::TensorType);
+    if (!tensor) continue;
+    const at::Tensor t = opt_tensor(args[i]);
+    dtypes.push_back(dtype_or_none(t));
+    backward = backward || will_backward(t);
+  }
+  check_dtype_support(op, args, family, std::move(dtypes), backward, probe);
+}
+
 // ---------------------------------------------------------------- batch_norm
 
 // batch_norm(input, weight?, bias?, running_mean?, running_var?, training,
@@ -311,6 +345,12 @@ void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   const double momentum = args[6].toDouble();
   const double eps = args[7].toDouble();
   if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  check_dtypes(op, args, training ? "batch_norm (training)" : "batch_norm (eval)",
+               [training](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                 return at::batch_norm(probe_ones({2, 2, 2}, t[0], rg), probe_ones({2}, t[1]),
+                                       probe_ones({2}, t[2]), probe_ones({2}, t[3]),
+                                       probe_ones({2}, t[4]), training, 0.1, 1e-5, false);
+               });
   auto [spec, local] = input_of(x);
   const ShardSpec& in = *spec;
   check_channels(op, args, in, "batch_norm");
@@ -374,6 +414,12 @@ void instance_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   const double momentum = args[6].toDouble();
   const double eps = args[7].toDouble();
   if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  check_dtypes(op, args, use_input_stats ? "instance_norm" : "instance_norm (running stats)",
+               [use_input_stats](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                 return at::instance_norm(probe_ones({2, 2, 2}, t[0], rg), probe_ones({2}, t[1]),
+                                          probe_ones({2}, t[2]), probe_ones({2}, t[3]),
+                                          probe_ones({2}, t[4]), use_input_stats, 0.1, 1e-5, false);
+               });
   auto [spec, local] = input_of(x);
   const ShardSpec& in = *spec;
   check_channels(op, args, in, "instance_norm");
@@ -445,6 +491,10 @@ void group_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t groups = args[1].toInt();
   const double eps = args[4].toDouble();
   if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  check_dtypes(op, args, "group_norm", [](c10::ArrayRef<at::ScalarType> t, bool rg) {
+    return at::group_norm(probe_ones({1, 2, 2}, t[0], rg), 1, probe_ones({2}, t[1]),
+                          probe_ones({2}, t[2]), 1e-5);
+  });
   auto [spec, local] = input_of(x);
   const ShardSpec& in = *spec;
   check_channels(op, args, in, "group_norm");
@@ -506,6 +556,10 @@ void layer_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   const auto normalized = args[1].toIntVector();
   const double eps = args[4].toDouble();
   if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  check_dtypes(op, args, "layer_norm", [](c10::ArrayRef<at::ScalarType> t, bool rg) {
+    return at::layer_norm(probe_ones({1, 2}, t[0], rg), {2}, probe_ones({2}, t[1]),
+                          probe_ones({2}, t[2]), 1e-5);
+  });
   auto [spec, local] = input_of(x);
   const ShardSpec& in = *spec;
   const int64_t nd = in.ndim();

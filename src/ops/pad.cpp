@@ -106,6 +106,24 @@ void pad_rule(const c10::OperatorHandle& op, Stack* stack) {
     mode = Mode::Replicate;
   }
 
+  {
+    // Note [reduced precision]: libtorch's verdict on the dtype, before any
+    // communication (the halo path pads without libtorch's reflect kernels).
+    static const char* const names[4] = {"constant pad", "reflection pad", "replication pad",
+                                         "circular pad"};
+    const int64_t npad = static_cast<int64_t>(pad.size() / 2);
+    const std::string family =
+        std::string(names[static_cast<int>(mode)]) + " " + std::to_string(npad) + "d";
+    if (npad >= 1 && npad <= 3) {
+      check_dtype_support(op, args, family.c_str(), {self.scalar_type()}, will_backward(self),
+                          [npad, mode, value](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                            std::vector<int64_t> shape{1, 1};
+                            for (int64_t i = 0; i < npad; ++i) shape.push_back(3);
+                            return local_pad(probe_ones(shape, t[0], rg),
+                                             std::vector<int64_t>(2 * npad, 1), mode, value);
+                          });
+    }
+  }
   // Validation: the op itself on a meta tensor (libtorch's own messages);
   // ops without a Meta kernel (reflection_pad2d in 1.13) skip that step.
   try {

@@ -183,8 +183,47 @@ at::Tensor empty_connected(const at::Tensor& gathered, const std::vector<int64_t
 
 // ---------------------------------------------------------------- max / avg
 
+// Note [reduced precision]: libtorch's verdict on the input's dtype, before
+// any communication (an empty piece never calls the kernel).
+void check_pool_dtype(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                      const PoolOp& p) {
+  static const char* const names[4][3] = {
+      {"max_pool1d", "max_pool2d", "max_pool3d"},
+      {"avg_pool1d", "avg_pool2d", "avg_pool3d"},
+      {"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"},
+      {"adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d"}};
+  if (!args[0].isTensor() || p.nd < 1 || p.nd > 3) return;
+  const at::Tensor& x = args[0].toTensor();
+  check_dtype_support(
+      op, args, names[static_cast<int>(p.kind)][p.nd - 1], {x.scalar_type()}, will_backward(x),
+      [p](c10::ArrayRef<at::ScalarType> t, bool rg) {
+        std::vector<int64_t> shape{1, 1};
+        for (int64_t i = 0; i < p.nd; ++i) shape.push_back(2);
+        const at::Tensor in = probe_ones(shape, t[0], rg);
+        const std::vector<int64_t> one(p.nd, 1);
+        switch (p.kind) {
+          case Kind::Max:
+            return p.nd == 1 ? at::max_pool1d(in, one)
+                             : (p.nd == 2 ? at::max_pool2d(in, one) : at::max_pool3d(in, one));
+          case Kind::Avg:
+            return p.nd == 1 ? at::avg_pool1d(in, one)
+                             : (p.nd == 2 ? at::avg_pool2d(in, one) : at::avg_pool3d(in, one));
+          case Kind::AdaptiveAvg:
+            return p.nd == 1 ? at::adaptive_avg_pool1d(in, one)
+                             : (p.nd == 2 ? at::adaptive_avg_pool2d(in, one)
+                                          : at::adaptive_avg_pool3d(in, one));
+          case Kind::AdaptiveMax:
+            return std::get<0>(p.nd == 1 ? at::adaptive_max_pool1d(in, one)
+                                         : (p.nd == 2 ? at::adaptive_max_pool2d(in, one)
+                                                      : at::adaptive_max_pool3d(in, one)));
+        }
+        return in;
+      });
+}
+
 void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
   auto args = pop_args(op, stack);
+  check_pool_dtype(op, args, p);
   Setup st = setup(op, args, p);
   const int64_t nd = p.nd;
   const auto kernel = expand(op, args, int_list(args[1]), nd, "kernel_size");
@@ -380,6 +419,7 @@ void adaptive_avg_reduce(const c10::OperatorHandle& op, std::vector<c10::IValue>
 // ones), so every value is computed exactly as libtorch computes it.
 void adaptive_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
   auto args = pop_args(op, stack);
+  check_pool_dtype(op, args, p);
   Setup st = setup(op, args, p);
   const int64_t nd = p.nd;
   st.out_ext = int_list(args[1]);

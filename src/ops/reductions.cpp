@@ -289,10 +289,15 @@ void sum_like(const c10::OperatorHandle& op, Stack* stack, bool mean, bool nan) 
   if (p.all) sync.insert(sync.end(), p.partial_dims.begin(), p.partial_dims.end());
   at::Tensor local = nan ? resolved_local(x) : local_of(x);
   if (sync.empty()) return run_local(op, std::move(args), local, p, stack);
-  at::Tensor r = nan ? at::nansum(local, p.dims, true, dtype) : at::sum(local, p.dims, true, dtype);
+  // Note [reduced precision]: float16/bfloat16 partial sums in float32, rounded once.
+  const at::ScalarType out_type = dtype.value_or(x.scalar_type());
+  const auto sum_type =
+      is_reduced_float(out_type) ? c10::optional<at::ScalarType>(at::kFloat) : dtype;
+  at::Tensor r =
+      nan ? at::nansum(local, p.dims, true, sum_type) : at::sum(local, p.dims, true, sum_type);
   r = sum_over(r, in.mesh(), sync);
   if (mean) r = r / static_cast<double>(p.count);
-  stack->push_back(result(finish(r, p), p));
+  stack->push_back(result(finish(r.to(out_type), p), p));
 }
 
 // ---------------------------------------------------------------- max, min
@@ -437,6 +442,10 @@ void prod_rule(const c10::OperatorHandle& op, Stack* stack) {
   const at::Tensor& x = args[0].toTensor();
   const bool dim_form = args.size() == 4;
   const auto dtype = opt_dtype(args.back());
+  check_dtype_support(op, args, "prod", {dtype.value_or(x.scalar_type())}, needs_grad(x),
+                      [](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                        return at::prod(probe_ones({2, 3}, t[0], rg), 1);
+                      });
   const ShardSpec in = resolved_spec(x);
   Plan p = make_plan(op, args, in,
                      dim_form ? std::optional(std::vector<int64_t>{args[1].toInt()}) : std::nullopt,
@@ -489,6 +498,9 @@ void var_rule(const c10::OperatorHandle& op, Stack* stack, bool is_std, bool wit
   // Note [variance]: unsharded reductions use the same two-pass rule (no
   // communication then), so the result does not depend on the layout.
   if (complex) return run_local(op, std::move(args), local, p, stack);
+  // Note [reduced precision]: float16/bfloat16 in float32, rounded once at the end.
+  const at::ScalarType out_type = local.scalar_type();
+  local = local.to(acc_dtype(out_type));
 
   const DeviceMesh& mesh = in.mesh();
   const double n = static_cast<double>(p.count);
@@ -503,8 +515,8 @@ void var_rule(const c10::OperatorHandle& op, Stack* stack, bool is_std, bool wit
     at::Tensor sd = var.detach().sqrt();
     out = carry_grad(sd, var, [&] { return var * (0.5 / sd).masked_fill(sd == 0, 0); });
   }
-  stack->push_back(result(finish(out, p), p));
-  if (with_mean) stack->push_back(result(finish(mean, p), p));
+  stack->push_back(result(finish(out.to(out_type), p), p));
+  if (with_mean) stack->push_back(result(finish(mean.to(out_type), p), p));
 }
 
 // ---------------------------------------------------------------- norms
@@ -550,7 +562,9 @@ void norm_rule(const c10::OperatorHandle& op, Stack* stack) {
 
   const DeviceMesh& mesh = in.mesh();
   const at::Tensor xc = local.to(ct);  // differentiable cast (no copy if same dtype)
-  const at::Tensor xd = xc.detach();
+  // Note [reduced precision]: float16/bfloat16 sums in float32, rounded once at the end.
+  const at::ScalarType acc = acc_dtype(ct);
+  const at::Tensor xd = xc.detach().to(acc);
   const at::Tensor a = xd.abs();
   at::Tensor nrm;
   if (std::isinf(ord)) {
@@ -559,7 +573,7 @@ void norm_rule(const c10::OperatorHandle& op, Stack* stack) {
                                         : (is_max ? a.amax(p.dims, true) : a.amin(p.dims, true));
     nrm = global_extreme(v, is_max, mesh, p.mesh_dims);
   } else if (ord == 0) {
-    nrm = sum_over((xd != 0).sum(p.dims, true).to(ct), mesh, p.mesh_dims);
+    nrm = sum_over((xd != 0).sum(p.dims, true).to(acc), mesh, p.mesh_dims);
   } else if (ord == 1) {
     nrm = sum_over(a.sum(p.dims, true), mesh, p.mesh_dims);
   } else if (ord == 2) {
@@ -579,7 +593,7 @@ void norm_rule(const c10::OperatorHandle& op, Stack* stack) {
       at::Tensor mask = at::logical_or(a == nrm, a.isnan());
       at::Tensor count =
           comm::all_reduce_nograd(mask.sum(p.dims, true), mesh, p.mesh_dims, ReduceOp::Sum);
-      w = xd.sgn() * mask.to(ct) / count.to(ct);
+      w = xd.sgn() * mask.to(acc) / count.to(acc);
     } else if (ord < 1) {
       w = (xd.sgn() * a.pow(ord - 1)).masked_fill(xd == 0, 0) * nrm.pow(1 - ord);
     } else {
@@ -588,7 +602,7 @@ void norm_rule(const c10::OperatorHandle& op, Stack* stack) {
     }
     return (xc * w).sum(p.dims, true);
   });
-  stack->push_back(result(finish(out, p), p));
+  stack->push_back(result(finish(out.to(ct), p), p));
 }
 
 // ---------------------------------------------------------------- logic, counts
@@ -637,6 +651,10 @@ void logsumexp_rule(const c10::OperatorHandle& op, Stack* stack) {
   const at::Tensor& x = args[0].toTensor();
   const auto dims = args[1].toIntVector();
   if (dims.empty()) fail(op, args, "logsumexp(): expected at least one dim to reduce");
+  check_dtype_support(op, args, "logsumexp", {x.scalar_type()}, needs_grad(x),
+                      [](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                        return at::logsumexp(probe_ones({2, 3}, t[0], rg), {1});
+                      });
   const ShardSpec in = resolved_spec(x);
   Plan p = make_plan(op, args, in, dims, args[2].toBool());
   at::Tensor local = resolved_local(x);
@@ -644,13 +662,16 @@ void logsumexp_rule(const c10::OperatorHandle& op, Stack* stack) {
   if (at::isIntegralType(local.scalar_type(), /*includeBool=*/true)) {
     local = local.to(c10::typeMetaToScalarType(at::get_default_dtype()));
   }
+  // Note [reduced precision]: float16/bfloat16 in float32, rounded once at the end.
+  const at::ScalarType out_type = local.scalar_type();
+  local = local.to(acc_dtype(out_type));
   const at::Tensor xd = local.detach();
   at::Tensor v =
       reduced_empty(xd, p) ? at::full(p.kshape, -kInf, xd.options()) : xd.amax(p.dims, true);
   at::Tensor m = global_extreme(v, true, in.mesh(), p.mesh_dims);
   m = m.masked_fill(m.abs() == kInf, 0);
   at::Tensor s = comm::all_reduce((local - m).exp().sum(p.dims, true), in.mesh(), p.mesh_dims);
-  stack->push_back(result(finish(s.log() + m, p), p));
+  stack->push_back(result(finish((s.log() + m).to(out_type), p), p));
 }
 
 // _local_scalar_dense(self) (what item() reaches): gathered to every rank first.

@@ -45,8 +45,10 @@ at::Tensor sum_dim(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh, int
 // Hand-written: the global max (all_reduce_nograd Max) has no useful gradient, and the closed
 // form y * (dy - sum(dy * y)) needs one all-reduced sum (a comm/ primitive).
 struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim,
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, int64_t dim,
                             const DeviceMesh& mesh, int64_t mesh_dim, bool log) {
+    // Note [reduced precision]: float16/bfloat16 in float32, rounded once at the end.
+    const at::Tensor x = x_in.to(acc_dtype(x_in.scalar_type()));
     at::Tensor m;
     if (x.size(dim) == 0) {
       auto shape = x.sizes().vec();
@@ -67,6 +69,8 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
     } else {
       y.exp_().div_(s);
     }
+    // Saved as returned (rounded, as libtorch's kernels save their output).
+    y = y.to(x_in.scalar_type());
     ctx->save_for_backward({y});
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["mesh_dim"] = mesh_dim;
@@ -76,19 +80,22 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor y = ctx->get_saved_variables()[0];
+    const at::Tensor saved = ctx->get_saved_variables()[0];
+    const at::ScalarType acc = acc_dtype(saved.scalar_type());
+    const at::Tensor y = saved.to(acc);
     const int64_t dim = ctx->saved_data.at("dim").toInt();
     const int64_t mesh_dim = ctx->saved_data.at("mesh_dim").toInt();
     const DeviceMesh& mesh = mesh_of(ctx);
     at::Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(y);
+    dy = dy.to(acc);
     at::Tensor dx;
     if (ctx->saved_data.at("log").toBool()) {
       dx = dy - y.exp() * sum_dim(dy, dim, mesh, mesh_dim);
     } else {
       dx = y * (dy - sum_dim(dy * y, dim, mesh, mesh_dim));
     }
-    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx.to(saved.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -108,6 +115,16 @@ void softmax_rule(const c10::OperatorHandle& op, Stack* stack, bool log) {
   auto args = pop_args(op, stack);
   const at::Tensor& x = args[0].toTensor();
   if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  {
+    // Note [reduced precision]: libtorch's verdict on the dtype computed in.
+    const at::ScalarType dt =
+        ov == "int" && !args[2].isNone() ? args[2].toScalarType() : x.scalar_type();
+    check_dtype_support(op, args, log ? "log_softmax" : "softmax", {dt}, will_backward(x),
+                        [log](c10::ArrayRef<at::ScalarType> t, bool rg) {
+                          at::Tensor p = probe_ones({2, 3}, t[0], rg);
+                          return log ? at::log_softmax(p, 1) : at::softmax(p, 1);
+                        });
+  }
   auto spec = std::make_shared<const ShardSpec>(without_partial(*spec_of(x)));
   at::Tensor local = to_layout(x, *spec, *spec);
   int64_t dim = 0;

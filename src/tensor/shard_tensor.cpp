@@ -14,14 +14,25 @@ namespace shardtensor {
 namespace detail {
 
 namespace {
-c10::DispatchKeySet shard_keys() {
-  return c10::DispatchKeySet(
-      {c10::DispatchKey::PrivateUse1, c10::DispatchKey::AutogradPrivateUse1});
+// Note [autocast and ShardTensors]: libtorch gives the AutocastCPU key only
+// to tensors with the CPU backend bit, which a ShardTensor (PrivateUse1) does
+// not have. Without it, an op whose arguments are all ShardTensors would skip
+// autocast's wrapper, and its rule's local ops would then be cast one by one
+// by the still-enabled autocast. With it (for CPU pieces) every op sees the
+// same autocast policy as on plain tensors: the wrapper casts the arguments,
+// ShardTensors included (autocast's eligibility test is device-based, and the
+// cast is the ShardTensor's own `to` rule), and runs the rule with autocast
+// off, as libtorch's kernels run. The key is masked out unless autocast is
+// enabled, so it costs nothing otherwise.
+c10::DispatchKeySet shard_keys(const at::Tensor& local) {
+  c10::DispatchKeySet ks({c10::DispatchKey::PrivateUse1, c10::DispatchKey::AutogradPrivateUse1});
+  if (local.device().is_cpu()) ks = ks | c10::DispatchKeySet(c10::DispatchKey::AutocastCPU);
+  return ks;
 }
 }  // namespace
 
 ShardTensorImpl::ShardTensorImpl(at::Tensor local, std::shared_ptr<const ShardSpec> spec)
-    : c10::TensorImpl(shard_keys(), local.dtype(), local.device()),
+    : c10::TensorImpl(shard_keys(local), local.dtype(), local.device()),
       local_(std::move(local)),
       spec_(std::move(spec)) {
   set_storage_access_should_throw();
