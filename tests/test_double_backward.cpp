@@ -60,6 +60,7 @@ std::vector<int64_t> global_shape(const at::Tensor& t) {
 
 struct Result {
   std::vector<at::Tensor> g, h;  // gathered, one per differentiated tensor
+  bool consistent = true;        // every rank agreed that g is differentiable
 };
 
 // One run of the recipe above on `in` (plain or sharded) and `params` (plain).
@@ -88,7 +89,14 @@ Result second_order(const RefFn& fn, const std::vector<at::Tensor>& in,
   }
   Result r;
   std::vector<at::Tensor> h(wrt.size());
-  if (s.defined() && s.requires_grad()) h = grad(s, false);
+  // A wrong library could make this differ between ranks: agree first, so
+  // that the check fails instead of leaving ranks in different collectives.
+  const bool differentiable = s.defined() && s.requires_grad();
+  if (all_ranks(differentiable)) {
+    h = grad(s, false);
+  } else {
+    r.consistent = all_ranks(!differentiable);
+  }
   for (size_t i = 0; i < wrt.size(); ++i) {
     at::NoGradGuard no_grad;
     const std::vector<int64_t> wshape = global_shape(wrt[i]);
@@ -121,8 +129,9 @@ Result second_order(const RefFn& fn, const std::vector<at::Tensor>& in,
   }
   Result ref = second_order(fn, ref_in, ref_p, false);
   Result sh = second_order(fn, sh_in, sh_p, true);
-  bool ok = true;
+  bool ok = sh.consistent;
   std::ostringstream msg;
+  if (!ok) msg << "\n  the ranks disagree whether the gradients are differentiable";
   for (size_t i = 0; i < ref.g.size(); ++i) {
     for (int order : {1, 2}) {
       auto r =
@@ -325,6 +334,37 @@ TEST_F(DoubleBackward, LinearContractingShardedFeatures) {
           return at::tanh(F::linear(in[0], p[0], p[1]));
         },
         x, {{S1, S0}}, {w, b});
+}
+
+// Losses (all-reduced sums over constant denominators), the distributed FFT
+// (all-to-all plans) and an op without a rule (the generic fallback's gathers).
+TEST_F(DoubleBackward, LossesFftAndFallback) {
+  st::set_strict(false);
+  const at::Tensor x = seeded({4, 3, 6}, 34);
+  const at::Tensor target = seeded({4, 3, 6}, 35);
+  const at::Tensor classes =
+      at::randint(0, 3, {4, 6}, at::make_generator<at::CPUGeneratorImpl>(36));
+  sweep("mse_loss(tanh)",
+        [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return at::mse_loss(at::tanh(in[0]), target);
+        },
+        x, {{S2, S0}});
+  sweep("cross_entropy",
+        [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return at::cross_entropy_loss(in[0], classes);
+        },
+        x, {{S2, S0}});
+  const at::Tensor y = seeded({3, 10}, 37);
+  sweep("irfft(rfft(x * x))",
+        [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return torch::fft::irfft(torch::fft::rfft(in[0] * in[0], c10::nullopt, 1), 10, 1);
+        },
+        y, {{S1, S0}});
+  sweep("renorm (generic fallback)",
+        [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return at::renorm(in[0], 2, 0, 1.5);
+        },
+        y, {{S1, S0}});
 }
 
 // Reductions with gradient carriers (Note [gradient carriers]): exact in double backward.
