@@ -491,6 +491,12 @@ TEST_F(DoubleBackward, GradArgumentErrors) {
       {"shardtensor::grad", "2 grad_outputs for 1 outputs"}));
   EXPECT_TRUE(throws_everywhere([&] { st::grad({x * 2}, {x}); },
                                 {"shardtensor::grad", "single-element output"}));
+  std::vector<at::Tensor> wrt{x};
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        (x * 2).backward(at::ones({4, 6}), c10::nullopt, false, at::TensorList(wrt));
+      },
+      {"ShardTensor.backward()", "inputs= is not supported", "shardtensor::grad"}));
 }
 
 // ---- primitives: the adjoint of the adjoint ---------------------------------------------

@@ -494,7 +494,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
 
 // Note [conv double backward]: the general path's forward as a differentiable
 // graph on the saved tensors, differentiated with create_graph=true. The
-// output gradient `g` is unbatched like the output when the input is.
+// output gradient `g` (undefined: zeros) is shaped like the output.
 variable_list double_backward_grads(const at::Tensor& local, const at::Tensor& weight,
                                     const at::Tensor& bias, const at::Tensor& g, const ConvPlan& p,
                                     bool need_in, bool need_w, bool need_b) {
@@ -512,13 +512,14 @@ variable_list double_backward_grads(const at::Tensor& local, const at::Tensor& w
                           p.groups);
   }
   if (!p.batched) out = out.squeeze(0);
+  const at::Tensor go = g.defined() ? g : at::zeros_like(out);
   std::vector<at::Tensor> inputs;
   if (need_in) inputs.push_back(local);
   if (need_w) inputs.push_back(weight);
   if (need_b) inputs.push_back(bias);
   at::Tensor gx, gw, gb;
   if (!inputs.empty()) {
-    auto r = torch::autograd::grad({out}, inputs, {g}, /*retain_graph=*/true,
+    auto r = torch::autograd::grad({out}, inputs, {go}, /*retain_graph=*/true,
                                    /*create_graph=*/true, /*allow_unused=*/true);
     size_t i = 0;
     if (need_in) gx = r[i++];
@@ -580,11 +581,11 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     const bool need_w = ctx->needs_input_grad(1);
     const bool need_b = has_bias && ctx->needs_input_grad(2);
 
+    if (at::GradMode::is_enabled()) {
+      return double_backward_grads(local, weight, saved[2], grads[0], p, need_in, need_w, need_b);
+    }
     at::Tensor g = grads[0];
     if (!g.defined()) g = at::zeros(p.out_local_shape, local.options());
-    if (at::GradMode::is_enabled()) {
-      return double_backward_grads(local, weight, saved[2], g, p, need_in, need_w, need_b);
-    }
     if (!p.batched) g = g.unsqueeze(0);
 
     if (p.fast) {
