@@ -5,7 +5,7 @@ import torch
 from . import _C
 from ._tensor import _mesh_of, _wrap
 
-__all__ = ["distribute_module", "backward", "scaled_dot_product_attention", "halo_exchange"]
+__all__ = ["distribute_module", "backward", "grad", "scaled_dot_product_attention", "halo_exchange"]
 
 
 def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None, output_fn=None,
@@ -36,13 +36,42 @@ def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None
     return module
 
 
-def backward(output, grad=None):
+def backward(output, grad=None, retain_graph=None, create_graph=False):
     """Backward pass from any tensor, sharded or plain (``loss.backward()`` works
     for plain scalars; use this for non-scalar sharded outputs). ``grad`` is a
     ShardTensor with the output's layout, a plain tensor of the global shape, or
-    None for a single-element output. Collective when ``output`` is sharded.
-    C++: shardtensor::backward."""
-    _C.backward(output, grad)
+    None for a single-element output. ``retain_graph`` and ``create_graph`` as in
+    torch.autograd.backward. Collective when ``output`` is sharded. Raises
+    RuntimeError if ``grad`` does not match the output. C++: shardtensor::backward."""
+    _C.backward(output, grad, retain_graph, bool(create_graph))
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+         allow_unused=False):
+    """torch.autograd.grad for ShardTensors and plain tensors alike: a tuple with
+    d(outputs)/d(inputs), a ShardTensor laid out like each sharded input (Partial
+    becomes Replicate), a plain tensor for a plain input, None for an unused one
+    (with ``allow_unused``). ``grad_outputs``: None (single-element outputs) or
+    one per output, each as for :func:`backward`. With ``create_graph=True`` the
+    gradients are differentiable (gradient penalties, PINN residuals): second
+    derivatives are exact. Collective (it runs a backward pass). Raises
+    RuntimeError on every rank where double backward is not supported, naming
+    the op. C++: shardtensor::grad."""
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    if grad_outputs is None:
+        grad_outputs = []
+    elif isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = [grad_outputs]
+    else:
+        grad_outputs = list(grad_outputs)
+    if grad_outputs and len(grad_outputs) != len(outputs):
+        raise ValueError(
+            f"shardtensor.grad: got {len(grad_outputs)} grad_outputs for {len(outputs)} outputs"
+        )
+    res = _C.grad(outputs, inputs, grad_outputs, retain_graph, bool(create_graph),
+                  bool(allow_unused))
+    return tuple(_wrap(r) if r is not None else None for r in res)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None):

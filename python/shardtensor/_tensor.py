@@ -251,13 +251,15 @@ class ShardTensor(torch.Tensor):
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         """Backward from a sharded output: ``gradient`` is a ShardTensor with the same
-        layout, a plain tensor of the global shape, or None for one element.
-        Collective. C++: shardtensor::backward."""
-        if retain_graph or create_graph or inputs is not None:
+        layout, a plain tensor of the global shape, or None for one element;
+        ``retain_graph`` and ``create_graph`` as in torch. Collective. Raises
+        NotImplementedError for ``inputs`` (use shardtensor.grad). C++:
+        shardtensor::backward."""
+        if inputs is not None:
             raise NotImplementedError(
-                "ShardTensor.backward: retain_graph, create_graph and inputs are not supported"
+                "ShardTensor.backward: inputs is not supported; use shardtensor.grad"
             )
-        _C.backward(self, gradient)
+        _C.backward(self, gradient, retain_graph, bool(create_graph))
 
     # ---- printing (never communicates, never fails) -------------------------------
     def __repr__(self, *args, **kwargs):

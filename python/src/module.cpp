@@ -246,10 +246,23 @@ PYBIND11_MODULE(_C, m) {
   m.def("to_string", [](const at::Tensor& t) { return view(t, "repr").to_string(); });
   m.def(
       "backward",
-      [](const at::Tensor& output, std::optional<at::Tensor> grad) {
-        st::backward(output, grad.value_or(at::Tensor()));
+      [](const at::Tensor& output, std::optional<at::Tensor> grad,
+         std::optional<bool> retain_graph, bool create_graph) {
+        st::backward(output, grad.value_or(at::Tensor()), retain_graph, create_graph);
       },
-      py::arg("output"), py::arg("grad") = py::none(), Release());
+      py::arg("output"), py::arg("grad") = py::none(), py::arg("retain_graph") = py::none(),
+      py::arg("create_graph") = false, Release());
+  m.def(
+      "grad",
+      [](const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+         const std::vector<std::optional<at::Tensor>>& grad_outputs,
+         std::optional<bool> retain_graph, bool create_graph, bool allow_unused) {
+        std::vector<at::Tensor> go;
+        for (const auto& g : grad_outputs) go.push_back(g.value_or(at::Tensor()));
+        return st::grad(outputs, inputs, go, retain_graph, create_graph, allow_unused);
+      },
+      py::arg("outputs"), py::arg("inputs"), py::arg("grad_outputs"), py::arg("retain_graph"),
+      py::arg("create_graph"), py::arg("allow_unused"), Release());
 
   // ---- nn --------------------------------------------------------------------
   // A Python module's parameters and buffers are registered on a throwaway C++

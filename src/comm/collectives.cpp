@@ -2,8 +2,9 @@
 // use_replicated (and its gradient-sink variant, Note [gradient buckets]),
 // all_gather, shard_slice, reduce_scatter, replicate_to_partial. Each is a
 // torch::autograd::Function whose backward is the adjoint collective (Note
-// [replicated gradients], comm/primitive_support.h); data moves through the
-// transport's all-reduce, all-gatherv and reduce-scatter.
+// [replicated gradients], comm/primitive_support.h), itself applied as a
+// Function under create_graph (Note [differentiable adjoints]); data moves
+// through the transport's all-reduce, all-gatherv and reduce-scatter.
 #include <ATen/ATen.h>
 #include <shardtensor/comm/primitives.h>
 
@@ -63,13 +64,31 @@ struct GroupArgs {
   MPI_Comm comm = MPI_COMM_NULL;
 };
 
+struct AxisArgs {
+  Axis axis;
+  int64_t dim = 0;
+  std::vector<int64_t> sizes;
+};
+
+// Note [differentiable adjoints]: each Function below pairs with the one that
+// applies its adjoint. Under create_graph (GradMode enabled inside backward)
+// a backward calls its partner's apply() instead of the bare kernel, so the
+// gradient it returns is recorded and double backward runs the adjoint of the
+// adjoint, i.e. the forward again: exact to any order. The pairs, following
+// Note [replicated gradients] (a backward that hands a replicated gradient to
+// per-rank compute must mark that use, so its own adjoint sums):
+//   AllReduceFn (sum)            <-> UseReplicatedFn (identity, adjoint sum)
+//   AllGatherFn                  <-> ShardSliceFn
+//   ReduceScatterFn              <-> GatherToPartialFn (all-gather used per rank)
+//   ReplicateToPartialFn         <-> PartialToReplicateFn (the rank-0 summand's gradient)
+// Without grad mode the backward runs the kernel directly, as before.
+
 struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, GroupArgs args) {
+    save_args(ctx, args);
     return reduce_over(t, args.comm, ReduceOp::Sum);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {grads[0], Variable()};  // Note [replicated gradients]
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
 
 struct UseReplicatedFn : torch::autograd::Function<UseReplicatedFn> {
@@ -77,11 +96,24 @@ struct UseReplicatedFn : torch::autograd::Function<UseReplicatedFn> {
     save_args(ctx, args);
     return t;  // returned input: autograd makes it a view with this node as grad_fn
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto& args = saved_args<GroupArgs>(ctx);
-    return {reduce_over(grads[0], args.comm, ReduceOp::Sum), Variable()};
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
+
+variable_list AllReduceFn::backward(AutogradContext* ctx, variable_list grads) {
+  // Note [replicated gradients]: the identity. Under create_graph the
+  // replicated gradient is handed to per-rank compute (the summands'
+  // backward), a use whose adjoint sums (Note [differentiable adjoints]).
+  if (at::GradMode::is_enabled()) {
+    return {UseReplicatedFn::apply(grads[0], saved_args<GroupArgs>(ctx)), Variable()};
+  }
+  return {grads[0], Variable()};
+}
+
+variable_list UseReplicatedFn::backward(AutogradContext* ctx, variable_list grads) {
+  const auto& args = saved_args<GroupArgs>(ctx);
+  if (at::GradMode::is_enabled()) return {AllReduceFn::apply(grads[0], args), Variable()};
+  return {reduce_over(grads[0], args.comm, ReduceOp::Sum), Variable()};
+}
 
 /// use_replicated() of a leaf registered with a gradient sink (Note [gradient
 /// buckets]): the backward hands this rank's partial gradient to the sink,
@@ -101,18 +133,13 @@ struct UseReplicatedSinkFn : torch::autograd::Function<UseReplicatedSinkFn> {
     const auto& args = saved_args<SinkArgs>(ctx);
     if (!grads[0].defined()) return {Variable(), Variable()};
     if (at::GradMode::is_enabled()) {
-      // create_graph: the sink's reduction is not differentiable; all-reduce here.
-      return {reduce_over(grads[0], args.comm, ReduceOp::Sum), Variable()};
+      // create_graph: the sink's reduction is not differentiable; the
+      // differentiable all-reduce here (Note [differentiable adjoints]).
+      return {AllReduceFn::apply(grads[0], GroupArgs{args.comm}), Variable()};
     }
     args.sink->add_partial(args.leaf, grads[0]);
     return {Variable(), Variable()};
   }
-};
-
-struct AxisArgs {
-  Axis axis;
-  int64_t dim = 0;
-  std::vector<int64_t> sizes;
 };
 
 struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
@@ -121,11 +148,7 @@ struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
     save_args(ctx, std::move(args));
     return out;
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto& a = saved_args<AxisArgs>(ctx);
-    const auto off = exclusive_offsets(a.sizes);
-    return {grads[0].narrow(a.dim, off[a.axis.me], a.sizes[a.axis.me]), Variable()};
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
 
 struct ShardSliceFn : torch::autograd::Function<ShardSliceFn> {
@@ -136,11 +159,21 @@ struct ShardSliceFn : torch::autograd::Function<ShardSliceFn> {
     save_args(ctx, std::move(args));
     return out;
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto& a = saved_args<AxisArgs>(ctx);
-    return {gather_along(grads[0], a.axis.comm, a.dim, a.sizes), Variable()};
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
+
+variable_list AllGatherFn::backward(AutogradContext* ctx, variable_list grads) {
+  const auto& a = saved_args<AxisArgs>(ctx);
+  if (at::GradMode::is_enabled()) return {ShardSliceFn::apply(grads[0], a), Variable()};
+  const auto off = exclusive_offsets(a.sizes);
+  return {grads[0].narrow(a.dim, off[a.axis.me], a.sizes[a.axis.me]), Variable()};
+}
+
+variable_list ShardSliceFn::backward(AutogradContext* ctx, variable_list grads) {
+  const auto& a = saved_args<AxisArgs>(ctx);
+  if (at::GradMode::is_enabled()) return {AllGatherFn::apply(grads[0], a), Variable()};
+  return {gather_along(grads[0], a.axis.comm, a.dim, a.sizes), Variable()};
+}
 
 struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, AxisArgs args) {
@@ -148,20 +181,66 @@ struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
     save_args(ctx, std::move(args));
     return out;
   }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
+};
+
+/// The backward of reduce_scatter as a Function (Note [differentiable
+/// adjoints]): all-gathers a sharded gradient into the replicated gradient of
+/// a partial value, which the summands' per-rank backward then uses; so its
+/// own adjoint sums the per-rank gradients and keeps this rank's piece
+/// (reduce-scatter), not a slice as all_gather's would.
+struct GatherToPartialFn : torch::autograd::Function<GatherToPartialFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, AxisArgs args) {
+    at::Tensor out = gather_along(local, args.axis.comm, args.dim, args.sizes);
+    save_args(ctx, std::move(args));
+    return out;
+  }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& a = saved_args<AxisArgs>(ctx);
-    return {gather_along(grads[0], a.axis.comm, a.dim, a.sizes), Variable()};
+    if (at::GradMode::is_enabled()) return {ReduceScatterFn::apply(grads[0], a), Variable()};
+    return {reduce_scatter_along(grads[0], a.axis.comm, a.dim, a.sizes, a.axis.me), Variable()};
   }
 };
 
+variable_list ReduceScatterFn::backward(AutogradContext* ctx, variable_list grads) {
+  const auto& a = saved_args<AxisArgs>(ctx);
+  if (at::GradMode::is_enabled()) return {GatherToPartialFn::apply(grads[0], a), Variable()};
+  return {gather_along(grads[0], a.axis.comm, a.dim, a.sizes), Variable()};
+}
+
 struct ReplicateToPartialFn : torch::autograd::Function<ReplicateToPartialFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, int64_t coordinate) {
+    ctx->saved_data["coordinate"] = coordinate;
     return coordinate == 0 ? t.clone(at::MemoryFormat::Contiguous) : at::zeros_like(t);
   }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
+};
+
+/// The backward of replicate_to_partial as a Function (Note [differentiable
+/// adjoints]): the gradient of the replicated input is the gradient of the
+/// summand that coordinate 0 holds (identical on every rank, Note [replicated
+/// gradients]), so forward is the identity and the adjoint puts the incoming
+/// gradient on coordinate 0 only (replicate_to_partial again).
+struct PartialToReplicateFn : torch::autograd::Function<PartialToReplicateFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, int64_t coordinate) {
+    ctx->saved_data["coordinate"] = coordinate;
+    return t;  // returned input: autograd makes it a view with this node as grad_fn
+  }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {grads[0], Variable()};  // Note [replicated gradients]
+    const int64_t c = ctx->saved_data.at("coordinate").toInt();
+    if (at::GradMode::is_enabled()) return {ReplicateToPartialFn::apply(grads[0], c), Variable()};
+    return {c == 0 ? grads[0] : at::zeros_like(grads[0]), Variable()};
   }
 };
+
+variable_list ReplicateToPartialFn::backward(AutogradContext* ctx, variable_list grads) {
+  // Note [replicated gradients]: the identity (without grad mode).
+  if (at::GradMode::is_enabled()) {
+    return {PartialToReplicateFn::apply(grads[0], ctx->saved_data.at("coordinate").toInt()),
+            Variable()};
+  }
+  return {grads[0], Variable()};
+}
 
 /// Validation shared by all_gather, shard_slice and reduce_scatter. `local_is_piece`:
 /// the local extent along dim must be sizes[me] (else the full extent).

@@ -3,7 +3,8 @@
 // once from metadata, run in split phase) and the differentiable primitives
 // comm::gather_range and comm::halo_exchange on it, whose backward is halo
 // accumulate. Data moves through the transport's split-phase point-to-point
-// exchange (Note [transport seam]).
+// exchange (Note [transport seam]). Under create_graph the backward is a
+// Function too (HaloAdjointFn), so double backward is exact.
 #include "comm/halo.h"
 
 #include <ATen/ATen.h>
@@ -355,11 +356,40 @@ struct GatherRangeFn : torch::autograd::Function<GatherRangeFn> {
     save_args(ctx, std::move(args));
     return out;
   }
+  static variable_list backward(AutogradContext* ctx, variable_list grads);
+};
+
+/// Halo accumulate (the adjoint of a plan) as a Function, so that the
+/// backward of gather_range and of a split-phase halo exchange is itself
+/// differentiable under create_graph (Note [differentiable adjoints],
+/// collectives.cpp). Its own adjoint is the plan's forward with fill value 0:
+/// a constant fill is the affine part of gather_range and has no gradient.
+struct HaloAdjointFn : torch::autograd::Function<HaloAdjointFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_out,
+                            std::shared_ptr<const HaloPlan> plan) {
+    at::Tensor out = plan->run_adjoint(grad_out);
+    save_args(ctx, std::move(plan));
+    return out;
+  }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto& a = saved_args<RangeArgs>(ctx);
-    return {a.plan->run_adjoint(grads[0]), Variable()};
+    const auto& plan = saved_args<std::shared_ptr<const HaloPlan>>(ctx);
+    if (at::GradMode::is_enabled()) {
+      return {GatherRangeFn::apply(grads[0], RangeArgs{plan, 0.0}), Variable()};
+    }
+    return {plan->run(grads[0], 0.0), Variable()};
   }
 };
+
+/// The adjoint of `plan` applied to a gradient: differentiable under create_graph.
+at::Tensor halo_adjoint(const std::shared_ptr<const HaloPlan>& plan, const at::Tensor& grad) {
+  if (at::GradMode::is_enabled()) return HaloAdjointFn::apply(grad, plan);
+  return plan->run_adjoint(grad);
+}
+
+variable_list GatherRangeFn::backward(AutogradContext* ctx, variable_list grads) {
+  const auto& a = saved_args<RangeArgs>(ctx);
+  return {halo_adjoint(a.plan, grads[0]), Variable()};
+}
 
 // Note [halo plan cache]: a HaloPlan depends only on metadata (the mesh dim's
 // communicator, this coordinate, the local shape, dim, sizes, ranges and pad
@@ -492,7 +522,7 @@ struct HaloEndFn : torch::autograd::Function<HaloEndFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& a = saved_args<EndArgs>(ctx);
-    return {a.plan->run_adjoint(grads[0]), Variable()};
+    return {halo_adjoint(a.plan, grads[0]), Variable()};
   }
 };
 

@@ -202,7 +202,9 @@ namespace {
 // ---- autograd functions ------------------------------------------------------------
 
 /// A plan run forward, its inverse backward (the adjoint exchange). For
-/// RepartitionPlan and AllToAllPlan.
+/// RepartitionPlan and AllToAllPlan. Under create_graph the backward runs the
+/// inverse plan as a PlanFn itself, so it is differentiable to any order
+/// (Note [differentiable adjoints], collectives.cpp).
 template <class Plan>
 struct PlanFn : torch::autograd::Function<PlanFn<Plan>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local,
@@ -213,6 +215,10 @@ struct PlanFn : torch::autograd::Function<PlanFn<Plan>> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& plan = saved_args<std::shared_ptr<const Plan>>(ctx);
+    if (at::GradMode::is_enabled()) {
+      return {PlanFn<Plan>::apply(grads[0], std::make_shared<const Plan>(plan->inverse())),
+              Variable()};
+    }
     return {plan->inverse().run(grads[0]), Variable()};
   }
 };

@@ -39,9 +39,21 @@
 // Grouped-query heads: q [B, Hq, n, D] is viewed as [B, Hkv, g·n, D] (g =
 // Hq/Hkv, query head h = kv head h/g), so one matmul against k [B, Hkv, m, D]
 // serves every query head of a group, and dK/dV sum over the group for free.
+//
+// Note [ring attention double backward]: the ring backward computes dQ, dK,
+// dV outside autograd. Under create_graph (GradMode enabled in backward)
+// RingAttentionFn::backward instead recomputes this rank's output from its
+// queries and the all-gathered K/V (comm::all_gather, then use_replicated:
+// every rank's queries use all of them, Note [replicated gradients]) with
+// plain matmul/softmax and the same masks, and returns
+// torch::autograd::grad(out, {q, k, v}, dO, create_graph=true). That holds
+// B·Hq·(Sq/P)·Sk scores and every K/V block at once, which the ring avoids:
+// double backward trades the ring's memory bound for exactness.
 #include <shardtensor/ops/attention.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -270,6 +282,58 @@ std::vector<int64_t> kv_shape(const at::Tensor& k, int64_t len) {
   return {2, k.size(0), k.size(1), len, k.size(3)};
 }
 
+// Note [ring attention double backward]: this rank's output block recomputed
+// from all of K/V with differentiable ops, and its gradients with create_graph.
+// Collective over the ring's mesh dim (an all-gather of K and of V).
+variable_list ring_double_backward(const RingPlan& p, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& dout,
+                                   std::array<bool, 3> need) {
+  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), g = p.groups;
+  at::Tensor kf = k, vf = v;
+  if (p.ring_dim >= 0) {
+    kf = comm::use_replicated(comm::all_gather(k.contiguous(), p.mesh, p.ring_dim, 2, p.kv_sizes),
+                              p.mesh, {p.ring_dim});
+    vf = comm::use_replicated(comm::all_gather(v.contiguous(), p.mesh, p.ring_dim, 2, p.kv_sizes),
+                              p.mesh, {p.ring_dim});
+  }
+  // Global positions of the gathered key rows and of this rank's query rows.
+  std::vector<int64_t> kpos, qpos(n, 0);
+  for (const auto& runs : p.kv_runs) {
+    for (const Run& r : runs) {
+      for (int64_t i = 0; i < r.len; ++i) kpos.push_back(r.global + i);
+    }
+  }
+  for (const Run& r : p.q_runs) {
+    for (int64_t i = 0; i < r.len; ++i) qpos[r.local + i] = r.global + i;
+  }
+  const int64_t Sk = static_cast<int64_t>(kpos.size());
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor kp = at::tensor(kpos, opts), qp = at::tensor(qpos, opts);
+  at::Tensor s = at::matmul(q.reshape({B, Hkv, g * n, D}), kf.transpose(-2, -1)) * p.scale;
+  s = s.view({B, Hkv, g, n, Sk});
+  if (p.mask5.defined()) {
+    at::Tensor m = p.mask_full_keys ? p.mask5.index_select(-1, kp) : p.mask5;
+    s = m.scalar_type() == at::kBool ? s.masked_fill(m.logical_not(), kNegInf) : s + m;
+  }
+  if (p.causal) s = s.masked_fill(kp.unsqueeze(0) > qp.unsqueeze(1), kNegInf);
+  at::Tensor out = at::matmul(at::softmax(s, -1), vf.unsqueeze(2)).reshape({B, Hq, n, D});
+  std::vector<at::Tensor> inputs;
+  const at::Tensor* all[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    if (need[i]) inputs.push_back(*all[i]);
+  }
+  variable_list grads(4);
+  if (inputs.empty()) return grads;
+  auto r = torch::autograd::grad({out}, inputs, {dout}, /*retain_graph=*/true,
+                                 /*create_graph=*/true, /*allow_unused=*/true);
+  size_t j = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (need[i]) grads[i] = r[j++];
+  }
+  return grads;
+}
+
 // Note [ring attention]. Inputs are local tensors: q [B, Hq, n, D], k and v
 // [B, Hkv, m, D] (this rank's blocks); the result is this rank's output block.
 // Hand-written: K/V blocks circulate and are never all present, so backward recomputes scores
@@ -318,6 +382,12 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), D = q.size(3);
     const int64_t Hkv = k.size(1), G = p.groups * n;
     at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    if (at::GradMode::is_enabled()) {
+      // Note [ring attention double backward]. The flags are the same on every rank.
+      return ring_double_backward(
+          p, q, k, v, dout,
+          {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
+    }
     at::NoGradGuard no_grad;
     // Note [reduced precision]: as forward, float32 for float16/bfloat16; the
     // dK/dV accumulators circulate in float32 and are rounded once, at home.

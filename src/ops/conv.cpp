@@ -66,6 +66,17 @@
 //    only once (the gradients).
 // Everything else (strided, multi-hop, empty pieces, changed extents,
 // asymmetric 'same') takes the general path.
+//
+// Note [conv double backward]: both backward paths above compute the
+// gradient outside autograd. Under create_graph (GradMode enabled in
+// backward) ConvFn::backward instead rebuilds the forward of the general
+// path from the saved input, weight and bias as a differentiable graph
+// (gather_range, whose backward is a Function too, then at::convolution) and
+// returns torch::autograd::grad of it with create_graph=true, whatever path
+// the forward took. An empty piece gets a zero output that still depends on
+// every input, so every rank runs the same halo adjoints in both backward
+// passes (Note [collective discipline]). This keeps the gathered input alive
+// for the second pass: Note [conv memory] does not hold under create_graph.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -481,6 +492,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fast_backward(
   return {gx, gw, gb};
 }
 
+// Note [conv double backward]: the general path's forward as a differentiable
+// graph on the saved tensors, differentiated with create_graph=true. The
+// output gradient `g` (undefined: zeros) is shaped like the output.
+variable_list double_backward_grads(const at::Tensor& local, const at::Tensor& weight,
+                                    const at::Tensor& bias, const at::Tensor& g, const ConvPlan& p,
+                                    bool need_in, bool need_w, bool need_b) {
+  at::Tensor x = gather_input(local, p);  // collective on every rank
+  at::Tensor out;
+  const at::Tensor b = p.has_bias ? bias : at::Tensor();
+  if (has_zero(p.out_local_shape) || has_zero(x.sizes())) {
+    // Zero output, still connected to every input (zero gradients everywhere).
+    at::Tensor link = x.sum() + weight.sum();
+    if (b.defined()) link = link + b.sum();
+    out = at::zeros(p.out_local_shape, local.options()) + link * 0;
+  } else {
+    const std::vector<int64_t> no_out_pad(p.nsp, 0);
+    out = at::convolution(x, weight, b, p.stride, p.local_padding, p.dilation, false, no_out_pad,
+                          p.groups);
+  }
+  if (!p.batched) out = out.squeeze(0);
+  const at::Tensor go = g.defined() ? g : at::zeros_like(out);
+  std::vector<at::Tensor> inputs;
+  if (need_in) inputs.push_back(local);
+  if (need_w) inputs.push_back(weight);
+  if (need_b) inputs.push_back(bias);
+  at::Tensor gx, gw, gb;
+  if (!inputs.empty()) {
+    auto r = torch::autograd::grad({out}, inputs, {go}, /*retain_graph=*/true,
+                                   /*create_graph=*/true, /*allow_unused=*/true);
+    size_t i = 0;
+    if (need_in) gx = r[i++];
+    if (need_w) gw = r[i++];
+    if (need_b) gb = r[i++];
+  }
+  return {gx, gw, gb, at::Tensor()};
+}
+
 // Hand-written (not gather_range + at::convolution under autograd): that graph would keep the
 // halo-extended input alive for backward (Note [conv memory]) and could not overlap the
 // exchange (Note [conv overlap]); its backward communicates only through comm/.
@@ -496,6 +544,7 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
       // blocks are kept.
       variable_list keep{local, weight};
       keep.insert(keep.end(), res.second.begin(), res.second.end());
+      keep.insert(keep.begin() + 2, p.has_bias ? bias : at::Tensor());
       ctx->save_for_backward(keep);
       ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
       ctx->saved_data["bias"] = p.has_bias;
@@ -513,7 +562,7 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
                             p.dilation, false, no_out_pad, p.groups);
     }
     x = at::Tensor();  // Note [conv memory]: the gathered copy dies here
-    ctx->save_for_backward({local, weight});
+    ctx->save_for_backward({local, weight, p.has_bias ? bias : at::Tensor()});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
     ctx->saved_data["bias"] = p.has_bias;
     ctx->saved_data["bias_size"] = p.has_bias ? bias.size(0) : int64_t(0);
@@ -532,6 +581,9 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     const bool need_w = ctx->needs_input_grad(1);
     const bool need_b = has_bias && ctx->needs_input_grad(2);
 
+    if (at::GradMode::is_enabled()) {
+      return double_backward_grads(local, weight, saved[2], grads[0], p, need_in, need_w, need_b);
+    }
     at::Tensor g = grads[0];
     if (!g.defined()) g = at::zeros(p.out_local_shape, local.options());
     if (!p.batched) g = g.unsqueeze(0);
@@ -539,7 +591,7 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     if (p.fast) {
       at::Tensor xb = p.batched ? local : local.unsqueeze(0);
       at::Tensor gx, gw, gb;
-      std::vector<at::Tensor> halos(saved.begin() + 2, saved.end());
+      std::vector<at::Tensor> halos(saved.begin() + 3, saved.end());
       std::tie(gx, gw, gb) =
           fast_backward(xb, weight, halos, g.contiguous(), p, need_in, need_w, need_b);
       if (need_in && !p.batched) gx = gx.squeeze(0);

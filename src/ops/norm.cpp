@@ -48,7 +48,19 @@
 // gradients]). NormFn saves the input, the weight and the per-statistic
 // (shift, delta, rstd), as libtorch's own kernels save the input, weight and
 // (mean, rstd): xhat is recomputed in backward, no full-size copy is kept.
+//
+// Note [norm double backward]: the closed form treats the saved statistics as
+// constants, which is right for the gradient but not for its derivative. Under
+// create_graph (GradMode enabled in backward) NormFn::backward instead
+// recomputes y from x, w, b with differentiable pieces: the mean and the
+// variance from local sums through use_replicated(all_reduce(.)) (Note
+// [replicated gradients]), then y = (x - mean) rstd w + b; and returns
+// torch::autograd::grad(y, {x, w, b}, dy, create_graph=true). Every rank
+// recomputes the same graph (empty pieces take part with zero sums), so the
+// backward collectives match. Costs two all-reduces more and autograd's
+// intermediates, only when create_graph is set.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
@@ -69,6 +81,7 @@ struct NormPlan {
   std::vector<int64_t> mesh_dims;  // mesh dims that shard a reduced dim
   double count = 1;                // global elements per statistic
   bool has_w = false, has_b = false;
+  double eps = 0;
 };
 
 struct PlanHolder : torch::CustomClassHolder {
@@ -79,6 +92,26 @@ struct PlanHolder : torch::CustomClassHolder {
 at::Tensor sum_mesh(const at::Tensor& t, const NormPlan& p) {
   if (p.mesh_dims.empty()) return t;
   return comm::all_reduce_nograd(t.contiguous(), p.mesh, p.mesh_dims, ReduceOp::Sum);
+}
+
+// The global sum over the reduced dims, differentiable, for use in per-rank
+// compute (Note [norm double backward]). Collective over p.mesh_dims.
+at::Tensor sum_mesh_differentiable(const at::Tensor& t, const NormPlan& p) {
+  if (p.mesh_dims.empty()) return t;
+  return comm::use_replicated(comm::all_reduce(t.contiguous(), p.mesh, p.mesh_dims), p.mesh,
+                              p.mesh_dims);
+}
+
+// Note [norm double backward]: NormFn's forward as a differentiable graph.
+at::Tensor norm_recompute(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                          const NormPlan& p) {
+  const at::Tensor mean = sum_mesh_differentiable(x.sum(p.dims, true), p) / p.count;
+  const at::Tensor d = x - mean;
+  const at::Tensor var = sum_mesh_differentiable((d * d).sum(p.dims, true), p) / p.count;
+  at::Tensor y = d * (var + p.eps).rsqrt();
+  if (p.has_w) y = y * w;
+  if (p.has_b) y = y + b;
+  return y;
 }
 
 // Note [sharded moments]. Collective over p.mesh_dims (two all-reduces). Not differentiable.
@@ -136,7 +169,8 @@ struct NormFn : torch::autograd::Function<NormFn> {
     at::Tensor y = x - shift;
     y.mul_(scale).add_(offset);
     y = y.to(x.scalar_type());
-    ctx->save_for_backward({x, plan->has_w ? w : at::Tensor(), shift, delta, rstd});
+    ctx->save_for_backward(
+        {x, plan->has_w ? w : at::Tensor(), shift, delta, rstd, plan->has_b ? b : at::Tensor()});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
     ctx->saved_data["b_shape"] = b.sizes().vec();
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
@@ -156,6 +190,25 @@ struct NormFn : torch::autograd::Function<NormFn> {
     const at::ScalarType acc = rstd.scalar_type();
     at::Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(x);
+    if (at::GradMode::is_enabled()) {
+      // Note [norm double backward]. The flags are the same on every rank.
+      const at::Tensor& b = saved[5];
+      std::vector<at::Tensor> inputs;
+      if (need_x) inputs.push_back(x);
+      if (need_w) inputs.push_back(w);
+      if (need_b) inputs.push_back(b);
+      at::Tensor dx, dw, db;
+      if (!inputs.empty()) {
+        at::Tensor y = norm_recompute(x, w, b, p);
+        auto g = torch::autograd::grad({y}, inputs, {dy}, /*retain_graph=*/true,
+                                       /*create_graph=*/true, /*allow_unused=*/true);
+        size_t i = 0;
+        if (need_x) dx = g[i++];
+        if (need_w) dw = g[i++];
+        if (need_b) db = g[i++];
+      }
+      return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     dy = dy.to(acc);
     at::Tensor xhat = (x - shift).sub_(delta).mul_(rstd);
     at::Tensor dx, dw, db;
@@ -180,6 +233,7 @@ std::pair<at::Tensor, Moments> sharded_norm(const at::Tensor& x, const at::Tenso
                                             const at::Tensor& b, double eps, NormPlan plan) {
   plan.has_w = w.defined();
   plan.has_b = b.defined();
+  plan.eps = eps;
   auto p = std::make_shared<const NormPlan>(std::move(plan));
   Moments m = moments(x, *p);
   at::Tensor rstd = (m.m2 / p->count + eps).rsqrt();

@@ -27,6 +27,15 @@
 // when the carrier is infinite, and it needs no backward communication: the
 // result is replicated, so its gradient is already the full gradient on every
 // rank (Note [replicated gradients]), and each rank routes it to its piece.
+//
+// Under create_graph the carrier's gradient is recorded, so the second
+// derivative is the carrier's: exact when the carrier's gradient is the
+// op's gradient as a function of x (not only its value at this x). Every
+// carrier below is: the max/min ones are linear with constant weights
+// (libtorch's second derivative is zero too), std and the p-norms use the
+// differentiable global sum and a masked root whose gradient is libtorch's
+// (zero where the result is zero). The one exception, a norm of negative
+// order, is flagged and throws on every rank in double backward.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/WrapDimMinimal.h>
@@ -53,13 +62,22 @@ constexpr int64_t kNoIndex = std::numeric_limits<int64_t>::max();
 
 // Hand-written: it attaches a value computed outside autograd to a carrier's gradient path
 // (Note [gradient carriers]); no communication of its own.
+// `inexact` (empty: exact) names the op whose carrier has the right gradient
+// but not the right second derivative: double backward then throws.
 struct CarryGrad : public torch::autograd::Function<CarryGrad> {
-  static at::Tensor forward(AutogradContext* /*ctx*/, const at::Tensor& value,
-                            const at::Tensor& carrier) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& value,
+                            const at::Tensor& carrier, std::string inexact) {
+    ctx->saved_data["inexact"] = std::move(inexact);
     return value.clone();
   }
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
-    return {at::Tensor(), grads[0]};
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::string inexact = ctx->saved_data.at("inexact").toStringRef();
+    // The same graph, hence the same verdict, on every rank.
+    TORCH_CHECK(inexact.empty() || !at::GradMode::is_enabled(),
+                "double backward (create_graph=true) through a sharded ", inexact,
+                " is not supported: its gradient is attached as a constant-weight carrier "
+                "(Note [gradient carriers]), whose second derivative would be silently wrong");
+    return {at::Tensor(), grads[0], at::Tensor()};
   }
 };
 
@@ -69,9 +87,19 @@ bool needs_grad(const at::Tensor& t) { return at::GradMode::is_enabled() && t.re
 
 // Note [gradient carriers]. `make_carrier` is only evaluated when a gradient is needed.
 template <class F>
-at::Tensor carry_grad(const at::Tensor& value, const at::Tensor& local, F make_carrier) {
+at::Tensor carry_grad(const at::Tensor& value, const at::Tensor& local, F make_carrier,
+                      std::string inexact = {}) {
   if (!needs_grad(local)) return value;
-  return CarryGrad::apply(value, make_carrier());
+  return CarryGrad::apply(value, make_carrier(), std::move(inexact));
+}
+
+// sqrt(s) for s >= 0 as a carrier (Note [gradient carriers]): its gradient is
+// 1 / (2 sqrt(s)), and 0 where s == 0 (libtorch's std and norm backward), to
+// every order; pow(s, 1/ord) likewise for a p-norm.
+at::Tensor masked_root(const at::Tensor& s, double ord) {
+  at::Tensor pos = s.detach() != 0;
+  at::Tensor safe = at::where(pos, s, at::ones_like(s));
+  return at::where(pos, ord == 2 ? safe.sqrt() : safe.pow(1.0 / ord), s * 0);
 }
 
 // The layout of one reduction (Note [reduction layout]).
@@ -513,7 +541,7 @@ void var_rule(const c10::OperatorHandle& op, Stack* stack, bool is_std, bool wit
   at::Tensor out = var;
   if (is_std) {
     at::Tensor sd = var.detach().sqrt();
-    out = carry_grad(sd, var, [&] { return var * (0.5 / sd).masked_fill(sd == 0, 0); });
+    out = carry_grad(sd, var, [&] { return masked_root(var, 2); });
   }
   stack->push_back(result(finish(out.to(out_type), p), p));
   if (with_mean) stack->push_back(result(finish(mean.to(out_type), p), p));
@@ -567,7 +595,18 @@ void norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   const at::Tensor xd = xc.detach().to(acc);
   const at::Tensor a = xd.abs();
   at::Tensor nrm;
-  if (std::isinf(ord)) {
+  // For 0 < ord < inf with a gradient: the global sum of |x|^ord taken
+  // differentiably, so that the carrier is exact (Note [gradient carriers]).
+  at::Tensor psum;
+  if (ord > 0 && !std::isinf(ord) && ord != 1 && needs_grad(local)) {
+    const at::Tensor nz = xd != 0;
+    const at::Tensor xa = xc.to(acc);  // differentiable; float32 sums for float16/bfloat16
+    const at::Tensor ap =
+        ord == 2 ? xa * xa
+                 : at::where(nz, at::where(nz, xa.abs(), at::ones_like(xa)).pow(ord), xa * 0);
+    psum = sum_over(ap.sum(p.dims, true), mesh, p.mesh_dims);
+    nrm = ord == 2 ? psum.detach().sqrt() : psum.detach().pow(1.0 / ord);
+  } else if (std::isinf(ord)) {
     const bool is_max = ord > 0;
     at::Tensor v = reduced_empty(xd, p) ? at::full(p.kshape, is_max ? 0.0 : kInf, xd.options())
                                         : (is_max ? a.amax(p.dims, true) : a.amin(p.dims, true));
@@ -581,27 +620,26 @@ void norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   } else {
     nrm = sum_over(a.pow(ord).sum(p.dims, true), mesh, p.mesh_dims).pow(1.0 / ord);
   }
-  at::Tensor out = carry_grad(nrm, local, [&] {
-    at::Tensor w;
-    if (ord == 0) {
-      w = at::zeros_like(xd);
-    } else if (ord == 1) {
-      w = xd.sgn();
-    } else if (ord == 2) {
-      w = (xd / nrm).masked_fill(nrm == 0, 0);
-    } else if (std::isinf(ord)) {
-      at::Tensor mask = at::logical_or(a == nrm, a.isnan());
-      at::Tensor count =
-          comm::all_reduce_nograd(mask.sum(p.dims, true), mesh, p.mesh_dims, ReduceOp::Sum);
-      w = xd.sgn() * mask.to(acc) / count.to(acc);
-    } else if (ord < 1) {
-      w = (xd.sgn() * a.pow(ord - 1)).masked_fill(xd == 0, 0) * nrm.pow(1 - ord);
-    } else {
-      at::Tensor scale = nrm.pow(ord - 1).reciprocal().masked_fill(nrm == 0, 0);
-      w = (ord < 2 ? xd.sgn() * a.pow(ord - 1) : xd * a.pow(ord - 2)) * scale;
-    }
-    return (xc * w).sum(p.dims, true);
-  });
+  at::Tensor out = carry_grad(
+      nrm, local,
+      [&] {
+        if (psum.defined()) return masked_root(psum, ord);  // 0 < ord < inf, ord != 1
+        at::Tensor w;  // ord 0, 1, +-inf or negative: constant weights
+        if (ord == 0) {
+          w = at::zeros_like(xd);
+        } else if (ord == 1) {
+          w = xd.sgn();
+        } else if (std::isinf(ord)) {
+          at::Tensor mask = at::logical_or(a == nrm, a.isnan());
+          at::Tensor count =
+              comm::all_reduce_nograd(mask.sum(p.dims, true), mesh, p.mesh_dims, ReduceOp::Sum);
+          w = xd.sgn() * mask.to(acc) / count.to(acc);
+        } else {
+          w = (xd.sgn() * a.pow(ord - 1)).masked_fill(xd == 0, 0) * nrm.pow(1 - ord);
+        }
+        return (xc * w).sum(p.dims, true);
+      },
+      ord < 0 ? "norm of negative order" : "");
   stack->push_back(result(finish(out.to(ct), p), p));
 }
 

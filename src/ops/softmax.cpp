@@ -13,7 +13,12 @@
 // as libtorch's kernels do, and its backward all-reduces one statistic:
 //   softmax:     dx = y * (dy - sum(dy * y)),
 //   log_softmax: dx = dy - exp(y) * sum(dy),
-// with the sums taken over the whole (global) dim.
+// with the sums taken over the whole (global) dim. Under create_graph
+// (double backward) the same closed form is evaluated with the differentiable
+// sum use_replicated(all_reduce(.)) instead of all_reduce_nograd: it is the
+// exact vector-Jacobian product as a function of (y, dy), and y's own
+// gradient flows back through this Function's backward, so gradients of any
+// order are exact (Note [differentiable adjoints]).
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -39,6 +44,14 @@ const DeviceMesh& mesh_of(AutogradContext* ctx) {
 
 at::Tensor sum_dim(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh, int64_t mesh_dim) {
   return comm::all_reduce_nograd(t.sum(dim, true).contiguous(), mesh, {mesh_dim}, ReduceOp::Sum);
+}
+
+// The global sum along `dim`, differentiable: the sum is replicated and then
+// used by every rank's own rows (Note [replicated gradients]).
+at::Tensor sum_dim_differentiable(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh,
+                                  int64_t mesh_dim) {
+  at::Tensor s = comm::all_reduce(t.sum(dim, true).contiguous(), mesh, {mesh_dim});
+  return comm::use_replicated(s, mesh, {mesh_dim});
 }
 
 // Note [sharded softmax]. Collective over `mesh_dim`, forward and backward.
@@ -89,11 +102,13 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
     at::Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(y);
     dy = dy.to(acc);
+    // Under create_graph the sums must be differentiable (Note [sharded softmax]).
+    auto sum = at::GradMode::is_enabled() ? sum_dim_differentiable : sum_dim;
     at::Tensor dx;
     if (ctx->saved_data.at("log").toBool()) {
-      dx = dy - y.exp() * sum_dim(dy, dim, mesh, mesh_dim);
+      dx = dy - y.exp() * sum(dy, dim, mesh, mesh_dim);
     } else {
-      dx = y * (dy - sum_dim(dy * y, dim, mesh, mesh_dim));
+      dx = y * (dy - sum(dy * y, dim, mesh, mesh_dim));
     }
     return {dx.to(saved.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -15,8 +15,10 @@
 //    into the wrapper's own grad field as a ShardTensor, so `t.grad()` works
 //    after backward (ShardTensor(t).grad() always does, with no hook).
 //  - retain_grad()/retains_grad()/is_leaf()/grad_fn()/output_nr(): the piece's.
-//  - backward(gradient) on a ShardTensor is shardtensor::backward(t, gradient)
-//    (collective); `inputs=` and create_graph are refused with a clear error.
+//  - backward(gradient, retain_graph, create_graph) on a ShardTensor is
+//    shardtensor::backward(t, gradient, retain_graph, create_graph)
+//    (collective); `inputs=` is refused with a clear error (shardtensor::grad
+//    takes inputs).
 // `t.grad()` of a non-leaf ShardTensor after retain_grad() is only available
 // as ShardTensor(t).grad(): libtorch reads a wrapper's grad field directly.
 // Installed only for libtorch 1.x, whose interface this implements exactly.
@@ -119,11 +121,12 @@ struct ShardVariableHooks final : at::impl::VariableHooksInterface {
                  const c10::optional<at::Tensor>& gradient, c10::optional<bool> keep_graph,
                  bool create_graph) const override {
     if (!impl_of(t)) return orig->_backward(t, inputs, gradient, keep_graph, create_graph);
-    TORCH_CHECK(inputs.empty() && !create_graph && !keep_graph.value_or(false),
-                "ShardTensor.backward(): inputs=, retain_graph and create_graph are not "
-                "supported on a ShardTensor; call shardtensor::backward(t, grad) or reduce to a "
-                "plain tensor first (e.g. t.sum().backward())");
-    shardtensor::backward(t, gradient.value_or(at::Tensor()));
+    TORCH_CHECK(inputs.empty(),
+                "ShardTensor.backward(): inputs= is not supported on a ShardTensor; call "
+                "shardtensor::grad(outputs, inputs, ...) instead");
+    std::optional<bool> retain;
+    if (keep_graph) retain = *keep_graph;
+    shardtensor::backward(t, gradient.value_or(at::Tensor()), retain, create_graph);
   }
   void requires_grad_(const at::TensorBase& t, bool on) const override {
     auto* i = impl_of(t);

@@ -258,19 +258,26 @@ at::Tensor ShardTensor::redistribute(Placements placements, std::optional<ShardS
   return from_local_unchecked(detail::redistribute_local(local(), s, *dst), dst);
 }
 
-ShardTensor ShardTensor::grad() const {
-  const at::Tensor& g = local().grad();
-  if (!g.defined()) return ShardTensor();
-  const ShardSpec& s = spec();
-  if (!s.has_partial()) return from_local_unchecked(g, spec_ptr());
-  // Every summand of a Partial value receives the whole gradient (Note
-  // [replicated gradients]): the gradient is Replicate on those mesh dims.
-  Placements p = s.placements();
+namespace {
+
+// The spec of the gradient of a value laid out as `s`: every summand of a
+// Partial value receives the whole gradient (Note [replicated gradients]), so
+// the gradient is Replicate on those mesh dims.
+std::shared_ptr<const ShardSpec> gradient_spec(const std::shared_ptr<const ShardSpec>& s) {
+  if (!s->has_partial()) return s;
+  Placements p = s->placements();
   for (auto& pl : p) {
     if (is_partial(pl)) pl = Replicate{};
   }
-  return from_local_unchecked(
-      g, std::make_shared<const ShardSpec>(s.mesh(), p, s.global_shape(), s.all_shard_sizes()));
+  return std::make_shared<const ShardSpec>(s->mesh(), p, s->global_shape(), s->all_shard_sizes());
+}
+
+}  // namespace
+
+ShardTensor ShardTensor::grad() const {
+  const at::Tensor& g = local().grad();
+  if (!g.defined()) return ShardTensor();
+  return from_local_unchecked(g, gradient_spec(spec_ptr()));
 }
 
 bool ShardTensor::requires_grad() const { return local().requires_grad(); }
@@ -475,42 +482,89 @@ at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Pla
   return ShardTensor::from_local_unchecked(std::move(local), std::move(spec));
 }
 
-void backward(const at::Tensor& output, const at::Tensor& grad_output) {
-  TORCH_CHECK(output.defined(), "shardtensor::backward: the output is undefined");
+namespace {
+
+// The tensor autograd sees for `output` (its local piece if it is a
+// ShardTensor) and the gradient to seed it with, laid out like that piece.
+// Collective when a ShardTensor grad_output must move to the output's layout
+// or a plain output gets a ShardTensor grad_output. `keep_graph`: keep the
+// grad_output's own history (create_graph), else it is detached.
+std::pair<at::Tensor, at::Tensor> seed(const char* what, const at::Tensor& output,
+                                       const at::Tensor& grad_output, bool keep_graph) {
+  TORCH_CHECK(output.defined(), "shardtensor::", what, ": an output is undefined");
   if (!ShardTensor::is_shard_tensor(output)) {
     at::Tensor g = grad_output;
     if (ShardTensor::is_shard_tensor(g)) g = ShardTensor(g).full_tensor();
-    torch::autograd::backward({output}, {g});
-    return;
+    return {output, g};
   }
   ShardTensor out(output);
   const ShardSpec& spec = out.spec();
   at::Tensor g;
   if (!grad_output.defined()) {
-    TORCH_CHECK(spec.numel() == 1,
-                "shardtensor::backward: grad_output can be omitted only for a single-element "
-                "output, got ",
+    TORCH_CHECK(spec.numel() == 1, "shardtensor::", what,
+                ": grad_output can be omitted only for a single-element output, got ",
                 spec.to_string());
     g = at::ones_like(out.local());
   } else if (ShardTensor::is_shard_tensor(grad_output)) {
     ShardTensor go(grad_output);
-    TORCH_CHECK(go.spec().global_shape() == spec.global_shape(),
-                "shardtensor::backward: grad_output ", go.spec().to_string(),
-                " does not match output ", spec.to_string());
+    TORCH_CHECK(go.spec().global_shape() == spec.global_shape(), "shardtensor::", what,
+                ": grad_output ", go.spec().to_string(), " does not match output ",
+                spec.to_string());
     // The gradient of a Partial value is replicated (Note [replicated gradients]).
-    Placements want = spec.placements();
-    for (auto& p : want) {
-      if (is_partial(p)) p = Replicate{};
-    }
-    ShardSpec dst(spec.mesh(), want, spec.global_shape(), spec.all_shard_sizes());
-    g = detail::redistribute_local(go.local(), go.spec(), dst);
+    g = detail::redistribute_local(go.local(), go.spec(), *gradient_spec(out.spec_ptr()));
   } else {
-    TORCH_CHECK(grad_output.sizes().vec() == spec.global_shape(),
-                "shardtensor::backward: grad_output of shape ", grad_output.sizes(),
-                " does not match output ", spec.to_string());
+    TORCH_CHECK(grad_output.sizes().vec() == spec.global_shape(), "shardtensor::", what,
+                ": grad_output of shape ", grad_output.sizes(), " does not match output ",
+                spec.to_string());
     g = detail::local_slice(grad_output, spec);
   }
-  torch::autograd::backward({out.local()}, {g.detach()});
+  return {out.local(), keep_graph ? g : g.detach()};
+}
+
+c10::optional<bool> to_c10(std::optional<bool> b) {
+  return b ? c10::optional<bool>(*b) : c10::nullopt;
+}
+
+}  // namespace
+
+void backward(const at::Tensor& output, const at::Tensor& grad_output,
+              std::optional<bool> retain_graph, bool create_graph) {
+  auto [out, g] = seed("backward", output, grad_output, create_graph);
+  torch::autograd::backward({out}, {g}, to_c10(retain_graph), create_graph);
+}
+
+std::vector<at::Tensor> grad(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& inputs,
+                             const std::vector<at::Tensor>& grad_outputs,
+                             std::optional<bool> retain_graph, bool create_graph,
+                             bool allow_unused) {
+  // Metadata only (identical on every rank): checked before any communication.
+  TORCH_CHECK(grad_outputs.empty() || grad_outputs.size() == outputs.size(),
+              "shardtensor::grad: got ", grad_outputs.size(), " grad_outputs for ", outputs.size(),
+              " outputs");
+  std::vector<at::Tensor> outs, seeds, ins;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    auto [o, g] = seed("grad", outputs[i], grad_outputs.empty() ? at::Tensor() : grad_outputs[i],
+                       create_graph);
+    outs.push_back(o);
+    seeds.push_back(g);
+  }
+  for (const at::Tensor& t : inputs) {
+    TORCH_CHECK(t.defined(), "shardtensor::grad: an input is undefined");
+    ins.push_back(ShardTensor::is_shard_tensor(t) ? ShardTensor(t).local() : t);
+  }
+  auto local =
+      torch::autograd::grad(outs, ins, seeds, to_c10(retain_graph), create_graph, allow_unused);
+  std::vector<at::Tensor> result;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (local[i].defined() && ShardTensor::is_shard_tensor(inputs[i])) {
+      result.push_back(ShardTensor::from_local_unchecked(
+          local[i], gradient_spec(ShardTensor(inputs[i]).spec_ptr())));
+    } else {
+      result.push_back(local[i]);
+    }
+  }
+  return result;
 }
 
 }  // namespace shardtensor

@@ -6,7 +6,11 @@
 /// same arguments, in the same order) and is a torch::autograd::Function whose
 /// backward is the adjoint communication. Gradient conventions are in
 /// Note [replicated gradients] (docs/architecture.md): the gradient of a
-/// replicated value is the full gradient, identical on every rank.
+/// replicated value is the full gradient, identical on every rank. Under
+/// create_graph (double backward) every backward is itself recorded as the
+/// adjoint primitive, so gradients of any order are exact (Note
+/// [differentiable adjoints], docs/architecture.md); all_reduce_nograd is the
+/// only primitive without a gradient.
 ///
 /// Partition vectors (`sizes`) give the extent held by each coordinate along
 /// the mesh dim and must be identical on every rank. Errors are c10::Error,

@@ -26,6 +26,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace shardtensor {
 
@@ -115,6 +116,40 @@ at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Pla
 /// backward pass from any tensor, sharded or plain. `grad_output` may be a
 /// ShardTensor with the same spec, a plain tensor of the global shape (sliced
 /// to this rank's piece), or undefined for a single-element output.
-void backward(const at::Tensor& output, const at::Tensor& grad_output = {});
+/// `retain_graph` and `create_graph` as in torch::autograd::backward; with
+/// create_graph the accumulated gradients are differentiable (Note
+/// [differentiable adjoints], docs/architecture.md). Throws (on every rank
+/// alike) if grad_output does not match the output's global shape.
+void backward(const at::Tensor& output, const at::Tensor& grad_output = {},
+              std::optional<bool> retain_graph = std::nullopt, bool create_graph = false);
+
+/// Collective (it runs a backward pass: every rank of the meshes involved must
+/// call it, with the same outputs and inputs). torch::autograd::grad for
+/// ShardTensors and plain tensors alike: returns d(outputs)/d(inputs), one per
+/// input; a ShardTensor input's gradient is a ShardTensor laid out like it
+/// (Partial mesh dims become Replicate), a plain input's is plain, an unused
+/// input's is undefined when allow_unused. `grad_outputs` is empty (every
+/// output has one element) or one per output, each as for backward().
+/// With create_graph=true the gradients are differentiable: a scalar made of
+/// them can be differentiated again (shardtensor::grad or backward), giving
+/// exact second derivatives (gradient penalties, PINN residuals; Note
+/// [differentiable adjoints], docs/custom_layers.md "Higher-order gradients").
+/// Double backward through an op that cannot give it exactly throws a
+/// c10::Error naming the op on every rank.
+///
+/// ```cpp
+/// auto y = model(x);                                   // x: a ShardTensor
+/// auto loss = y.square().mean();                       // plain, replicated
+/// auto gx = shardtensor::grad({loss}, {x}, {}, true, /*create_graph=*/true)[0];
+/// auto penalty = (gx * gx).sum();                      // plain, replicated
+/// penalty.backward();                                  // second derivatives
+/// ```
+/// Throws (on every rank alike) if the counts differ, an input does not
+/// require grad, or an input is unused and allow_unused is false.
+std::vector<at::Tensor> grad(const std::vector<at::Tensor>& outputs,
+                             const std::vector<at::Tensor>& inputs,
+                             const std::vector<at::Tensor>& grad_outputs = {},
+                             std::optional<bool> retain_graph = std::nullopt,
+                             bool create_graph = false, bool allow_unused = false);
 
 }  // namespace shardtensor
