@@ -62,6 +62,7 @@ struct Case {
   bool empty = false;       // empty first shard
   int mask = 0;             // 0 none, 1 bool sharded, 2 float sharded, 3 bool plain key padding
   bool batch_shard = true;  // mesh dim 1 shards the batch (else Replicate)
+  bool seq_shard = true;    // mesh dim 0 shards the sequence (the ring); else the batch, no ring
   at::ScalarType dtype = at::kFloat;
   st::CausalBalance balance = st::CausalBalance::ZigZag;
 };
@@ -76,7 +77,8 @@ class Attention : public ::testing::Test {
     auto q = rnd_d({c.B, c.Hq, c.Sq, c.D}, 1, c.dtype);
     auto k = rnd_d({c.B, c.Hkv, c.Sk, c.D}, 2, c.dtype);
     auto v = rnd_d({c.B, c.Hkv, c.Sk, c.D}, 3, c.dtype);
-    P pl = fit_placements(mesh, {S2, c.batch_shard ? S0 : R});
+    P pl = c.seq_shard ? fit_placements(mesh, {S2, c.batch_shard ? S0 : R})
+                       : fit_placements(mesh, {S0, R});
     auto sizes_of = [&](c10::IntArrayRef shape) -> std::optional<st::ShardSizes> {
       if (!c.empty) return std::nullopt;
       return sizes_with_empty_first(mesh, pl, shape);
@@ -129,6 +131,24 @@ TEST_F(Attention, EmptyShard) {
 TEST_F(Attention, ReplicatedBatchMeshDim) {
   Case c;
   c.batch_shard = false;
+  EXPECT_TRUE(run(c));
+}
+// Regression (found by tests/fuzz, seed 95 at 2 ranks): the batch sharded
+// and no mesh dim sharding the sequence, so there is no ring. Backward sent
+// each rank's dK/dV to the next rank of the last mesh dim (RingShift over
+// mesh dim -1): wrong k/v gradients, and a hang when a batch piece is empty.
+TEST_F(Attention, BatchShardedWithoutRing) {
+  Case c;
+  c.seq_shard = false;
+  EXPECT_TRUE(run(c));
+  c.causal = true;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.mask = 1;
+  EXPECT_TRUE(run(c));
+  c.empty = true;
+  c.mask = 3;
+  c.dtype = at::kDouble;
   EXPECT_TRUE(run(c));
 }
 TEST_F(Attention, Causal) {

@@ -333,6 +333,12 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         if (t > 0) acc_in.progress();
       });
       if (t > 0) dkv.add_(acc_in.finish());  // the accumulator of block src, from (c - 1)
+      if (p.ring_dim < 0) {
+        // No ring (the sequence is not sharded; P == 1): the only block is this
+        // rank's own and its accumulator stays here. RingShift must not run:
+        // mesh dim -1 would be the last mesh dim and swap the batch pieces' dK/dV.
+        return {dq4.view({B, Hq, n, D}), dkv[0], dkv[1], at::Tensor()};
+      }
       acc_in = comm::RingShift::start(dkv, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
                                       comm::kRingTagAccumulators);
       if (t + 1 < p.P) cur = next.finish();
