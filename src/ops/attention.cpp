@@ -556,7 +556,10 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       ql = to_zigzag(ql, 2, q_sizes);
       kl = to_zigzag(kl, 2, kv_sizes);
       vl = to_zigzag(vl, 2, kv_sizes);
-      if (mask_local.defined() && mask_local.dim() >= 2 && mask_local.size(-2) != 1 && s.Sq != 1) {
+      // Whether the mask has query rows to move is a global property (its Sq
+      // extent, the same on every rank), never this rank's piece: a piece of one
+      // row would skip the collective gather_range the other ranks enter.
+      if (mask_local.defined() && mask.dim() >= 2 && mask.size(-2) != 1 && s.Sq != 1) {
         at::NoGradGuard no_grad;
         mask_local = to_zigzag(mask_local, mask_local.dim() - 2, q_sizes);
       }
