@@ -157,15 +157,16 @@ TEST_F(Attention, BatchShardedWithoutRing) {
   c.dtype = at::kDouble;
   EXPECT_TRUE(run(c));
 }
-// Regression (found by tests/fuzz, seed 202 at 2 ranks): zig-zag causal
+// Regression (found by tests/fuzz, seeds 202 and 495 at 2 ranks): zig-zag causal
 // attention with a mask that has query rows. Whether to move the mask's rows
 // to the zig-zag chunks was decided from this rank's piece (one row: no), so
 // a rank holding one query row skipped the collective gather_range the others
 // entered (a hang), or every rank skipped it and the mask rows stayed in the
 // contiguous order (wrong output). S = 3 .. 6 give one-row pieces beside
-// longer ones at 2, 3 and 4 ranks.
+// longer ones at 2, 3 and 4 ranks. S = 1 (seed 495): the mask's single row was
+// never moved, though the query row was (an error on one rank, a hang).
 TEST_F(Attention, CausalZigZagMaskOnOneRowPieces) {
-  for (int64_t S : {3, 4, 5, 6}) {
+  for (int64_t S : {1, 3, 4, 5, 6}) {
     for (int mask : {1, 4}) {
       Case c;
       c.causal = true;

@@ -556,10 +556,11 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       ql = to_zigzag(ql, 2, q_sizes);
       kl = to_zigzag(kl, 2, kv_sizes);
       vl = to_zigzag(vl, 2, kv_sizes);
-      // Whether the mask has query rows to move is a global property (its Sq
-      // extent, the same on every rank), never this rank's piece: a piece of one
-      // row would skip the collective gather_range the other ranks enter.
-      if (mask_local.defined() && mask.dim() >= 2 && mask.size(-2) != 1 && s.Sq != 1) {
+      // The mask has query rows to move iff its Sq extent is the full Sq (then
+      // mask_block split it with q's sizes, even when Sq == 1): a global
+      // property, never this rank's piece, whose one row or none would skip the
+      // collective gather_range the other ranks enter.
+      if (mask_local.defined() && mask.dim() >= 2 && mask.size(-2) == s.Sq) {
         at::NoGradGuard no_grad;
         mask_local = to_zigzag(mask_local, mask_local.dim() - 2, q_sizes);
       }
