@@ -59,9 +59,10 @@ struct Case {
   int64_t B = 2, Hq = 2, Hkv = 2, Sq = 13, Sk = 13, D = 8;
   bool causal = false;
   std::optional<double> scale;
-  bool empty = false;       // empty first shard
-  int mask = 0;             // 0 none, 1 bool sharded, 2 float sharded, 3 bool plain key padding
+  bool empty = false;  // empty first shard
+  int mask = 0;  // 0 none, 1 bool sharded, 2 float sharded, 3 bool plain key padding, 4 bool plain
   bool batch_shard = true;  // mesh dim 1 shards the batch (else Replicate)
+  bool seq_shard = true;    // mesh dim 0 shards the sequence (the ring); else the batch, no ring
   at::ScalarType dtype = at::kFloat;
   st::CausalBalance balance = st::CausalBalance::ZigZag;
 };
@@ -76,7 +77,8 @@ class Attention : public ::testing::Test {
     auto q = rnd_d({c.B, c.Hq, c.Sq, c.D}, 1, c.dtype);
     auto k = rnd_d({c.B, c.Hkv, c.Sk, c.D}, 2, c.dtype);
     auto v = rnd_d({c.B, c.Hkv, c.Sk, c.D}, 3, c.dtype);
-    P pl = fit_placements(mesh, {S2, c.batch_shard ? S0 : R});
+    P pl = c.seq_shard ? fit_placements(mesh, {S2, c.batch_shard ? S0 : R})
+                       : fit_placements(mesh, {S0, R});
     auto sizes_of = [&](c10::IntArrayRef shape) -> std::optional<st::ShardSizes> {
       if (!c.empty) return std::nullopt;
       return sizes_with_empty_first(mesh, pl, shape);
@@ -105,6 +107,12 @@ class Attention : public ::testing::Test {
       at::Tensor m = at::rand({c.B, 1, 1, c.Sk}, gen) > 0.3;
       m.select(-1, 0).fill_(true);  // no row without keys
       in.push_back(RefInput{m, std::nullopt, false});
+    } else if (c.mask == 4) {
+      // [Sq, Sk] bool, plain (replicated); every row keeps its diagonal key.
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(10);
+      at::Tensor m =
+          (at::rand({c.Sq, c.Sk}, gen) > 0.4).logical_or(torch::eye(c.Sq, c.Sk, torch::kBool));
+      in.push_back(RefInput{m, std::nullopt, false});
     }
     auto fn = [c](const std::vector<at::Tensor>& x, const std::vector<at::Tensor>&) {
       at::Tensor m = x.size() > 3 ? x[3] : at::Tensor();
@@ -130,6 +138,47 @@ TEST_F(Attention, ReplicatedBatchMeshDim) {
   Case c;
   c.batch_shard = false;
   EXPECT_TRUE(run(c));
+}
+// Regression (found by tests/fuzz, seed 95 at 2 ranks): the batch sharded
+// and no mesh dim sharding the sequence, so there is no ring. Backward sent
+// each rank's dK/dV to the next rank of the last mesh dim (RingShift over
+// mesh dim -1): wrong k/v gradients, and a hang when a batch piece is empty.
+TEST_F(Attention, BatchShardedWithoutRing) {
+  Case c;
+  c.seq_shard = false;
+  EXPECT_TRUE(run(c));
+  c.causal = true;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.mask = 1;
+  EXPECT_TRUE(run(c));
+  c.empty = true;
+  c.mask = 3;
+  c.dtype = at::kDouble;
+  EXPECT_TRUE(run(c));
+}
+// Regression (found by tests/fuzz, seeds 202 and 495 at 2 ranks): zig-zag causal
+// attention with a mask that has query rows. Whether to move the mask's rows
+// to the zig-zag chunks was decided from this rank's piece (one row: no), so
+// a rank holding one query row skipped the collective gather_range the others
+// entered (a hang), or every rank skipped it and the mask rows stayed in the
+// contiguous order (wrong output). S = 3 .. 6 give one-row pieces beside
+// longer ones at 2, 3 and 4 ranks. S = 1 (seed 495): the mask's single row was
+// never moved, though the query row was (an error on one rank, a hang).
+TEST_F(Attention, CausalZigZagMaskOnOneRowPieces) {
+  for (int64_t S : {1, 3, 4, 5, 6}) {
+    for (int mask : {1, 4}) {
+      Case c;
+      c.causal = true;
+      c.balance = st::CausalBalance::ZigZag;
+      c.Sq = c.Sk = S;
+      c.mask = mask;
+      EXPECT_TRUE(run(c)) << "S=" << S << " mask=" << mask;
+      c.empty = true;
+      c.dtype = at::kDouble;
+      EXPECT_TRUE(run(c)) << "S=" << S << " mask=" << mask << " empty, float64";
+    }
+  }
 }
 TEST_F(Attention, Causal) {
   Case c;

@@ -452,6 +452,42 @@ TEST_F(Conv, HaloExchangeHelperGradient) {
     }
 }
 
+// Regression (found by tests/fuzz, seed 1348 at 2 ranks). A rule padded its
+// local piece with a pad list that also spans a sharded dim (zero entries)
+// whose piece on this rank is empty, and libtorch 1.13's constant_pad_nd
+// refuses any covered dim of padded extent 0: that rank threw, the others
+// waited (Note [empty pieces in constant_pad_nd]): conv "same" and
+// halo_exchange did; the pad rule, checked alongside, did not. Sharded
+// extents of 1 leave pieces empty at every P > 1; empty() empties coordinate 0.
+TEST_F(Conv, ConstantPadBesideAnEmptyPiece) {
+  // conv2d "same" with an even kernel along the unsharded W: zeros on its right.
+  auto x = rnd({2, 3, 1, 7}, 70);
+  auto w = rnd({2, 3, 1, 2}, 71), b = rnd({2}, 72);
+  auto same = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::conv2d(in[0], p[0], p[1], {1, 1}, "same", {1, 1});
+  };
+  EXPECT_TRUE(check(same, {sh(x, {S2})}, {w, b}));
+  EXPECT_TRUE(check(same, {empty(x, {S2})}, {w, b}));
+  // A constant pad of the unsharded H while the last dim W is sharded.
+  auto y = rnd({2, 3, 5, 1}, 73);
+  auto pad = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::constant_pad_nd(in[0], {0, 0, 2, 1}, 0.5);
+  };
+  EXPECT_TRUE(check(pad, {sh(y, {S3})}));
+  EXPECT_TRUE(check(pad, {empty(y, {S3})}));
+  // halo_exchange along the unsharded H (a local pad) while W is sharded.
+  auto halo = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    if (!st::ShardTensor::is_shard_tensor(in[0])) {
+      return at::constant_pad_nd(in[0], {0, 0, 1, 2}, 0.25);
+    }
+    const auto& spec = st::ShardTensor(in[0]).spec();
+    at::Tensor h = st::halo_exchange(in[0], 2, 1, 2, st::PadMode::Constant, 0.25);
+    return st::ShardTensor::from_local(h, spec.mesh(), spec.placements(), spec.all_shard_sizes());
+  };
+  EXPECT_TRUE(check(halo, {sh(y, {S3})}));
+  EXPECT_TRUE(check(halo, {empty(y, {S3})}));
+}
+
 // -------------------------------------------------- traffic, memory, errors
 
 TEST_F(Conv, ForwardSendsExactlyTheHaloBytes) {

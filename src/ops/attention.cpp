@@ -413,6 +413,12 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         if (t > 0) acc_in.progress();
       });
       if (t > 0) dkv.add_(acc_in.finish());  // the accumulator of block src, from (c - 1)
+      if (p.ring_dim < 0) {
+        // No ring (the sequence is not sharded; P == 1): the only block is this
+        // rank's own and its accumulator stays here. RingShift must not run:
+        // mesh dim -1 would be the last mesh dim and swap the batch pieces' dK/dV.
+        return {dq4.view({B, Hq, n, D}), dkv[0], dkv[1], at::Tensor()};
+      }
       acc_in = comm::RingShift::start(dkv, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
                                       comm::kRingTagAccumulators);
       if (t + 1 < p.P) cur = next.finish();
@@ -631,7 +637,11 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       ql = to_zigzag(ql, 2, q_sizes);
       kl = to_zigzag(kl, 2, kv_sizes);
       vl = to_zigzag(vl, 2, kv_sizes);
-      if (mask_local.defined() && mask_local.dim() >= 2 && mask_local.size(-2) != 1 && s.Sq != 1) {
+      // The mask has query rows to move iff its Sq extent is the full Sq (then
+      // mask_block split it with q's sizes, even when Sq == 1): a global
+      // property, never this rank's piece, whose one row or none would skip the
+      // collective gather_range the other ranks enter.
+      if (mask_local.defined() && mask.dim() >= 2 && mask.size(-2) == s.Sq) {
         at::NoGradGuard no_grad;
         mask_local = to_zigzag(mask_local, mask_local.dim() - 2, q_sizes);
       }

@@ -127,7 +127,7 @@ at::Tensor gather_input(const at::Tensor& local, const ConvPlan& p) {
     pad[2 * (p.nsp - 1 - i) + 1] = p.extra_right[i];
     extra = extra || p.extra_right[i] != 0;
   }
-  if (extra) x = at::constant_pad_nd(x, pad, 0);
+  if (extra) x = constant_pad_piece(x, pad, 0);
   if (!p.batched) x = x.unsqueeze(0);
   return x;
 }

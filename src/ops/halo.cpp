@@ -71,7 +71,7 @@ at::Tensor halo_exchange(const at::Tensor& t, int64_t dim, int64_t left, int64_t
     std::vector<int64_t> pad(2 * (t.dim() - dim), 0);
     pad[pad.size() - 2] = left;
     pad[pad.size() - 1] = right;
-    return at::constant_pad_nd(local, pad, value);
+    return ops::constant_pad_piece(local, pad, value);
   }
   std::vector<int64_t> idx;
   for (int64_t g = -left; g < n + right; ++g) idx.push_back(source_index(g, n, mode));
