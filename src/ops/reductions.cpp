@@ -317,15 +317,17 @@ void sum_like(const c10::OperatorHandle& op, Stack* stack, bool mean, bool nan) 
   if (p.all) sync.insert(sync.end(), p.partial_dims.begin(), p.partial_dims.end());
   at::Tensor local = nan ? resolved_local(x) : local_of(x);
   if (sync.empty()) return run_local(op, std::move(args), local, p, stack);
-  // Note [reduced precision]: float16/bfloat16 partial sums in float32, rounded once.
+  // Note [reduced precision]: float16/bfloat16 partial sums in float32, rounded
+  // once (integer and bool inputs keep libtorch's promotion, to int64).
   const at::ScalarType out_type = dtype.value_or(x.scalar_type());
-  const auto sum_type =
-      is_reduced_float(out_type) ? c10::optional<at::ScalarType>(at::kFloat) : dtype;
+  const bool widen = is_reduced_float(out_type);
+  const auto sum_type = widen ? c10::optional<at::ScalarType>(at::kFloat) : dtype;
   at::Tensor r =
       nan ? at::nansum(local, p.dims, true, sum_type) : at::sum(local, p.dims, true, sum_type);
   r = sum_over(r, in.mesh(), sync);
   if (mean) r = r / static_cast<double>(p.count);
-  stack->push_back(result(finish(r.to(out_type), p), p));
+  if (widen) r = r.to(out_type);
+  stack->push_back(result(finish(r, p), p));
 }
 
 // ---------------------------------------------------------------- max, min
