@@ -246,8 +246,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("to_string", [](const at::Tensor& t) { return view(t, "repr").to_string(); });
   m.def(
       "backward",
-      [](const at::Tensor& output, std::optional<at::Tensor> grad,
-         std::optional<bool> retain_graph, bool create_graph) {
+      [](const at::Tensor& output, std::optional<at::Tensor> grad, std::optional<bool> retain_graph,
+         bool create_graph) {
         st::backward(output, grad.value_or(at::Tensor()), retain_graph, create_graph);
       },
       py::arg("output"), py::arg("grad") = py::none(), py::arg("retain_graph") = py::none(),
