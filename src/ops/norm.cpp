@@ -394,11 +394,22 @@ void check_dtypes(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
 // spatial dim, merged over every mesh dim that shards one of them.
 void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
-  const at::Tensor& x = args[0].toTensor();
   const bool training = args[5].toBool();
   const double momentum = args[6].toDouble();
   const double eps = args[7].toDouble();
-  if (!spec_of(x)) fail(op, args, "the input must be the ShardTensor");
+  if (!spec_of(args[0].toTensor())) fail(op, args, "the input must be the ShardTensor");
+  // Note [batch_norm strides]: libtorch 1.13's CPU batch_norm backward (train
+  // and eval) returns wrong input gradients for an input that is channels-last
+  // contiguous while suggest_memory_format() says Contiguous (size-1 dims with
+  // odd strides, as a transposed or einsum piece has). A user avoids that with
+  // .contiguous(), which on a ShardTensor is a no-op (the wrapper is
+  // contiguous), so the paths below that call libtorch's batch_norm on the
+  // local piece get a contiguous one (a copy only when it is not).
+  if (!local_of(args[0].toTensor()).is_contiguous()) {
+    const at::Tensor& in = args[0].toTensor();
+    args[0] = wrap(local_of(in).contiguous(), spec_ptr_of(in));
+  }
+  const at::Tensor& x = args[0].toTensor();
   check_dtypes(op, args, training ? "batch_norm (training)" : "batch_norm (eval)",
                [training](c10::ArrayRef<at::ScalarType> t, bool rg) {
                  return at::batch_norm(probe_ones({2, 2, 2}, t[0], rg), probe_ones({2}, t[1]),
