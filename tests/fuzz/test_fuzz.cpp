@@ -498,6 +498,30 @@ std::vector<int64_t> dims_from(int64_t first, int64_t r) {
   return d;
 }
 
+// libtorch 1.13's CPU batch_norm backward (train and eval; instance_norm runs
+// on it) returns wrong input gradients when its input or its incoming
+// gradient is channels-last contiguous while suggest_memory_format() says
+// Contiguous: size-1 dims with odd strides, as einsum, permute or transpose
+// results have (found by this tester: seeds 5196, 400051, 400920). The
+// reference run must be right, so there those ops get a contiguous input and,
+// through ContiguousGrad, a contiguous gradient. The sharded rules compute
+// the sharded statistics themselves (and hand libtorch a contiguous piece,
+// Note [batch_norm strides] in src/ops/norm.cpp).
+struct ContiguousGrad : torch::autograd::Function<ContiguousGrad> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    return {g[0].contiguous()};
+  }
+};
+template <class F>
+at::Tensor with_contiguous_layouts(const at::Tensor& x, F&& norm) {
+  if (sharded(x)) return norm(x);
+  return ContiguousGrad::apply(norm(x.contiguous()));
+}
+
 Maybe op_norm(Gen& g, const at::Tensor& cur) {
   const int64_t r = cur.dim();
   if (r < 2) return {};
@@ -519,17 +543,12 @@ Maybe op_norm(Gen& g, const at::Tensor& cur) {
       const at::Tensor rm = g.values({c}, 0.3), rv = g.values({c}, 0.2, 1.0).abs();
       os << "batch_norm(" << (training ? "train" : "eval") << (affine ? "" : ",noaffine") << ")";
       StepFn fn = [=](const at::Tensor& x0, const Tensors&, const Tensors& p) {
-        // libtorch 1.13's CPU batch_norm backward (training) returns a wrong input
-        // gradient for an input that is channels-last contiguous while
-        // suggest_memory_format() says Contiguous (size-1 dims with odd strides,
-        // e.g. an einsum result [1, 2, 5, 1] with strides [2, 1, 2, 2]; found by
-        // this tester, seed 5196). The reference therefore runs on a contiguous
-        // copy; the sharded rule computes the statistics itself.
-        const at::Tensor x = sharded(x0) ? x0 : x0.contiguous();
-        // Fresh copies of the running statistics per call (the rule updates them in place).
-        return at::batch_norm(x, affine ? p[w] : at::Tensor(), affine ? p[b] : at::Tensor(),
-                              rm.to(x.scalar_type(), false, true),
-                              rv.to(x.scalar_type(), false, true), training, 0.1, 1e-5, false);
+        return with_contiguous_layouts(x0, [&](const at::Tensor& x) {
+          // Fresh copies of the running statistics per call (the rule updates them in place).
+          return at::batch_norm(x, affine ? p[w] : at::Tensor(), affine ? p[b] : at::Tensor(),
+                                rm.to(x.scalar_type(), false, true),
+                                rv.to(x.scalar_type(), false, true), training, 0.1, 1e-5, false);
+        });
       };
       return Step{os.str(), fn, "norm"};
     }
@@ -537,9 +556,11 @@ Maybe op_norm(Gen& g, const at::Tensor& cur) {
       if (r < 3) return {};
       const size_t w = affine ? g.param({c}, 0.2, 1.0) : 0, b = affine ? g.param({c}, 0.2) : 0;
       os << "instance_norm(" << (affine ? "affine" : "noaffine") << ")";
-      StepFn fn = [=](const at::Tensor& x, const Tensors&, const Tensors& p) {
-        return at::instance_norm(x, affine ? p[w] : at::Tensor(), affine ? p[b] : at::Tensor(), {},
-                                 {}, true, 0.1, 1e-5, false);
+      StepFn fn = [=](const at::Tensor& x0, const Tensors&, const Tensors& p) {
+        return with_contiguous_layouts(x0, [&](const at::Tensor& x) {
+          return at::instance_norm(x, affine ? p[w] : at::Tensor(), affine ? p[b] : at::Tensor(),
+                                   {}, {}, true, 0.1, 1e-5, false);
+        });
       };
       return Step{os.str(), fn, "norm"};
     }
