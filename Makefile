@@ -6,7 +6,7 @@
 # Also: make demo-vit (examples/vit_train on 4 ranks), make demo-py (examples/python/unet_train.py
 # on 4 ranks through the Python package; DEMO_PY_ARGS passes flags).
 # Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean,
-# test-asan (ASAN_TESTS=regex for a subset), fuzz SECONDS=... NP=... (randomized differential tests),
+# test-asan (ASAN_TESTS=regex for a subset), fuzz SECONDS=... NP=... [MESH=2x2] (randomized differential tests),
 # bench-quick, bench, bench-report (see bench/run.sh and docs/benchmarks.md).
 # Overridable: DEMO (unet_train, fno_train, gnn_train, vit_train, ...), DEMO_ARGS, NP, BUILD_DIR, BUILD_TYPE, JOBS, TEST_JOBS, TEST_TIMEOUT, PREFIX,
 # CMAKE_ARGS, MPIRUN_FLAGS, SKIP_DEPS=1 (do not touch the system's packages).
@@ -73,7 +73,8 @@ help:
 	@echo "make demo-py  build the Python package and run examples/python/unet_train.py on 4 ranks"
 	@echo "make test     build and run all tests (ctest)"
 	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
-	@echo "make fuzz SECONDS=300 NP=4  randomized differential tests (sharded vs libtorch)"
+	@echo "make fuzz SECONDS=300 NP=4 [MESH=2x2] [FUZZ_SEED=n]  random programs, sharded vs plain libtorch"
+	@echo "                   (reproduce one: FUZZ_SEED=n FUZZ_COUNT=1; tests/fuzz/test_fuzz.cpp lists FUZZ_* knobs)"
 	@echo "make test-asan     AddressSanitizer + UBSan build in build-asan/, runs the suite (ASAN_TESTS=regex: a subset)"
 	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
 	@echo "make bench         every benchmark scenario -> bench/results/*.json"
@@ -131,12 +132,17 @@ test-asan: deps
 	  --timeout $(TEST_TIMEOUT) -j $(TEST_JOBS) $(if $(ASAN_TESTS),-R '$(ASAN_TESTS)')
 
 # Randomized differential tester (tests/fuzz/): random programs, sharded vs
-# plain libtorch, for SECONDS seconds on NP ranks (FUZZ_SEED picks the first seed).
+# plain libtorch, for SECONDS seconds on NP ranks (MESH=2x2: on the 2x2 mesh,
+# NP=4); FUZZ_SEED picks the first seed, and every mismatch prints the one-line
+# command that reproduces it. Other FUZZ_* variables (FUZZ_VERBOSE, FUZZ_STEPS,
+# FUZZ_DTYPE, FUZZ_TRACE, FUZZ_DUMP) pass through the environment.
 SECONDS   ?= 300
 FUZZ_SEED ?= $(shell date +%s)
+MESH      ?=
 fuzz: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target test_fuzz
 	FUZZ_SEED=$(FUZZ_SEED) FUZZ_COUNT=100000000 FUZZ_SECONDS=$(SECONDS) \
+	  $(if $(MESH),SHARDTENSOR_TEST_MESH=$(MESH)) \
 	  $(MPIRUN) $(MPIRUN_FLAGS) -np $(NP) $(BUILD_ABS)/tests/test_fuzz
 
 # Checks every package with dpkg-query; apt-get runs only when one is missing.

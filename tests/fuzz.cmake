@@ -1,6 +1,9 @@
 # Randomized differential tester (tests/fuzz/): a fixed budget of random
 # programs at 2, 3 and 4 ranks and on the 2x2 mesh (FUZZ_COUNT programs each,
-# different seeds per rank count); `make fuzz SECONDS=...` runs longer campaigns.
+# different seeds per rank count, at most FUZZ_SECONDS each: about 15 ms per
+# program, so the four take about half a minute together on 2 cores);
+# `make fuzz SECONDS=...` runs longer campaigns.
+set(SHARDTENSOR_FUZZ_BUDGET "FUZZ_COUNT=600;FUZZ_SECONDS=60;SHARDTENSOR_TIMEOUT=60")
 add_executable(test_fuzz fuzz/test_fuzz.cpp)
 target_link_libraries(test_fuzz PRIVATE shardtensor_testing)
 if(SHARDTENSOR_USE_PCH)
@@ -11,11 +14,11 @@ foreach(np 2 3 4)
   add_test(NAME test_fuzz.np${np}
     COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np ${np} $<TARGET_FILE:test_fuzz>)
   set_tests_properties(test_fuzz.np${np} PROPERTIES
-    ENVIRONMENT "${SHARDTENSOR_TEST_ENV};FUZZ_SEED=${_fuzz_seed};FUZZ_COUNT=40;FUZZ_SECONDS=40;SHARDTENSOR_TIMEOUT=120"
+    ENVIRONMENT "${SHARDTENSOR_TEST_ENV};FUZZ_SEED=${_fuzz_seed};${SHARDTENSOR_FUZZ_BUDGET}"
     TIMEOUT 300 PROCESSORS 2 LABELS "mpi;fuzz")
 endforeach()
 add_test(NAME test_fuzz.mesh2x2
   COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np 4 $<TARGET_FILE:test_fuzz>)
 set_tests_properties(test_fuzz.mesh2x2 PROPERTIES
-  ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TEST_MESH=2x2;FUZZ_SEED=500000;FUZZ_COUNT=40;FUZZ_SECONDS=40;SHARDTENSOR_TIMEOUT=120"
+  ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TEST_MESH=2x2;FUZZ_SEED=500000;${SHARDTENSOR_FUZZ_BUDGET}"
   TIMEOUT 300 PROCESSORS 2 LABELS "mpi;fuzz")

@@ -150,13 +150,14 @@ TEST_F(Norm, BatchNormFunctionalEval) {
   sweep("F::batch_norm eval", fn, rnd({5, 3, 7, 6}, 5), kLayouts4d, {rnd({3}, 2), rnd({3}, 3)});
 }
 
-// Regression (found by tests/fuzz, seed 302753 at 3 ranks). libtorch 1.13's
-// CPU batch_norm backward is wrong for an input that is channels-last
-// contiguous while suggest_memory_format() says Contiguous, here
-// x.transpose(3, 1) of [N, 1, H, C] (strides [H*C, 1, C, H*C]). With plain
-// tensors .contiguous() avoids it; on a ShardTensor .contiguous() does not
-// reach the local piece, so the rule's local and plain paths (Replicate, eval
-// mode, P = 1) returned wrong input gradients (Note [batch_norm strides]).
+// Regression (found by tests/fuzz, seeds 302753 and 311602 at 3 ranks).
+// libtorch 1.13's CPU batch_norm backward is wrong for an input or an
+// incoming gradient that is channels-last contiguous while
+// suggest_memory_format() says Contiguous, here x.transpose(3, 1) of
+// [N, 1, H, C] (strides [H*C, 1, C, H*C]). With plain tensors .contiguous()
+// avoids the input side; on a ShardTensor .contiguous() does not reach the
+// local piece, so the rule's local and plain paths (Replicate, eval mode,
+// P = 1) returned wrong input gradients (Note [batch_norm strides]).
 TEST_F(Norm, BatchNormOfTransposedPiece) {
   auto src = rnd({2, 1, 4, 8}, 30, 1.5, 0.2);
   for (bool training : {true, false}) {
@@ -165,11 +166,26 @@ TEST_F(Norm, BatchNormOfTransposedPiece) {
       return torch::batch_norm(t, p[0], p[1], rnd({8}, 31), rnd({8}, 32).abs() + 0.5, training, 0.1,
                                1e-5, false);
     };
+    // The gradient side (seed 311602): a transpose after batch_norm hands its
+    // backward a gradient in that layout. The reference dodges libtorch's bug
+    // with a hook that makes its gradient contiguous; the rule must do the same.
+    auto after = [training](const std::vector<at::Tensor>& x, const std::vector<at::Tensor>& p) {
+      at::Tensor y = torch::batch_norm(x[0].transpose(3, 1).contiguous(), p[0], p[1], rnd({8}, 31),
+                                       rnd({8}, 32).abs() + 0.5, training, 0.1, 1e-5, false);
+      if (!st::ShardTensor::is_shard_tensor(y)) {
+        y.register_hook([](const at::Tensor& g) { return g.contiguous(); });
+      }
+      return y.transpose(3, 1);
+    };
     for (const P& layout : std::vector<P>{{R, R}, {S0, R}, {S2, R}, {R, S2}}) {
       for (bool empty : {false, true}) {
         RefInput in = input(src, layout, empty);
-        EXPECT_TRUE(reference_check(fn, {in}, mesh, {rnd({8}, 33), rnd({8}, 34)}, kRtol, kAtol))
-            << (training ? "train" : "eval") << " on " << describe(*in.placements, empty);
+        for (const auto& [f, what] :
+             {std::make_pair(RefFn(fn), "input"), std::make_pair(RefFn(after), "gradient")}) {
+          EXPECT_TRUE(reference_check(f, {in}, mesh, {rnd({8}, 33), rnd({8}, 34)}, kRtol, kAtol))
+              << what << " layout, " << (training ? "train" : "eval") << " on "
+              << describe(*in.placements, empty);
+        }
       }
     }
   }

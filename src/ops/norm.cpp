@@ -389,6 +389,29 @@ void check_dtypes(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
 
 // ---------------------------------------------------------------- batch_norm
 
+// Note [batch_norm strides]: libtorch 1.13's CPU batch_norm backward (train
+// and eval; instance_norm runs on it) returns wrong input gradients when its
+// input or its incoming gradient is channels-last contiguous while
+// suggest_memory_format() says Contiguous: size-1 dims with odd strides, as a
+// transposed, permuted or einsum piece has (found by tests/fuzz). A user of
+// plain tensors can call .contiguous() on the input; on a ShardTensor that is a
+// no-op (the wrapper is contiguous), and the gradient's layout is the next
+// op's choice. So wherever a rule calls libtorch's batch_norm or instance_norm
+// on a local piece it passes a contiguous piece and makes the gradient
+// reaching that backward contiguous (a hook; a copy only when it is not).
+at::Tensor with_contiguous_grad(at::Tensor local_out) {
+  if (local_out.requires_grad()) {
+    local_out.register_hook([](const at::Tensor& g) { return g.contiguous(); });
+  }
+  return local_out;
+}
+
+// call_plain for batch_norm / instance_norm (Note [batch_norm strides]).
+void call_plain_norm(const c10::OperatorHandle& op, std::vector<c10::IValue> args, Stack* stack) {
+  call_plain(op, std::move(args), stack);
+  with_contiguous_grad(local_of(stack->back().toTensor()));
+}
+
 // batch_norm(input, weight?, bias?, running_mean?, running_var?, training,
 // momentum, eps, cudnn_enabled). Statistics per channel over N and every
 // spatial dim, merged over every mesh dim that shards one of them.
@@ -398,13 +421,8 @@ void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   const double momentum = args[6].toDouble();
   const double eps = args[7].toDouble();
   if (!spec_of(args[0].toTensor())) fail(op, args, "the input must be the ShardTensor");
-  // Note [batch_norm strides]: libtorch 1.13's CPU batch_norm backward (train
-  // and eval) returns wrong input gradients for an input that is channels-last
-  // contiguous while suggest_memory_format() says Contiguous (size-1 dims with
-  // odd strides, as a transposed or einsum piece has). A user avoids that with
-  // .contiguous(), which on a ShardTensor is a no-op (the wrapper is
-  // contiguous), so the paths below that call libtorch's batch_norm on the
-  // local piece get a contiguous one (a copy only when it is not).
+  // Note [batch_norm strides]: the paths below that call libtorch's
+  // batch_norm on the local piece get a contiguous one.
   if (!local_of(args[0].toTensor()).is_contiguous()) {
     const at::Tensor& in = args[0].toTensor();
     args[0] = wrap(local_of(in).contiguous(), spec_ptr_of(in));
@@ -437,7 +455,7 @@ void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
     }
     if (!(training && reduces_over_shard(in, [](int64_t d) { return d != 1; })) &&
         runs_plain(*spec_of(x), local_of(x), local_dims)) {
-      return call_plain(op, std::move(args), stack);
+      return call_plain_norm(op, std::move(args), stack);
     }
   }
   at::Tensor w = channel_param(op, args, opt_tensor(args[1]), channels, in, "weight");
@@ -445,9 +463,10 @@ void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto mdims = mesh_dims_where(in, [](int64_t d) { return d != 1; });
   if (!training || !reduces_over_shard(in, [](int64_t d) { return d != 1; })) {
     // Eval mode (running statistics, elementwise) or nothing reduced is sharded: local.
-    at::Tensor y = local.numel() == 0 ? empty_result(local, w, b)
-                                      : at::batch_norm(local, w, b, rm, rv, training, momentum, eps,
-                                                       args[8].toBool());
+    at::Tensor y = local.numel() == 0
+                       ? empty_result(local, w, b)
+                       : with_contiguous_grad(at::batch_norm(local, w, b, rm, rv, training,
+                                                             momentum, eps, args[8].toBool()));
     stack->push_back(wrap(y, spec));
     return;
   }
@@ -505,7 +524,7 @@ void instance_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
       runs_plain(
           *spec_of(x), local_of(x),
           use_input_stats && rm.defined() ? std::vector<int64_t>{} : std::vector<int64_t>{0})) {
-    return call_plain(op, std::move(args), stack);
+    return call_plain_norm(op, std::move(args), stack);
   }
   at::Tensor w = channel_param(op, args, opt_tensor(args[1]), channels, in, "weight");
   at::Tensor b = channel_param(op, args, opt_tensor(args[2]), channels, in, "bias");
@@ -515,8 +534,9 @@ void instance_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   if (!use_input_stats ||
       (!reduces_over_shard(in, [](int64_t d) { return d >= 2; }) && (!update || batch.empty()))) {
     at::Tensor y = local.numel() == 0 ? empty_result(local, w, b)
-                                      : at::instance_norm(local, w, b, rm, rv, use_input_stats,
-                                                          momentum, eps, args[8].toBool());
+                                      : with_contiguous_grad(at::instance_norm(
+                                            local.contiguous(), w, b, rm, rv, use_input_stats,
+                                            momentum, eps, args[8].toBool()));
     stack->push_back(wrap(y, spec));
     return;
   }
