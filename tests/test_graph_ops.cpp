@@ -390,6 +390,18 @@ TEST(GraphOps, PlanCacheReusesAndRebuilds) {
     sx.index_select(0, keep.back());
   }
   EXPECT_EQ(st::ops::index_plan_cache_stats().entries, st::ops::kMaxIndexPlans);
+  // Inference tensors have no version counter: used, never cached.
+  const int64_t before = st::ops::index_plan_cache_stats().builds;
+  at::Tensor y1, y2;
+  {
+    c10::InferenceMode guard;
+    auto sinf = st::distribute_tensor(ids, mesh, fit_placements(mesh, kRows));
+    y1 = sx.index_select(0, sinf);
+    y2 = sx.index_select(0, sinf);
+  }
+  EXPECT_TRUE(all_close(gathered(y1), x.index_select(0, ids), 0, 0));
+  EXPECT_TRUE(all_close(gathered(y2), x.index_select(0, ids), 0, 0));
+  EXPECT_EQ(st::ops::index_plan_cache_stats().builds, before + 2);
   st::ops::clear_index_plan_cache();
 }
 

@@ -119,7 +119,9 @@ std::vector<c10::IValue> peek_args(const c10::OperatorHandle& op, const Stack& s
 // not detect them; an index rebuilt on every call (e.g. `dst.unsqueeze(1)
 // .expand(...)` inside the layer) is a new tensor each time and builds a new
 // plan: hoist it out of the loop. Inference tensors (no version counter) are
-// never cached.
+// never cached. An entry holds its plan (and through it the mesh) and the
+// mapped index until its index tensor dies and the next call of one of these
+// rules drops it, or until clear_index_plan_cache() (ops/graph_ops.h).
 //
 // The plan's send lists depend on every rank's ids, so a rank may reuse its
 // plan only if every rank reuses the plan of the *same* build. Each call
@@ -232,8 +234,8 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
   std::lock_guard<std::mutex> lock(c.mu);
   ++c.builds;
   c.stamp = v[4];
-  c.entries.remove_if([&](const Entry& e) { return same_key(e, idx, mesh, m, node_sizes); });
   if (cacheable) {
+    c.entries.remove_if([&](const Entry& e) { return same_key(e, idx, mesh, m, node_sizes); });
     Entry e;
     e.impl = Entry::WeakImpl(idx.getIntrusivePtr());
     e.raw = idx.unsafeGetTensorImpl();
