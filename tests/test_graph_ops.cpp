@@ -37,12 +37,7 @@ at::Tensor coarse(c10::IntArrayRef shape, uint64_t seed, at::ScalarType dt) {
   return (at::round(rnd(shape, seed) * 2).clamp(-4, 4) / 2).to(dt);
 }
 
-/// Both placements of nodes and edges: empty first node piece, then empty
-/// first edge piece.
-struct Case {
-  bool empty_nodes;
-};
-
+/// Nodes or edges sharded by rows, balanced or with an empty first piece.
 RefInput nodes(const st::DeviceMesh& mesh, const at::Tensor& full, bool empty, bool rg = true) {
   return empty ? empty_first_input(mesh, full, kRows, rg) : sharded_input(mesh, full, kRows, rg);
 }
@@ -341,7 +336,17 @@ TEST(GraphOps, OnlyGhostRowsMove) {
   auto se = st::distribute_tensor(g.e, mesh, fit_placements(mesh, kRows), true);
   mp_network({sx, sei, se}, params);  // warm the plans
   st::reset_comm_stats();
-  auto fb = fallbacks_of([&] { st::backward(mp_network({sx, sei, se}, params).sum()); });
+  // Strict mode refuses every gather: the network runs anyway.
+  struct StrictOn {
+    bool was = st::strict();
+    StrictOn() { st::set_strict(true); }
+    ~StrictOn() { st::set_strict(was); }
+  };
+  std::pair<int64_t, int64_t> fb;
+  {
+    StrictOn strict;
+    fb = fallbacks_of([&] { st::backward(mp_network({sx, sei, se}, params).sum()); });
+  }
   EXPECT_EQ(fb.first, 0);
   EXPECT_EQ(fb.second, 0);
 }
@@ -456,7 +461,7 @@ TEST(GraphOps, OtherLayoutsKeepTheExactFallback) {
                           x.index_select(1, ids), 0, 0));
   });
   EXPECT_EQ(fb.first, 2);
-  EXPECT_GT(fb.second, mesh.size(0) > 1 ? 0 : -1);
+  if (mesh.size(0) > 1) EXPECT_GT(fb.second, 0);  // the fallback's gather, counted
 }
 
 }  // namespace
