@@ -409,6 +409,49 @@ TEST_F(DoubleBackward, Float64Conv2dAndLayerNorm) {
   }
 }
 
+// Message passing with plain ops on row-sharded nodes and edges (Note [graph
+// op rules]): index_select and gather go through ghost_exchange, sums and
+// means through ghost_accumulate (autograd), amax/amin through the
+// hand-written ScatterCombineFn, whose backward is differentiable.
+TEST_F(DoubleBackward, GraphIndexAndScatterOps) {
+  const int64_t N = 11, E = 23;
+  const at::Tensor x = seeded({N, 2}, 27);
+  const at::Tensor src = seeded({E, 2}, 28);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(29);
+  const at::Tensor idx = at::randint(N, {E, 2}, gen, at::kLong);
+  for (bool empty : {false, true}) {
+    // An empty first node piece, or an empty first edge piece (index and src alike).
+    const std::vector<RefInput> in = {input(x, {S0, R}, empty),
+                                      empty ? sharded_input(mesh, idx, {S0, R}, false)
+                                            : empty_first_input(mesh, idx, {S0, R}, false),
+                                      input(src, {S0, R}, !empty)};
+    EXPECT_TRUE(double_backward_check(
+        [](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+          at::Tensor m = at::tanh(t[0].gather(0, t[1]) + t[2]);
+          return t[0].index_add(0, t[1].select(1, 0), m * t[0].index_select(0, t[1].select(1, 1)));
+        },
+        in, mesh))
+        << "gather / index_select / index_add" << (empty ? " empty-first" : "");
+    for (const char* reduce : {"sum", "mean", "amax", "amin"}) {
+      for (bool include_self : {true, false}) {
+        EXPECT_TRUE(double_backward_check(
+            [&](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+              return t[0].scatter_reduce(0, t[1], t[2] * t[2], reduce, include_self);
+            },
+            in, mesh))
+            << reduce << " include_self=" << include_self << (empty ? " empty-first" : "");
+      }
+    }
+  }
+  // prod's coefficients are computed as constants: double backward refuses.
+  const P rows = fit_placements(mesh, {S0, R});
+  at::Tensor sx = st::distribute_tensor(x, mesh, rows, true);
+  at::Tensor ss = st::distribute_tensor(src, mesh, rows, true);
+  at::Tensor y = sx.scatter_reduce(0, st::distribute_tensor(idx, mesh, rows), ss, "prod").sum();
+  EXPECT_TRUE(throws_everywhere([&] { st::grad({y}, {ss}, {}, true, /*create_graph=*/true); },
+                                {"double backward", "prod", "not supported"}));
+}
+
 // ShardTensor.backward(gradient, retain_graph, create_graph) accumulates a
 // differentiable gradient, as torch does; a second backward adds the second
 // derivative on top of it.

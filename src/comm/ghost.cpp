@@ -65,10 +65,8 @@ at::Tensor accumulate_kernel(const at::Tensor& extended, const detail::GhostPlan
     if (op == ReduceOp::Sum) {
       out.index_add_(0, d.send_rows[i], recvs[i].buffer);
     } else {
-      TORCH_CHECK(op == ReduceOp::Max || op == ReduceOp::Min,
-                  "shardtensor::ghost_accumulate_nograd: only Sum, Max and Min are supported");
-      out.index_reduce_(0, d.send_rows[i], recvs[i].buffer, op == ReduceOp::Max ? "amax" : "amin",
-                        /*include_self=*/true);
+      const char* r = op == ReduceOp::Max ? "amax" : op == ReduceOp::Min ? "amin" : "prod";
+      out.index_reduce_(0, d.send_rows[i], recvs[i].buffer, r, /*include_self=*/true);
     }
   }
   return out;
@@ -305,6 +303,10 @@ at::Tensor ghost_accumulate(const at::Tensor& extended, const GhostPlan& plan,
 
 at::Tensor ghost_accumulate_nograd(const at::Tensor& extended, const GhostPlan& plan, ReduceOp op) {
   const auto& d = checked(plan, "ghost_accumulate_nograd");
+  // The same verdict on every rank: op is an argument of the collective call.
+  TORCH_CHECK(
+      op == ReduceOp::Sum || op == ReduceOp::Max || op == ReduceOp::Min || op == ReduceOp::Product,
+      "shardtensor::ghost_accumulate_nograd: unsupported reduce op");
   check_rows(extended, d.sizes[d.me] + d.ghost_ids.numel(), "ghost_accumulate_nograd");
   at::NoGradGuard guard;
   return accumulate_kernel(extended.detach(), d, op);

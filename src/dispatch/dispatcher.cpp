@@ -109,15 +109,18 @@ void chain_write_back(const at::Tensor& self, const at::Tensor& r) {
 // cost is one atomic load instead of the registry's mutex and a string
 // concatenation of the op's name and overload (ops::find_rule). A rule
 // registered after an op's first call would not be seen by that op.
+// A rule with a predicate (Note [partial rules], ops/registry.h) hands the
+// calls it does not take to the handling of an op without a rule.
 struct Handler {
   const ops::Rule* rule = nullptr;
-  bool decomposes = false;
+  const ops::Accepts* accepts = nullptr;  // null: the rule takes every call
+  bool decomposes = false;                // the op has a CompositeImplicitAutograd kernel
 };
 
 void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
          const Handler& h) {
   Counters& c = counters();
-  if (h.rule != nullptr) {
+  if (h.rule != nullptr && (h.accepts == nullptr || (*h.accepts)(op, *stack))) {
     c.rule_calls.fetch_add(1, std::memory_order_relaxed);
     (*h.rule)(op, stack);
     return;
@@ -198,8 +201,8 @@ class CachedKernel final : public c10::OperatorKernel {
     c.calls.fetch_add(1, std::memory_order_relaxed);
     std::call_once(resolved_, [&] {
       handler_.rule = ops::find_rule(op.operator_name());
-      handler_.decomposes = handler_.rule == nullptr &&
-                            op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+      handler_.accepts = ops::find_accepts(op.operator_name());
+      handler_.decomposes = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
     });
     c.lookup_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     kernel(op, ks, stack, handler_, t0);

@@ -6,9 +6,14 @@
 namespace shardtensor::ops {
 namespace {
 
+struct Entry {
+  Rule rule;
+  Accepts accepts;  // empty: every call
+};
+
 struct Table {
   std::mutex mu;
-  std::unordered_map<std::string, Rule> rules;
+  std::unordered_map<std::string, Entry> rules;  // node-based: entries never move
 };
 
 Table& table() {
@@ -16,27 +21,37 @@ Table& table() {
   return *t;
 }
 
-}  // namespace
-
-void register_rule(const std::string& name, Rule rule) {
+const Entry* find_entry(const c10::OperatorName& op) {
   auto& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
-  t.rules["aten::" + name] = std::move(rule);
-}
-
-const Rule* find_rule(const c10::OperatorName& op) {
-  auto& t = table();
-  std::lock_guard<std::mutex> lock(t.mu);
-  if (!op.overload_name.empty()) {
-    auto it = t.rules.find(op.name + "." + op.overload_name);
-    if (it != t.rules.end()) return &it->second;
-  }
-  auto it = t.rules.find(op.name);
+  // "name.overload" for a named overload, "name." for the unnamed one, then "name".
+  auto it = t.rules.find(op.name + "." + op.overload_name);
+  if (it != t.rules.end()) return &it->second;
+  it = t.rules.find(op.name);
   return it == t.rules.end() ? nullptr : &it->second;
 }
 
-RuleRegistrar::RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule) {
-  for (const char* n : names) register_rule(n, rule);
+}  // namespace
+
+void register_rule(const std::string& name, Rule rule, Accepts accepts) {
+  auto& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.rules["aten::" + name] = Entry{std::move(rule), std::move(accepts)};
+}
+
+const Rule* find_rule(const c10::OperatorName& op) {
+  const Entry* e = find_entry(op);
+  return e ? &e->rule : nullptr;
+}
+
+const Accepts* find_accepts(const c10::OperatorName& op) {
+  const Entry* e = find_entry(op);
+  return e && e->accepts ? &e->accepts : nullptr;
+}
+
+RuleRegistrar::RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule,
+                             const Accepts& accepts) {
+  for (const char* n : names) register_rule(n, rule, accepts);
 }
 
 }  // namespace shardtensor::ops

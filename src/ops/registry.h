@@ -13,16 +13,33 @@ namespace shardtensor::ops {
 using Stack = std::vector<c10::IValue>;
 using Rule = std::function<void(const c10::OperatorHandle& op, Stack* stack)>;
 
+/// Note [partial rules]: whether a rule takes a call. It sees the call's
+/// arguments on the stack (the last op.schema().arguments().size() entries,
+/// not popped) and must decide from metadata that is identical on every rank
+/// (specs, global shapes, dtypes, the op's other arguments), never from a
+/// piece's values or extent, so that every rank decides alike. When it
+/// returns false the dispatcher handles the call as if the op had no rule:
+/// its CompositeImplicitAutograd decomposition, else the generic fallback
+/// (which is exact). A rule without a predicate takes every call.
+using Accepts = std::function<bool(const c10::OperatorHandle& op, const Stack& stack)>;
+
 /// Registers `rule` for an aten op. `name` is "add" (every overload of
-/// aten::add) or "add.Tensor" (one overload); an exact overload wins.
-void register_rule(const std::string& name, Rule rule);
+/// aten::add), "add.Tensor" (one overload) or "add." (only the overload with
+/// no name); the most specific entry wins. `accepts` (optional) limits the
+/// calls the rule takes (Note [partial rules]).
+void register_rule(const std::string& name, Rule rule, Accepts accepts = {});
 
 /// The rule for `op`, or nullptr.
 const Rule* find_rule(const c10::OperatorName& op);
 
+/// The predicate of `op`'s rule (Note [partial rules]), or nullptr when the
+/// op has no rule or its rule takes every call.
+const Accepts* find_accepts(const c10::OperatorName& op);
+
 /// Static registration helper: `static RuleRegistrar r({"relu", "relu_"}, rule);`
 struct RuleRegistrar {
-  RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule);
+  RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule,
+                const Accepts& accepts = {});
 };
 
 }  // namespace shardtensor::ops

@@ -123,9 +123,9 @@ at::Tensor ghost_accumulate(const at::Tensor& extended, const GhostPlan& plan,
                             const GhostOptions& options = {});
 
 /// **Collective** over `plan.mesh_dim()`. Not differentiable (detached): like
-/// ghost_accumulate() with a Max or Min combine of the owned row and every
-/// ghost copy of it (for scatter_reduce amax/amin across ranks). Sum is
-/// allowed too.
+/// ghost_accumulate() with a Max, Min or Product combine of the owned row and
+/// every ghost copy of it (for scatter_reduce amax/amin/prod across ranks).
+/// Sum is allowed too.
 at::Tensor ghost_accumulate_nograd(const at::Tensor& extended, const GhostPlan& plan, ReduceOp op);
 
 }  // namespace shardtensor

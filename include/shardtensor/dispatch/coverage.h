@@ -24,7 +24,9 @@ struct OpCoverage {
 
 /// Local (no communication). Every aten op registered with libtorch's
 /// dispatcher in this process, sorted by name, with how a ShardTensor call is
-/// handled. A rule may still refuse some arguments (with a clear error); a
+/// handled. A rule may still refuse some arguments (with a clear error), or
+/// pass calls in layouts it does not cover on to the decomposition or the
+/// generic fallback (Note [partial rules], src/ops/registry.h); a
 /// decomposition's pieces may themselves fall back.
 std::vector<OpCoverage> op_coverage();
 
