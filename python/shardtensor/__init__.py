@@ -16,7 +16,8 @@ from . import _C, _runtime
 from . import io  # noqa: F401  (shardtensor.io: HDF5 and checkpoints)
 from ._manager import DistributedManager
 from ._mesh import DeviceMesh, init_device_mesh
-from ._nn import backward, distribute_module, grad, halo_exchange, scaled_dot_product_attention
+from ._nn import (backward, distribute_module, grad, halo_exchange, halo_exchange_begin, halo_exchange_end,
+                  scaled_dot_product_attention)
 from ._tensor import ShardTensor, distribute_tensor, scatter_tensor
 from .placement import Partial, Placement, Replicate, Shard
 
@@ -25,7 +26,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ShardTensor", "Shard", "Replicate", "Partial", "Placement", "DeviceMesh", "init_device_mesh",
     "scatter_tensor", "distribute_tensor", "distribute_module", "backward", "grad",
-    "scaled_dot_product_attention", "halo_exchange", "DistributedManager", "comm_stats", "reset_comm_stats",
+    "scaled_dot_product_attention", "halo_exchange", "halo_exchange_begin", "halo_exchange_end",
+    "DistributedManager", "comm_stats", "reset_comm_stats",
     "memory_stats", "reset_peak_memory_stats", "io", "set_timeout", "timeout", "set_strict",
     "strict", "world_rank", "world_size", "abort",
 ]

@@ -5,7 +5,8 @@ import torch
 from . import _C
 from ._tensor import _mesh_of, _wrap
 
-__all__ = ["distribute_module", "backward", "grad", "scaled_dot_product_attention", "halo_exchange"]
+__all__ = ["distribute_module", "backward", "grad", "scaled_dot_product_attention", "halo_exchange",
+           "halo_exchange_begin", "halo_exchange_end"]
 
 
 def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None, output_fn=None,
@@ -92,3 +93,29 @@ def halo_exchange(tensor, dim, left, right, mode="constant", value=0.0):
     autograd. Collective over the mesh dim that shards ``dim`` (local if none).
     C++: shardtensor::halo_exchange."""
     return _C.halo_exchange(tensor, int(dim), int(left), int(right), str(mode), float(value))
+
+
+def halo_exchange_begin(tensor, dim, left, right, mode="constant", value=0.0):
+    """Split-phase :func:`halo_exchange` (like PETSc's DMGlobalToLocalBegin/End and
+    AMReX's FillBoundary_nowait/_finish): posts the exchange and returns at once a
+    pending exchange, so that the caller can compute on the interior of its piece
+    while the halos travel::
+
+        pending = st.halo_exchange_begin(u, 2, 1, 1)
+        interior = stencil(u.to_local())          # overlaps the messages
+        ext = st.halo_exchange_end(pending)       # == st.halo_exchange(u, 2, 1, 1)
+
+    ``pending.test()`` drives MPI progress and says whether the halos arrived.
+    Collective over the mesh dim that shards ``dim`` (every rank of it must begin,
+    and then end, the same exchange); local if none. Raises RuntimeError as
+    halo_exchange does, on every rank and before any message.
+    C++: shardtensor::halo_exchange_begin."""
+    return _C.halo_exchange_begin(tensor, int(dim), int(left), int(right), str(mode), float(value))
+
+
+def halo_exchange_end(pending):
+    """Waits for the exchange begun by :func:`halo_exchange_begin` and returns this
+    rank's extended piece, exactly what :func:`halo_exchange` returns, with the same
+    gradient (a plain local tensor connected to autograd). Raises RuntimeError if
+    ``pending`` was already ended. C++: shardtensor::halo_exchange_end."""
+    return pending.end()

@@ -301,26 +301,35 @@ PYBIND11_MODULE(_C, m) {
       },
       Release());
 
+  auto pad_mode_of = [](const std::string& op, const std::string& mode) {
+    if (mode == "constant" || mode == "zeros") return st::PadMode::Constant;
+    if (mode == "reflect") return st::PadMode::Reflect;
+    if (mode == "replicate") return st::PadMode::Replicate;
+    if (mode == "circular") return st::PadMode::Circular;
+    TORCH_CHECK_VALUE(false, "shardtensor.", op,
+                      ": mode must be constant, reflect, replicate or circular, got '", mode, "'");
+  };
   m.def(
       "halo_exchange",
-      [](const at::Tensor& t, int64_t dim, int64_t left, int64_t right, const std::string& mode,
-         double value) {
-        st::PadMode m = st::PadMode::Constant;
-        if (mode == "constant" || mode == "zeros") {
-          m = st::PadMode::Constant;
-        } else if (mode == "reflect") {
-          m = st::PadMode::Reflect;
-        } else if (mode == "replicate") {
-          m = st::PadMode::Replicate;
-        } else if (mode == "circular") {
-          m = st::PadMode::Circular;
-        } else {
-          TORCH_CHECK_VALUE(false,
-                            "shardtensor.halo_exchange: mode must be constant, reflect, "
-                            "replicate or circular, got '",
-                            mode, "'");
-        }
-        return st::halo_exchange(t, dim, left, right, m, value);
+      [pad_mode_of](const at::Tensor& t, int64_t dim, int64_t left, int64_t right,
+                    const std::string& mode, double value) {
+        return st::halo_exchange(t, dim, left, right, pad_mode_of("halo_exchange", mode), value);
+      },
+      Release());
+
+  // Split-phase halo (Note [split-phase halo]): begin returns the pending
+  // exchange; its end() (or halo_exchange_end) waits and returns the piece.
+  py::class_<st::PendingHaloExchange, std::unique_ptr<st::PendingHaloExchange>>(
+      m, "PendingHaloExchange")
+      .def("test", &st::PendingHaloExchange::test, Release())
+      .def(
+          "end", [](st::PendingHaloExchange& p) { return st::halo_exchange_end(p); }, Release());
+  m.def(
+      "halo_exchange_begin",
+      [pad_mode_of](const at::Tensor& t, int64_t dim, int64_t left, int64_t right,
+                    const std::string& mode, double value) {
+        return std::make_unique<st::PendingHaloExchange>(st::halo_exchange_begin(
+            t, dim, left, right, pad_mode_of("halo_exchange_begin", mode), value));
       },
       Release());
 

@@ -141,3 +141,73 @@ def test_backward_non_scalar(mesh):
     out = conv(sx)
     out.backward(st.distribute_tensor(g, mesh, out.placements))  # Tensor.backward on a ShardTensor
     assert_close(sx.grad.full_tensor(), xr.grad, 1e-5, 1e-5, "ShardTensor.backward input grad")
+
+
+def _pieces(sx):
+    """For every mesh coordinate: {tensor dim: (offset, size)} of its piece."""
+    import itertools
+    shapes = sx._spec.sharding_shapes()
+    per_dim = []  # per mesh dim: for each coordinate, (tensor dim, offset, size) or None
+    for i, p in enumerate(sx.placements):
+        if isinstance(p, Shard):
+            sizes = [s[p.dim] for s in shapes[i]]
+            per_dim.append([(p.dim, sum(sizes[:j]), n) for j, n in enumerate(sizes)])
+        else:
+            per_dim.append([None] * sx.device_mesh.size(i))
+    out = {}
+    for coord in itertools.product(*[range(len(d)) for d in per_dim]):
+        entries = [per_dim[i][c] for i, c in enumerate(coord)]
+        out[coord] = {e[0]: (e[1], e[2]) for e in entries if e is not None}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "replicate", "circular"])
+@pytest.mark.parametrize("empty", [False, True])
+def test_halo_exchange_begin_end(mesh, mode, empty):
+    """halo_exchange and its split-phase form equal the padded global tensor's window
+    around every piece, values and gradients, uneven and with an empty first piece."""
+    full = rnd((2, 3, 11, 5), 41, torch.float64)
+    left, right, value = 2, 1, 0.5
+    pl = placements(mesh, 2)
+    sizes = empty_first_sizes(mesh, full.shape, pl) if empty else None
+
+    def pad(t):
+        if mode == "constant":
+            return F.pad(t, (0, 0, left, right), value=value)
+        return F.pad(t, (0, 0, left, right), mode=mode)
+
+    wfull = rnd((2, 3, 11 + left + right, 5), 42, torch.float64)
+
+    def window(t, piece):
+        for d, (o, n) in piece.items():
+            t = t.narrow(d, o, n + left + right) if d == 2 else t.narrow(d, o, n)
+        return t
+
+    xr = full.clone().requires_grad_()
+    probe = st.distribute_tensor(full, mesh, pl, sharding_shapes=sizes)
+    pieces = _pieces(probe)
+    padded = pad(xr)
+    sum(((window(padded, p) * window(wfull, p)).sum() for p in pieces.values())).backward()
+    mine = pieces[tuple(mesh.get_coordinate())]
+
+    grads = []
+    for split in (False, True):
+        sx = st.distribute_tensor(full, mesh, pl, sharding_shapes=sizes, requires_grad=True)
+        if split:
+            pending = st.halo_exchange_begin(sx, 2, left, right, mode=mode, value=value)
+            assert isinstance(pending.test(), bool)
+            ext = st.halo_exchange_end(pending)
+            with pytest.raises(RuntimeError, match="halo_exchange_end"):
+                st.halo_exchange_end(pending)
+        else:
+            ext = st.halo_exchange(sx, 2, left, right, mode=mode, value=value)
+        assert not isinstance(ext, ShardTensor)
+        assert torch.equal(ext.detach(), window(padded.detach(), mine)), (mode, split)
+        (ext * window(wfull, mine)).sum().backward()
+        g = sx.grad.to_local()
+        ref = xr.grad
+        for d, (o, n) in mine.items():
+            ref = ref.narrow(d, o, n)
+        assert_close(g, ref, 1e-12, 1e-12, f"halo grad {mode} split={split}")
+        grads.append(g)
+    assert torch.equal(grads[0], grads[1])
