@@ -114,7 +114,7 @@ at::Tensor norm_recompute(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y;
 }
 
-// Note [sharded moments]. Collective over p.mesh_dims (two all-reduces). Not differentiable.
+// Note [sharded moments]. Collective over p.mesh_dims (one all-reduce). Not differentiable.
 struct Moments {
   at::Tensor shift, delta, m2;  // keepdim shapes
   at::Tensor mean() const { return shift + delta; }
