@@ -103,6 +103,31 @@ TEST_F(Pool, MaxPool2dSweep) {
         }
 }
 
+// Note [pool saves no halo copy]: between forward and backward a sharded
+// pooling layer keeps its output (and the max indices), never the
+// halo-extended copy of its input piece.
+TEST_F(Pool, SavesNoHaloExtendedCopy) {
+  const auto x = rnd({2, 4, 64, 30}, 9).to(at::kDouble);
+  auto p = fit_placements(mesh, {S2, S3});
+  for (int kind = 0; kind < 3; ++kind) {
+    SCOPED_TRACE(kind == 0 ? "max_pool2d" : (kind == 1 ? "avg_pool2d" : "avg_pool1d"));
+    at::Tensor sx = st::distribute_tensor(kind == 2 ? x.flatten(2) : x, mesh,
+                                          kind == 2 ? fit_placements(mesh, {S2}) : p, true);
+    const at::Tensor piece = st::ShardTensor(sx).local();
+    const int64_t base = st::memory_stats().current_bytes;
+    at::Tensor y = kind == 0   ? at::max_pool2d(sx, {3, 3}, {2, 2}, {1, 1})
+                   : kind == 1 ? at::avg_pool2d(sx, {3, 3}, {2, 2}, {1, 1})
+                               : at::avg_pool1d(sx, {5}, {3}, {2});
+    const at::Tensor out = st::ShardTensor(y).local();
+    const int64_t kept = st::memory_stats().current_bytes - base;
+    // Output, plus int64 indices for max; slack for small metadata tensors.
+    const int64_t expected = out.numel() * 8 * (kind == 0 ? 2 : 1) + 4096;
+    EXPECT_LE(kept, expected) << "piece " << piece.sizes() << " output " << out.sizes();
+    st::backward(y.sum());
+    EXPECT_TRUE(st::ShardTensor(sx).local().grad().defined() || piece.numel() == 0);
+  }
+}
+
 TEST_F(Pool, MaxPool2dLayouts) {
   const auto x = rnd({3, 2, 9, 7}, 3);
   auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
