@@ -128,6 +128,24 @@ TEST_F(Pool, SavesNoHaloExtendedCopy) {
   }
 }
 
+// Note [transposed convolution memory]: between forward and backward a
+// sharded transposed convolution keeps its output block (a tensor of its
+// own), not the halo-extended input or the over-computed local output.
+TEST_F(Pool, ConvTransposeSavesNoHaloExtendedCopy) {
+  const auto x = rnd({2, 6, 40, 12}, 10).to(at::kDouble);
+  const auto w = rnd({6, 2, 3, 3}, 11).to(at::kDouble).requires_grad_();
+  const auto b = rnd({2}, 12).to(at::kDouble).requires_grad_();
+  at::Tensor sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}), true);
+  const int64_t base = st::memory_stats().current_bytes;
+  at::Tensor y = at::conv_transpose2d(sx, w, b, {2, 2}, {1, 1}, {1, 1});
+  const at::Tensor out = st::ShardTensor(y).local();
+  const int64_t kept = st::memory_stats().current_bytes - base;
+  EXPECT_LE(kept, out.numel() * 8 + 4096) << "output " << out.sizes();
+  EXPECT_TRUE(out.is_contiguous() && out.storage().nbytes() == out.numel() * 8);
+  st::backward(y.sum());
+  EXPECT_TRUE(w.grad().defined());
+}
+
 TEST_F(Pool, MaxPool2dLayouts) {
   const auto x = rnd({3, 2, 9, 7}, 3);
   auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
