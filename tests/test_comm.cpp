@@ -457,6 +457,32 @@ TEST(CommAllGather, OtherDtypes) {
   }
 }
 
+// Note [strided gather]: a gather along an inner dim allocates the result and
+// one piece-sized send buffer, not a second full-size (transposed) copy.
+TEST(CommAllGather, InnerDimNeedsNoFullSizeCopy) {
+  auto mesh = test_mesh();
+  for (const Axis& a : axes(mesh)) {
+    auto sizes = balanced(64 * a.P + 3, a.P);
+    auto off = offsets(sizes);
+    at::Tensor full = seeded_randn({6, 5, total(sizes), 7}, 530);
+    at::Tensor local = full.narrow(2, off[a.me], sizes[a.me]);
+    const int64_t full_bytes = full.numel() * 8;
+    const int64_t piece_bytes = local.numel() * 8;
+    at::Tensor out;
+    const int64_t base = st::memory_stats().current_bytes;
+    st::reset_peak_memory_stats();
+    {
+      at::NoGradGuard no_grad;
+      out = comm::all_gather(local, mesh, a.mesh_dim, 2, sizes);
+    }
+    const int64_t peak = st::memory_stats().peak_bytes - base;
+    EXPECT_TRUE(out.equal(full)) << "mesh dim " << a.mesh_dim;
+    EXPECT_LE(peak, full_bytes + piece_bytes + 4096)
+        << "mesh dim " << a.mesh_dim << ": peak " << peak << " for a result of " << full_bytes
+        << " bytes and a piece of " << piece_bytes;
+  }
+}
+
 TEST(CommShardSlice, ForwardAndAdjoint) {
   auto mesh = test_mesh();
   for (const Axis& a : axes(mesh)) {

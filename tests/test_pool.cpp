@@ -103,6 +103,49 @@ TEST_F(Pool, MaxPool2dSweep) {
         }
 }
 
+// Note [pool saves no halo copy]: between forward and backward a sharded
+// pooling layer keeps its output (and the max indices), never the
+// halo-extended copy of its input piece.
+TEST_F(Pool, SavesNoHaloExtendedCopy) {
+  const auto x = rnd({2, 4, 64, 30}, 9).to(at::kDouble);
+  auto p = fit_placements(mesh, {S2, S3});
+  for (int kind = 0; kind < 3; ++kind) {
+    SCOPED_TRACE(kind == 0 ? "max_pool2d" : (kind == 1 ? "avg_pool2d" : "avg_pool1d"));
+    at::Tensor sx = st::distribute_tensor(kind == 2 ? x.flatten(2) : x, mesh,
+                                          kind == 2 ? fit_placements(mesh, {S2}) : p, true);
+    const at::Tensor piece = st::ShardTensor(sx).local();
+    const int64_t base = st::memory_stats().current_bytes;
+    at::Tensor y = kind == 0   ? at::max_pool2d(sx, {3, 3}, {2, 2}, {1, 1})
+                   : kind == 1 ? at::avg_pool2d(sx, {3, 3}, {2, 2}, {1, 1})
+                               : at::avg_pool1d(sx, {5}, {3}, {2});
+    const at::Tensor out = st::ShardTensor(y).local();
+    const int64_t kept = st::memory_stats().current_bytes - base;
+    // Output, plus int64 indices for max; slack for small metadata tensors.
+    const int64_t expected = out.numel() * 8 * (kind == 0 ? 2 : 1) + 4096;
+    EXPECT_LE(kept, expected) << "piece " << piece.sizes() << " output " << out.sizes();
+    st::backward(y.sum());
+    EXPECT_TRUE(st::ShardTensor(sx).local().grad().defined() || piece.numel() == 0);
+  }
+}
+
+// Note [transposed convolution memory]: between forward and backward a
+// sharded transposed convolution keeps its output block (a tensor of its
+// own), not the halo-extended input or the over-computed local output.
+TEST_F(Pool, ConvTransposeSavesNoHaloExtendedCopy) {
+  const auto x = rnd({2, 6, 40, 12}, 10).to(at::kDouble);
+  const auto w = rnd({6, 2, 3, 3}, 11).to(at::kDouble).requires_grad_();
+  const auto b = rnd({2}, 12).to(at::kDouble).requires_grad_();
+  at::Tensor sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, S3}), true);
+  const int64_t base = st::memory_stats().current_bytes;
+  at::Tensor y = at::conv_transpose2d(sx, w, b, {2, 2}, {1, 1}, {1, 1});
+  const at::Tensor out = st::ShardTensor(y).local();
+  const int64_t kept = st::memory_stats().current_bytes - base;
+  EXPECT_LE(kept, out.numel() * 8 + 4096) << "output " << out.sizes();
+  EXPECT_TRUE(out.is_contiguous() && out.storage().nbytes() == out.numel() * 8);
+  st::backward(y.sum());
+  EXPECT_TRUE(w.grad().defined());
+}
+
 TEST_F(Pool, MaxPool2dLayouts) {
   const auto x = rnd({3, 2, 9, 7}, 3);
   auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {

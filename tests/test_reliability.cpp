@@ -70,6 +70,13 @@ TEST_P(ChunkedTransport, AllPrimitivesMatchUnchunked) {
     transport::all_gatherv(full.narrow(0, off, n[me]).contiguous(), gathered_full, bytes, comm);
     EXPECT_TRUE(gathered_full.equal(full)) << "all_gatherv, mesh dim " << m;
 
+    // all_gatherv_rows (Note [strided gather]): [3, total, 2] gathered along dim 1.
+    at::Tensor full3 = seeded({3, total, 2}, 21 + m);
+    at::Tensor out3 = at::empty({3, total, 2}, at::kDouble);
+    transport::all_gatherv_rows(full3.narrow(1, off, n[me]).movedim(1, 0).contiguous(), out3, n, 3,
+                                2 * 8, comm);
+    EXPECT_TRUE(out3.equal(full3)) << "all_gatherv_rows, mesh dim " << m;
+
     // scatterv from the last rank
     const int root = p - 1;
     at::Tensor piece = at::empty({n[me]}, at::kDouble);
@@ -135,7 +142,7 @@ TEST_P(ChunkedTransport, AllPrimitivesMatchUnchunked) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Limits, ChunkedTransport, ::testing::Values(1, 7, 64));
+INSTANTIATE_TEST_SUITE_P(Limits, ChunkedTransport, ::testing::Values(1, 7, 64, INT_MAX));
 
 TEST(ChunkedShardTensor, RoundTripsWithTinyMessages) {
   // scatter_tensor, full_tensor, redistribute and a stencil op, each with every

@@ -26,7 +26,16 @@ namespace {
 
 at::Tensor gather_along(const at::Tensor& local, MPI_Comm comm, int64_t dim,
                         const std::vector<int64_t>& sizes) {
-  at::Tensor send = local.movedim(dim, 0).contiguous();
+  at::Tensor send = local.movedim(dim, 0).contiguous();  // piece-sized
+  int64_t outer = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= local.size(d);
+  if (outer > 1) {
+    // Note [strided gather]: the rows land in place; no full-size transpose.
+    const int64_t row_bytes = row_numel(local.sizes(), dim) / outer * local.element_size();
+    at::Tensor out = at::empty(shape_with(local.sizes(), dim, sum_of(sizes)), local.options());
+    transport::all_gatherv_rows(send, out, sizes, outer, row_bytes, comm);
+    return out;
+  }
   const int64_t row_bytes = row_numel(local.sizes(), dim) * local.element_size();
   at::Tensor recv = at::empty(rows_shape(local.sizes(), dim, sum_of(sizes)), local.options());
   std::vector<int64_t> bytes(sizes.size());
@@ -34,7 +43,7 @@ at::Tensor gather_along(const at::Tensor& local, MPI_Comm comm, int64_t dim,
     bytes[c] = sizes[c] * row_bytes;
   }
   transport::all_gatherv(send, recv, bytes, comm);
-  return recv.movedim(0, dim).contiguous();
+  return recv.movedim(0, dim).contiguous();  // leading extents are 1: a view
 }
 
 at::Tensor reduce_scatter_along(const at::Tensor& t, MPI_Comm comm, int64_t dim,

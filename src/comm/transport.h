@@ -94,6 +94,20 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
 void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
 
+/// Collective over `comm`. All-gatherv of rows into a strided layout, for a
+/// gather along a dim that is not the outermost: `recv` (contiguous) is read
+/// as [outer, R, row_bytes] bytes with R = sum(rows), and rank c's rows[c]
+/// rows land at row offset rows[0] + ... + rows[c-1] of every outer slice.
+/// `send` holds this rank's rows as [rows[me], outer, row_bytes] (row-major).
+/// Equivalent to all_gatherv of the pieces followed by a transposing copy of
+/// the whole result, without that copy: an MPI vector datatype scatters the
+/// received bytes into place (Note [strided gather]). Throws like
+/// all_gatherv, and if send.nbytes() != rows[me] * outer * row_bytes or
+/// recv.nbytes() < R * outer * row_bytes.
+void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
+                      const std::vector<int64_t>& rows, int64_t outer, int64_t row_bytes,
+                      MPI_Comm comm);
+
 /// Collective over `comm`. All-to-allv of bytes: send_bytes[c] bytes at byte
 /// offset send_displs[c] of `send` go to rank c, which stores them at
 /// recv_displs[me] of its `recv`; recv_bytes[c] must equal what c sends here.

@@ -333,6 +333,80 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
   detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
 }
 
+// Note [strided gather]: gathering a tensor sharded along dim d > 0 means
+// placing rank c's rows at rows [off_c, off_c + n_c) of every one of the
+// `outer` slices (the product of the extents before d) of the result. A
+// contiguous all-gatherv followed by movedim + contiguous costs one extra
+// full-size copy; instead, one "row" is described as an MPI vector of
+// `outer` blocks of row_bytes bytes, R * row_bytes apart, resized to an
+// extent of row_bytes, so that n_c consecutive rows at displacement off_c
+// land exactly in place. The send side is this rank's piece with d moved to
+// the front (piece-sized). When the total or a stride exceeds the int count
+// limit (Note [large counts]) the contiguous path plus a copy runs instead.
+void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
+                      const std::vector<int64_t>& rows, int64_t outer, int64_t row_bytes,
+                      MPI_Comm comm) {
+  check_buffer(send, "all_gatherv_rows send buffer");
+  check_buffer(recv, "all_gatherv_rows receive buffer");
+  const int size = comm_size(comm);
+  const int rank = comm_rank(comm);
+  TORCH_CHECK(static_cast<int>(rows.size()) == size, "shardtensor transport: all_gatherv_rows got ",
+              rows.size(), " row counts for a communicator of size ", size);
+  TORCH_CHECK(outer >= 0 && row_bytes >= 0, "shardtensor transport: all_gatherv_rows: outer ",
+              outer, " and row_bytes ", row_bytes, " must be non-negative");
+  int64_t total_rows = 0;
+  for (int c = 0; c < size; ++c) {
+    TORCH_CHECK(rows[c] >= 0, "shardtensor transport: all_gatherv_rows: negative row count ",
+                rows[c], " for rank ", c);
+    total_rows += rows[c];
+  }
+  const int64_t slice = outer * row_bytes;  // bytes of one row across every outer slice
+  TORCH_CHECK(nbytes(send) == rows[rank] * slice, "shardtensor transport: all_gatherv_rows: rank ",
+              rank, " sends ", nbytes(send), " bytes, expected ", rows[rank] * slice);
+  TORCH_CHECK(nbytes(recv) >= total_rows * slice,
+              "shardtensor transport: all_gatherv_rows receive buffer holds ", nbytes(recv),
+              " bytes, needs ", total_rows * slice);
+  const int64_t total = total_rows * slice;
+  const bool fits = total <= max_count() && total_rows * row_bytes <= max_count();
+  if (size == 1 || !fits || slice == 0 || total == 0) {
+    // One rank, nothing to move, or too large for one datatype: contiguous
+    // gather, then place the rows (Note [large counts]).
+    std::vector<int64_t> bytes(rows.size());
+    for (size_t c = 0; c < rows.size(); ++c) bytes[c] = rows[c] * slice;
+    at::Tensor tmp = size == 1 ? send : at::empty({total}, send.options().dtype(at::kByte));
+    if (size > 1) all_gatherv(send, tmp, bytes, comm);
+    if (total > 0) {
+      at::Tensor dst = at::from_blob(recv.data_ptr(), {outer, total_rows, row_bytes},
+                                     recv.options().dtype(at::kByte));
+      at::Tensor src = at::from_blob(tmp.data_ptr(), {total_rows, outer, row_bytes},
+                                     tmp.options().dtype(at::kByte));
+      dst.copy_(src.transpose(0, 1));
+    }
+    return;
+  }
+  MPI_Datatype vec = MPI_DATATYPE_NULL, row = MPI_DATATYPE_NULL;
+  SHARDTENSOR_MPI_CHECK(MPI_Type_vector(
+      to_count(outer, "all_gatherv_rows outer"), to_count(row_bytes, "all_gatherv_rows row"),
+      to_count(total_rows * row_bytes, "all_gatherv_rows stride"), MPI_BYTE, &vec));
+  SHARDTENSOR_MPI_CHECK(MPI_Type_create_resized(vec, 0, row_bytes, &row));
+  SHARDTENSOR_MPI_CHECK(MPI_Type_commit(&row));
+  std::vector<int> counts = to_counts(rows, "all_gatherv_rows piece");
+  std::vector<int> displs = prefix_displs(rows, "all_gatherv_rows displacement");
+  const int64_t mine = nbytes(send);
+  {
+    CommTimer timer;
+    MPI_Request request = MPI_REQUEST_NULL;
+    const int rc =
+        MPI_Iallgatherv(ptr(send), to_count(mine, "all_gatherv_rows send"), MPI_BYTE,
+                        recv.data_ptr(), counts.data(), displs.data(), row, comm, &request);
+    MPI_Type_free(&row);
+    MPI_Type_free(&vec);
+    SHARDTENSOR_MPI_CHECK(rc);
+    wait_collective(&request, "all_gatherv_rows (MPI_Iallgatherv)", comm);
+  }
+  detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
+}
+
 void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,

@@ -13,13 +13,172 @@
 // nothing. Each output element is computed on exactly one rank, so the bias is
 // added once; weight and bias are replicated and marked with use_replicated
 // (via to_layout) so their gradients are summed over the sharded mesh dims.
+//
+// Note [transposed convolution memory]: as for the convolution (Note [conv
+// memory]), a rule built from gather + at::conv_transpose under autograd
+// would keep the gathered (halo-extended) input alive until backward, and
+// the block returned would be a view that keeps the whole over-computed local
+// output alive. ConvTransposeFn saves only the local input, the weight and
+// the bias; forward builds the gathered copy transiently and returns the
+// block as its own tensor; backward rebuilds the gathered input on a fresh
+// graph (one more halo exchange), places the block's gradient into the
+// over-computed output's shape, runs at::convolution_backward (transposed)
+// and sends the halo part of the input gradient back to its owners through
+// the adjoint of the gather. Under create_graph it differentiates the
+// rebuilt forward instead, so gradients of any order stay exact (Note
+// [differentiable adjoints]).
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "ops/common.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct TransposedPlan {
+  DeviceMesh mesh;
+  std::vector<stencil::DimPlan> plans;
+  bool batched = true;
+  std::vector<int64_t> stride, padding, output_padding, dilation;  // of the local call
+  int64_t groups = 1;
+  bool has_bias = false;
+  int64_t bias_size = 0;
+  std::vector<int64_t> out_local;                  // the block, as returned
+  std::vector<std::pair<int64_t, int64_t>> block;  // (batched dim, start) per sharded dim
+};
+
+struct TransposedPlanHolder : torch::CustomClassHolder {
+  explicit TransposedPlanHolder(std::shared_ptr<const TransposedPlan> p) : plan(std::move(p)) {}
+  std::shared_ptr<const TransposedPlan> plan;
+};
+
+bool any_zero(c10::IntArrayRef s) {
+  for (int64_t v : s) {
+    if (v == 0) return true;
+  }
+  return false;
+}
+
+// Collective over the planned mesh dims: the local input extended to the
+// range its output block reads, batched.
+at::Tensor gather_batched(const at::Tensor& local, const TransposedPlan& p) {
+  at::Tensor g = stencil::gather_plans(local, p.mesh, p.plans, PadMode::Constant, 0.0);
+  return p.batched ? g : g.unsqueeze(0);
+}
+
+// The local transposed convolution of the gathered input: the over-computed
+// output (batched).
+at::Tensor transposed_full(const at::Tensor& gb, const at::Tensor& w, const at::Tensor& b,
+                           const TransposedPlan& p) {
+  return at::convolution(gb, w, p.has_bias ? b : at::Tensor(), p.stride, p.padding, p.dilation,
+                         true, p.output_padding, p.groups);
+}
+
+at::Tensor block_of(at::Tensor full, const TransposedPlan& p) {
+  for (const auto& [dim, start] : p.block) {
+    full = full.narrow(dim, start, p.out_local[p.batched ? dim : dim - 1]);
+  }
+  return p.batched ? full : full.squeeze(0);
+}
+
+// Hand-written (Note [transposed convolution memory]); it communicates only through the
+// gather of ops/stencil.h and its adjoint.
+struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, const at::Tensor& weight,
+                            const at::Tensor& bias, std::shared_ptr<const TransposedPlan> plan) {
+    const TransposedPlan& p = *plan;
+    at::Tensor gb = gather_batched(local, p);
+    at::Tensor out;
+    if (any_zero(p.out_local) || any_zero(gb.sizes())) {
+      out = at::zeros(p.out_local, local.options());
+    } else {
+      out = block_of(transposed_full(gb, weight, bias, p), p).contiguous();
+    }
+    ctx->save_for_backward({local, weight, p.has_bias ? bias : at::Tensor()});
+    ctx->saved_data["plan"] =
+        c10::IValue::make_capsule(c10::make_intrusive<TransposedPlanHolder>(plan));
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& local = saved[0];
+    const at::Tensor& weight = saved[1];
+    const auto& p =
+        *static_cast<TransposedPlanHolder*>(ctx->saved_data.at("plan").toCapsule().get())->plan;
+    const bool need_in = ctx->needs_input_grad(0);
+    const bool need_w = ctx->needs_input_grad(1);
+    const bool need_b = p.has_bias && ctx->needs_input_grad(2);
+    const at::Tensor go = grads[0].defined() ? grads[0] : at::zeros(p.out_local, local.options());
+
+    if (at::GradMode::is_enabled()) {
+      // create_graph: differentiate the rebuilt forward (collective on every rank).
+      at::Tensor gb = gather_batched(local, p);
+      at::Tensor out;
+      if (any_zero(p.out_local) || any_zero(gb.sizes())) {
+        at::Tensor link = gb.sum() + weight.sum();
+        if (p.has_bias) link = link + saved[2].sum();
+        out = at::zeros(p.out_local, local.options()) + link * 0;
+      } else {
+        out = block_of(transposed_full(gb, weight, saved[2], p), p);
+      }
+      std::vector<at::Tensor> inputs;
+      if (need_in) inputs.push_back(local);
+      if (need_w) inputs.push_back(weight);
+      if (need_b) inputs.push_back(saved[2]);
+      at::Tensor gx, gw, gbias;
+      if (!inputs.empty()) {
+        auto r = torch::autograd::grad({out}, inputs, {go}, /*retain_graph=*/true,
+                                       /*create_graph=*/true, /*allow_unused=*/true);
+        size_t i = 0;
+        if (need_in) gx = r[i++];
+        if (need_w) gw = r[i++];
+        if (need_b) gbias = r[i++];
+      }
+      return {gx, gw, gbias, at::Tensor()};
+    }
+
+    // Rebuild the gathered input (collective on every rank, whatever it needs).
+    c10::AutoGradMode enable(true);
+    at::Tensor x_in = local.detach();
+    if (need_in) x_in.requires_grad_(true);
+    at::Tensor g = stencil::gather_plans(x_in, p.mesh, p.plans, PadMode::Constant, 0.0);
+    at::Tensor gb = p.batched ? g : g.unsqueeze(0);
+    at::Tensor gx, gw, gbias;
+    if (any_zero(p.out_local) || any_zero(gb.sizes())) {
+      if (need_in) gx = at::zeros_like(gb);
+      if (need_w) gw = at::zeros_like(weight);
+      if (need_b) gbias = at::zeros({p.bias_size}, weight.options());
+    } else {
+      // The block's gradient placed into the over-computed output's shape.
+      std::vector<int64_t> full_shape{gb.size(0), weight.size(1) * p.groups};
+      for (size_t i = 0; i < p.stride.size(); ++i) {
+        full_shape.push_back((gb.size(2 + i) - 1) * p.stride[i] - 2 * p.padding[i] +
+                             p.dilation[i] * (weight.size(2 + i) - 1) + p.output_padding[i] + 1);
+      }
+      at::Tensor gfull = at::zeros(full_shape, go.options());
+      block_of(gfull, p).copy_(go);
+      const std::vector<int64_t> bs{p.bias_size};
+      at::OptionalIntArrayRef bias_sizes = c10::nullopt;
+      if (p.has_bias) bias_sizes = at::IntArrayRef(bs);
+      std::tie(gx, gw, gbias) = at::convolution_backward(
+          gfull, gb.detach(), weight.detach(), bias_sizes, p.stride, p.padding, p.dilation, true,
+          p.output_padding, p.groups, {need_in, need_w, need_b});
+    }
+    at::Tensor grad_local;
+    if (need_in) {
+      if (!p.batched) gx = gx.squeeze(0);
+      // The adjoint of the gather: halo gradients go back to their owners.
+      grad_local = g.is_same(x_in) ? gx : torch::autograd::grad({g}, {x_in}, {gx})[0];
+    }
+    return {grad_local, need_w ? gw : at::Tensor(), need_b ? gbias : at::Tensor(), at::Tensor()};
+  }
+};
 
 std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                             std::vector<int64_t> v, int64_t nd, const char* what) {
@@ -142,45 +301,39 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
   at::Tensor wl = to_layout(w, ShardSpec(mesh, rep, w.sizes().vec()), in_spec);
   at::Tensor bl =
       b.defined() ? to_layout(b, ShardSpec(mesh, rep, b.sizes().vec()), in_spec) : at::Tensor();
-  at::Tensor g = stencil::gather_plans(local, mesh, plans, PadMode::Constant, 0.0);
 
   std::vector<int64_t> oshape = shape;
   oshape[cdim] = cout;
   for (int64_t i = 0; i < nd; ++i) oshape[spatial[i]] = out_ext[i];
   SpecPtr out_spec = stencil::output_spec(in_spec, oshape, plans);
-  const auto out_local = out_spec->local_shape();
   const auto out_off = out_spec->local_offsets();
-  int64_t out_numel = 1;
-  for (int64_t v : out_local) out_numel *= v;
 
-  at::Tensor out;
-  if (out_numel == 0) {
-    // Stay connected to the gathered input, weight and bias so that their
-    // backward collectives run on this rank too.
-    at::Tensor z = g.sum() * 0 + wl.sum() * 0;
-    if (bl.defined()) z = z + bl.sum() * 0;
-    out = z.expand(out_local).contiguous();
-  } else {
-    std::vector<int64_t> lpad = pad, lopad = opad;
-    for (const auto& pl : plans) {
-      const int64_t i = pl.dim - (ndim - nd);
-      lpad[i] = 0;
-      lopad[i] = 0;
-    }
-    if (nd == 1) {
-      out = at::conv_transpose1d(g, wl, bl, stride, lpad, lopad, groups, dil);
-    } else if (nd == 2) {
-      out = at::conv_transpose2d(g, wl, bl, stride, lpad, lopad, groups, dil);
-    } else {
-      out = at::conv_transpose3d(g, wl, bl, stride, lpad, lopad, groups, dil);
-    }
-    for (const auto& pl : plans) {
-      const int64_t i = pl.dim - (ndim - nd);
-      const int64_t lo = stencil::my_range(pl, mesh).first;
-      const int64_t start = out_off[pl.dim] - (lo * stride[i] - pad[i]);
-      out = out.narrow(pl.dim, start, out_local[pl.dim]);
-    }
+  // Note [transposed convolution memory].
+  auto plan = std::make_shared<TransposedPlan>();
+  plan->mesh = mesh;
+  plan->batched = ndim == nd + 2;
+  plan->stride = stride;
+  plan->padding = pad;
+  plan->output_padding = opad;
+  plan->dilation = dil;
+  plan->groups = groups;
+  plan->out_local = out_spec->local_shape();
+  for (const auto& pl : plans) {
+    const int64_t i = pl.dim - (ndim - nd);
+    plan->padding[i] = 0;
+    plan->output_padding[i] = 0;
+    const int64_t lo = stencil::my_range(pl, mesh).first;
+    plan->block.emplace_back(plan->batched ? pl.dim : pl.dim + 1,
+                             out_off[pl.dim] - (lo * stride[i] - pad[i]));
   }
+  plan->plans = std::move(plans);
+  // torch::autograd::Function cannot take an undefined tensor: no bias is an
+  // empty placeholder (the plan says whether there is one).
+  plan->has_bias = bl.defined();
+  plan->bias_size = bl.defined() ? bl.size(0) : 0;
+  if (!bl.defined()) bl = at::empty({0}, wl.options());
+  at::Tensor out =
+      ConvTransposeFn::apply(local, wl, bl, std::shared_ptr<const TransposedPlan>(plan));
   stack->push_back(wrap(out, out_spec));
 }
 

@@ -22,6 +22,7 @@
 //    window by window along the sharded dims (Note [adaptive windows]).
 // All decisions depend on global shapes, specs and op args only.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <functional>
 #include <limits>
@@ -221,6 +222,122 @@ void check_pool_dtype(const c10::OperatorHandle& op, const std::vector<c10::IVal
       });
 }
 
+// Note [pool saves no halo copy]: the sliding pools run libtorch's kernel on
+// the halo-extended piece g, a copy the size of the input piece. Called
+// through autograd, libtorch would save g for backward (max pooling and
+// average pooling both take `self` in their backward), keeping a second
+// input-sized tensor alive from forward to backward for every pooling layer.
+// Their CPU backward kernels read only self's sizes (max: the saved indices
+// place the gradient; avg: the window arithmetic), so PoolFn saves the
+// indices (max) or nothing (avg) and hands the backward kernel a zero-strided
+// stand-in of g's shape. g itself is freed when the rule returns. The
+// backward calls libtorch's differentiable backward ops, so double backward
+// (Note [differentiable adjoints]) stays exact. 1-D pooling runs as 2-D with
+// a unit height, as libtorch's own 1-D pooling does.
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct PoolArgs {
+  bool is_max = false;
+  int64_t nd = 2;  // 2 or 3 after the 1-D lift
+  std::vector<int64_t> kernel, stride, pad, dil;
+  bool ceil_mode = false;
+  int64_t divisor = 1;  // avg: libtorch's divisor_override (1: window sums)
+};
+
+// Hand-written: libtorch's autograd would save the input-sized g (Note [pool saves no halo copy]).
+struct PoolFn : torch::autograd::Function<PoolFn> {
+  // Max: (values, local indices); avg: (window sums / divisor,).
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& g, PoolArgs a) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    variable_list out;
+    if (a.is_max) {
+      auto [v, i] =
+          a.nd == 2 ? at::max_pool2d_with_indices(g, a.kernel, a.stride, a.pad, a.dil, a.ceil_mode)
+                    : at::max_pool3d_with_indices(g, a.kernel, a.stride, a.pad, a.dil, a.ceil_mode);
+      ctx->save_for_backward({i});
+      ctx->mark_non_differentiable({i});
+      out = {v, i};
+    } else {
+      out = {a.nd == 2
+                 ? at::avg_pool2d(g, a.kernel, a.stride, a.pad, a.ceil_mode, true, a.divisor)
+                 : at::avg_pool3d(g, a.kernel, a.stride, a.pad, a.ceil_mode, true, a.divisor)};
+    }
+    ctx->saved_data["is_max"] = a.is_max;
+    ctx->saved_data["nd"] = a.nd;
+    ctx->saved_data["kernel"] = a.kernel;
+    ctx->saved_data["stride"] = a.stride;
+    ctx->saved_data["pad"] = a.pad;
+    ctx->saved_data["dil"] = a.dil;
+    ctx->saved_data["ceil_mode"] = a.ceil_mode;
+    ctx->saved_data["divisor"] = a.divisor;
+    ctx->saved_data["shape"] = g.sizes().vec();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& d = ctx->saved_data;
+    PoolArgs a;
+    a.is_max = d.at("is_max").toBool();
+    a.nd = d.at("nd").toInt();
+    a.kernel = d.at("kernel").toIntVector();
+    a.stride = d.at("stride").toIntVector();
+    a.pad = d.at("pad").toIntVector();
+    a.dil = d.at("dil").toIntVector();
+    a.ceil_mode = d.at("ceil_mode").toBool();
+    a.divisor = d.at("divisor").toInt();
+    const auto shape = ctx->saved_data.at("shape").toIntVector();
+    at::Tensor go = grads[0];
+    if (!go.defined()) return {at::Tensor(), at::Tensor()};
+    // Only the sizes of `self` are read by the CPU backward kernels.
+    const at::Tensor self = at::empty({}, go.options().requires_grad(false)).expand(shape);
+    at::Tensor gi;
+    if (a.is_max) {
+      const at::Tensor idx = ctx->get_saved_variables()[0];
+      gi = a.nd == 2 ? at::max_pool2d_with_indices_backward(go, self, a.kernel, a.stride, a.pad,
+                                                            a.dil, a.ceil_mode, idx)
+                     : at::max_pool3d_with_indices_backward(go, self, a.kernel, a.stride, a.pad,
+                                                            a.dil, a.ceil_mode, idx);
+    } else {
+      gi = a.nd == 2 ? at::avg_pool2d_backward(go, self, a.kernel, a.stride, a.pad, a.ceil_mode,
+                                               true, a.divisor)
+                     : at::avg_pool3d_backward(go, self, a.kernel, a.stride, a.pad, a.ceil_mode,
+                                               true, a.divisor);
+    }
+    return {gi, at::Tensor()};
+  }
+};
+
+// Runs PoolFn on g (nd = 1, 2 or 3 spatial dims). Returns (values, or
+// window sums divided by `divisor`; local indices or undefined).
+std::pair<at::Tensor, at::Tensor> pool_local(const at::Tensor& g, bool is_max, int64_t nd,
+                                             const std::vector<int64_t>& kernel,
+                                             const std::vector<int64_t>& stride,
+                                             const std::vector<int64_t>& pad,
+                                             const std::vector<int64_t>& dil, bool ceil_mode,
+                                             int64_t divisor) {
+  PoolArgs a;
+  a.is_max = is_max;
+  a.ceil_mode = ceil_mode;
+  a.divisor = divisor;
+  if (nd == 1) {
+    a.nd = 2;
+    a.kernel = {1, kernel[0]};
+    a.stride = {1, stride[0]};
+    a.pad = {0, pad[0]};
+    a.dil = {1, dil[0]};
+    auto r = PoolFn::apply(g.unsqueeze(-2), a);
+    return {r[0].squeeze(-2), is_max ? r[1].squeeze(-2) : at::Tensor()};
+  }
+  a.nd = nd;
+  a.kernel = kernel;
+  a.stride = stride;
+  a.pad = pad;
+  a.dil = dil;
+  auto r = PoolFn::apply(g, a);
+  return {r[0], is_max ? r[1] : at::Tensor()};
+}
+
 void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
   auto args = pop_args(op, stack);
   check_pool_dtype(op, args, p);
@@ -278,43 +395,19 @@ void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
   if (out_numel == 0) {
     out = empty_connected(g, out_local);
     if (p.with_indices) idx = at::empty(out_local, g.options().dtype(at::kLong));
-  } else if (is_max) {
-    if (nd == 1) {
-      if (p.with_indices) {
-        std::tie(out, idx) = at::max_pool1d_with_indices(g, kernel, stride, lpad, dil, ceil_mode);
-      } else {
-        out = at::max_pool1d(g, kernel, stride, lpad, dil, ceil_mode);
-      }
-    } else if (nd == 2) {
-      if (p.with_indices) {
-        std::tie(out, idx) = at::max_pool2d_with_indices(g, kernel, stride, lpad, dil, ceil_mode);
-      } else {
-        out = at::max_pool2d(g, kernel, stride, lpad, dil, ceil_mode);
-      }
-    } else {
-      if (p.with_indices) {
-        std::tie(out, idx) = at::max_pool3d_with_indices(g, kernel, stride, lpad, dil, ceil_mode);
-      } else {
-        out = at::max_pool3d(g, kernel, stride, lpad, dil, ceil_mode);
-      }
-    }
+  } else {
+    // Note [pool saves no halo copy]. Avg: window sums, then libtorch's divisor
+    // (Note [avg_pool divisor]).
+    std::tie(out, idx) = pool_local(g, is_max, nd, kernel, stride, lpad, dil, ceil_mode,
+                                    divisor_override.value_or(1));
+    if (!p.with_indices) idx = at::Tensor();
     if (idx.defined()) {
       std::vector<int64_t> lext;
       for (int64_t d : st.spatial) lext.push_back(g.size(d));
       idx = globalize(idx, lext, offset, st.in_ext);
     }
-  } else {
-    // Window sums, then libtorch's divisor (Note [avg_pool divisor]).
-    const int64_t div1 = divisor_override ? *divisor_override : 1;
-    if (nd == 1) {
-      out = at::avg_pool2d(g.unsqueeze(-2), {1, kernel[0]}, {1, stride[0]}, {0, lpad[0]}, ceil_mode,
-                           true, div1)
-                .squeeze(-2);
-    } else if (nd == 2) {
-      out = at::avg_pool2d(g, kernel, stride, lpad, ceil_mode, true, div1);
-    } else {
-      out = at::avg_pool3d(g, kernel, stride, lpad, ceil_mode, true, div1);
-    }
+  }
+  if (out_numel > 0 && !is_max) {
     if (!divisor_override) {
       at::Tensor div = at::ones({}, at::kDouble);
       for (int64_t i = 0; i < nd; ++i) {
