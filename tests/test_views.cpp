@@ -233,6 +233,102 @@ TEST(Views, CopiesThatCannotAliasRefuseInPlaceOps) {
   EXPECT_TRUE(all_close(st::ShardTensor(u).full_tensor(), x, 0, 0));
 }
 
+// In-place ops on the outputs of rules built on custom autograd Functions
+// work as in libtorch (Note [function outputs are not views]): an unbatched
+// conv's output (a squeeze inside the Function) takes a boundary write
+// through a select of its sharded dim, then relu_; and libtorch's own guard stays:
+// a softmax output (saved for backward) modified in place makes backward
+// raise on every rank.
+TEST(Views, InPlaceOpsOnFunctionOutputs) {
+  auto mesh = test_mesh();
+  auto x = rnd({2, 7, 6}, 41);
+  auto w = rnd({3, 2, 3, 3}, 42), b = rnd({3}, 43);
+  auto conv = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    at::Tensor y = at::conv2d(in[0] * 1.0, p[0], p[1], {1, 1}, {1, 1});
+    y.select(1, 0).fill_(0.5);
+    y.relu_();
+    return y;
+  };
+  for (const auto& p : std::vector<Placements>{{S1, S2}, {S2, S1}, {R, S1}}) {
+    EXPECT_TRUE(reference_check(conv, {sharded_input(mesh, x, p)}, mesh, {w, b}))
+        << "unbatched conv2d + relu_ on " << st::to_string(p);
+    EXPECT_TRUE(reference_check(conv, {empty_first_input(mesh, x, p)}, mesh, {w, b}))
+        << "unbatched conv2d + relu_ on " << st::to_string(p) << " empty-first";
+  }
+  auto z = rnd({4, 6}, 44);
+  for (const auto& p : std::vector<Placements>{{S1, S0}, {S0, S1}}) {
+    at::Tensor sz = st::distribute_tensor(z, mesh, fit_placements(mesh, p), true);
+    at::Tensor y = at::softmax(sz, 1);
+    y.mul_(2.0);
+    EXPECT_TRUE(
+        throws_everywhere([&] { y.sum().backward(); }, {"modified by an inplace operation"}))
+        << st::to_string(p);
+  }
+}
+
+// Every path that returns a copy where libtorch returns a view marks its
+// result, so in-place ops on it raise on every rank, naming the op, and the
+// source is left unchanged: view ops through the generic fallback whose
+// result cannot be re-sharded (unfold, view_as_real, view_as_complex: they
+// used to come back plain and the writes were lost), views of a chained
+// refused result, and view ops of a Partial ShardTensor (summed first).
+TEST(Views, FallbackAndCopyingRulesRefuseInPlaceOps) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({6, 5}, 31);
+  for (const auto& wanted : std::vector<Placements>{{S0, S1}, {S1, S0}, {R, S0}}) {
+    const auto p = fit_placements(mesh, wanted);
+    const std::string where = " on " + st::to_string(p);
+    at::Tensor u = st::distribute_tensor(x, mesh, p);
+    for (int64_t dim : {0, 1}) {
+      auto win = u.unfold(dim, 2, 1);
+      EXPECT_TRUE(all_close(gathered(win), x.unfold(dim, 2, 1), 0, 0)) << "unfold" << where;
+      EXPECT_TRUE(
+          throws_everywhere([&] { win.fill_(0.0); }, {"fill_", "unfold", "copy, not a view"}))
+          << "unfold(" << dim << ").fill_" << where;
+      EXPECT_TRUE(throws_everywhere([&] { win.select(0, 1).add_(1.0); }, {"add_", "unfold"}))
+          << "unfold(" << dim << ").select.add_" << where;
+    }
+    at::Tensor c = st::distribute_tensor(at::complex(x, x * 2.0), mesh, p);
+    auto re = at::view_as_real(c);
+    EXPECT_TRUE(all_close(gathered(re), at::view_as_real(at::complex(x, x * 2.0)), 0, 0));
+    EXPECT_TRUE(throws_everywhere([&] { re.mul_(2.0); }, {"mul_", "view_as_real"})) << where;
+    at::Tensor pairs = st::distribute_tensor(x.narrow(1, 0, 4).reshape({6, 2, 2}), mesh, p);
+    auto cx = at::view_as_complex(pairs);
+    EXPECT_TRUE(throws_everywhere([&] { cx.zero_(); }, {"zero_", "view_as_complex"})) << where;
+    EXPECT_TRUE(all_close(st::ShardTensor(u).full_tensor(), x, 0, 0)) << where;
+  }
+  // A Partial ShardTensor is summed by view ops of the pointwise family.
+  at::Tensor part = st::distribute_tensor(x, mesh, fit_placements(mesh, {st::Partial{}, S1}));
+  EXPECT_TRUE(
+      throws_everywhere([&] { at::alias(part).fill_(1.0); }, {"fill_", "alias", "not a view"}));
+  EXPECT_TRUE(throws_everywhere([&] { part.detach().zero_(); }, {"zero_", "detach", "not a view"}));
+  EXPECT_TRUE(all_close(st::ShardTensor(part).full_tensor(), x, 0, 0));
+}
+
+// unbind along a sharded dim replicates it; writes through any result go
+// back to the owners, as select's do (they were lost before).
+TEST(Views, UnbindWritesBack) {
+  auto mesh = test_mesh();
+  auto x = rnd({2, 3, 6, 5}, 32);
+  check_writes(
+      mesh, "unbind(2)[i] writes", x,
+      [](at::Tensor& u) {
+        auto rows = u.unbind(2);
+        rows[0].fill_(1.0);
+        rows[5].mul_(-2.0);
+        rows[3].select(2, 1).add_(4.0);
+      },
+      kLayouts);
+  check_writes(
+      mesh, "unbind(3)[i] writes", x,
+      [](at::Tensor& u) {
+        auto cols = u.unbind(3);
+        cols[4].copy_(cols[0] * 3.0);
+      },
+      kLayouts);
+}
+
 // Note [wrapper autograd]: requires_grad_(), requires_grad(), grad(),
 // retain_grad(), is_leaf() and backward() on an at::Tensor that is a
 // ShardTensor act on the local piece.
