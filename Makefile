@@ -4,7 +4,8 @@
 #   make test   install missing Debian packages, build, run every test (ctest)
 #
 # Also: make demo-vit (examples/vit_train on 4 ranks), make demo-py (examples/python/unet_train.py
-# on 4 ranks through the Python package; DEMO_PY_ARGS passes flags).
+# on 4 ranks through the Python package; DEMO_PY_ARGS passes flags), make demo-py-fno
+# (examples/python/fno_train.py, the FNO in Python; DEMO_PY_FNO_ARGS).
 # Other targets: deps, configure, build, install PREFIX=..., format, format-check, clean,
 # test-asan (ASAN_TESTS=regex for a subset), fuzz SECONDS=... NP=... [MESH=2x2] (randomized differential tests),
 # bench-quick, bench, bench-report (see bench/run.sh and docs/benchmarks.md).
@@ -63,7 +64,7 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: fuzz test-asan test-large help demo demo-vit demo-py test deps configure build install format format-check clean \
+.PHONY: fuzz test-asan test-large help demo demo-vit demo-py demo-py-fno test deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
         bench-overhead bench-attention bench-scale bench-profile bench-io bench-report bench-deps
 
@@ -71,6 +72,7 @@ help:
 	@echo "make demo     build and run examples/$(DEMO) on $(NP) ranks"
 	@echo "make demo-vit build and run examples/vit_train (vision transformer, ring attention) on 4 ranks"
 	@echo "make demo-py  build the Python package and run examples/python/unet_train.py on 4 ranks"
+	@echo "make demo-py-fno  the same for examples/python/fno_train.py (the FNO, Python)"
 	@echo "make test     build and run all tests (ctest)"
 	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
 	@echo "make fuzz SECONDS=300 NP=4 [MESH=2x2] [FUZZ_SEED=n]  random programs, sharded vs plain libtorch"
@@ -100,6 +102,14 @@ demo-py: configure
 	py=$$(sed -n 's/^Python3_EXECUTABLE:FILEPATH=//p' $(BUILD_ABS)/CMakeCache.txt); \
 	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-/usr/bin/python3} \
 	  $(REPO_ROOT)/examples/python/unet_train.py $(DEMO_PY_ARGS)
+
+# The FNO example through the Python package (examples/python/fno_train.py), on 4 ranks.
+DEMO_PY_FNO_ARGS ?= --size 128 --steps 30 --solver-steps 100
+demo-py-fno: configure
+	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_python
+	py=$$(sed -n 's/^Python3_EXECUTABLE:FILEPATH=//p' $(BUILD_ABS)/CMakeCache.txt); \
+	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-/usr/bin/python3} \
+	  $(REPO_ROOT)/examples/python/fno_train.py $(DEMO_PY_FNO_ARGS)
 
 # The >2 GiB large-count test (label `large`, ~7.5 GiB peak) runs in `make test-large`.
 test: build

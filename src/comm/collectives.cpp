@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/function_output.h"
 #include "comm/grad_sink.h"
 #include "comm/primitive_support.h"
 #include "comm/transport.h"
@@ -23,6 +24,12 @@ using namespace internal;
 namespace {
 
 // ---- kernels (no autograd) -------------------------------------------------------
+
+// Back from rows: the result of a primitive must not be a view (Note
+// [function outputs are not views], comm/function_output.h).
+at::Tensor from_rows(const at::Tensor& rows, int64_t dim) {
+  return function_output(rows.movedim(0, dim).contiguous());
+}
 
 at::Tensor gather_along(const at::Tensor& local, MPI_Comm comm, int64_t dim,
                         const std::vector<int64_t>& sizes) {
@@ -43,7 +50,7 @@ at::Tensor gather_along(const at::Tensor& local, MPI_Comm comm, int64_t dim,
     bytes[c] = sizes[c] * row_bytes;
   }
   transport::all_gatherv(send, recv, bytes, comm);
-  return recv.movedim(0, dim).contiguous();  // leading extents are 1: a view
+  return from_rows(recv, dim);  // leading extents are 1: no copy
 }
 
 at::Tensor reduce_scatter_along(const at::Tensor& t, MPI_Comm comm, int64_t dim,
@@ -56,7 +63,7 @@ at::Tensor reduce_scatter_along(const at::Tensor& t, MPI_Comm comm, int64_t dim,
     numel[c] = sizes[c] * row;
   }
   transport::reduce_scatter(send, recv, numel, ReduceOp::Sum, comm);
-  return recv.movedim(0, dim).contiguous();
+  return from_rows(recv, dim);
 }
 
 at::Tensor reduce_over(const at::Tensor& t, MPI_Comm comm, ReduceOp op) {
@@ -155,7 +162,7 @@ struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, AxisArgs args) {
     at::Tensor out = gather_along(local, args.axis.comm, args.dim, args.sizes);
     save_args(ctx, std::move(args));
-    return out;
+    return function_output(out, {local});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
@@ -166,7 +173,7 @@ struct ShardSliceFn : torch::autograd::Function<ShardSliceFn> {
     at::Tensor out = full.narrow(args.dim, off[args.axis.me], args.sizes[args.axis.me])
                          .clone(at::MemoryFormat::Contiguous);
     save_args(ctx, std::move(args));
-    return out;
+    return function_output(out, {full});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
@@ -188,7 +195,7 @@ struct ReduceScatterFn : torch::autograd::Function<ReduceScatterFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& t, AxisArgs args) {
     at::Tensor out = reduce_scatter_along(t, args.axis.comm, args.dim, args.sizes, args.axis.me);
     save_args(ctx, std::move(args));
-    return out;
+    return function_output(out, {t});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
@@ -202,7 +209,7 @@ struct GatherToPartialFn : torch::autograd::Function<GatherToPartialFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, AxisArgs args) {
     at::Tensor out = gather_along(local, args.axis.comm, args.dim, args.sizes);
     save_args(ctx, std::move(args));
-    return out;
+    return function_output(out, {local});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& a = saved_args<AxisArgs>(ctx);

@@ -2,6 +2,7 @@
 // and the two adjoint exchanges, on the transport's all-to-allv (plan) and
 // split-phase point-to-point exchange (data).
 #include "comm/ghost.h"
+#include "comm/function_output.h"
 
 #include <ATen/ATen.h>
 #include <shardtensor/core/error.h>
@@ -115,7 +116,7 @@ struct GhostExchangeFn : torch::autograd::Function<GhostExchangeFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& owned, GhostPlan plan) {
     at::Tensor out = exchange_kernel(owned, plan.data());
     save_plan(ctx, plan);
-    return out;
+    return comm::function_output(out, {owned});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // The differentiable adjoint, so that double backward works.
@@ -127,7 +128,7 @@ struct GhostAccumulateFn : torch::autograd::Function<GhostAccumulateFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& extended, GhostPlan plan) {
     at::Tensor out = accumulate_kernel(extended, plan.data(), ReduceOp::Sum);
     save_plan(ctx, plan);
-    return out;
+    return comm::function_output(out, {extended});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {ghost_exchange(grads[0], saved_plan(ctx)), Variable()};

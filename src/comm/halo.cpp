@@ -6,6 +6,7 @@
 // exchange (Note [transport seam]). Under create_graph the backward is a
 // Function too (HaloAdjointFn), so double backward is exact.
 #include "comm/halo.h"
+#include "comm/function_output.h"
 
 #include <ATen/ATen.h>
 
@@ -354,7 +355,7 @@ struct GatherRangeFn : torch::autograd::Function<GatherRangeFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local, RangeArgs args) {
     at::Tensor out = args.plan->run(local, args.value);
     save_args(ctx, std::move(args));
-    return out;
+    return function_output(out, {local});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads);
 };
@@ -369,7 +370,7 @@ struct HaloAdjointFn : torch::autograd::Function<HaloAdjointFn> {
                             std::shared_ptr<const HaloPlan> plan) {
     at::Tensor out = plan->run_adjoint(grad_out);
     save_args(ctx, std::move(plan));
-    return out;
+    return function_output(out, {grad_out});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& plan = saved_args<std::shared_ptr<const HaloPlan>>(ctx);
@@ -518,7 +519,7 @@ struct HaloEndFn : torch::autograd::Function<HaloEndFn> {
     at::Tensor out = std::move(args.out);
     args.out = at::Tensor();
     save_args(ctx, std::move(args));
-    return out;
+    return function_output(out, {local});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& a = saved_args<EndArgs>(ctx);

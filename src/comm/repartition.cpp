@@ -4,6 +4,7 @@
 // comm::repartition and comm::all_to_all on them. Data moves through the
 // transport's all-to-allv.
 #include "comm/repartition.h"
+#include "comm/function_output.h"
 
 #include <ATen/ATen.h>
 
@@ -211,7 +212,7 @@ struct PlanFn : torch::autograd::Function<PlanFn<Plan>> {
                             std::shared_ptr<const Plan> plan) {
     at::Tensor out = plan->run(local);
     save_args(ctx, std::move(plan));
-    return out;
+    return function_output(out, {local});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& plan = saved_args<std::shared_ptr<const Plan>>(ctx);

@@ -71,13 +71,6 @@ void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValu
   }
 }
 
-bool is_view_op(const c10::FunctionSchema& schema) {
-  for (const auto& r : schema.returns()) {
-    if (r.alias_info() && !r.alias_info()->isWrite()) return true;
-  }
-  return false;
-}
-
 // Note [view write-back] (tensor/shard_tensor_impl.h): the result of a view op
 // on a source that writes back writes back through it too.
 void chain_write_back(const at::Tensor& self, const at::Tensor& r) {
@@ -164,7 +157,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
                   "cannot write in place into this ShardTensor: " + impl->write_back()->refusal);
       }
       written.push_back(v.toTensor());
-    } else if (i == 0 && is_view_op(schema)) {
+    } else if (i == 0 && ops::returns_view(schema)) {
       view_source = v.toTensor();
     }
   }

@@ -8,7 +8,8 @@
 //  3. a result is re-sharded like the first ShardTensor argument (its
 //     placements and shard sizes; Partial becomes Replicate) when it has that
 //     argument's rank and its extent along every sharded dim; otherwise it is
-//     returned as a plain tensor, replicated (identical on every rank);
+//     returned as a plain tensor, replicated (identical on every rank), except
+//     the result of a view op (see Limits);
 //  4. arguments written in place (in-place ops, out=) that are ShardTensors get
 //     their piece of the full result copied back into their local tensor.
 // Gradient conventions hold (Note [replicated gradients]): a replicated
@@ -22,9 +23,12 @@
 // flag, which are the same on every rank, so all ranks make the same
 // collective calls or all throw.
 //
-// Limits: a view op that falls back returns a copy, not a view: an in-place op
-// on a sharded result raises (Note [view write-back]), one on a replicated
-// (plain) result is not seen. Random ops draw on the full tensor on every rank.
+// Limits: a view op that falls back (unfold, as_strided, view_as_real, ...)
+// returns a copy, not a view: its results are ShardTensors (a result that
+// cannot be re-sharded is returned replicated on every mesh dim, not plain)
+// on which an in-place op raises on every rank, naming the op (Note [view
+// write-back]), instead of being lost. Random ops draw on the full tensor on
+// every rank.
 #include "dispatch/fallback.h"
 
 #include <shardtensor/core/policy.h>
@@ -95,6 +99,16 @@ at::Tensor reshard(const at::Tensor& r, const ShardSpec& first) {
   ops::SpecPtr spec = result_spec(r, first);
   if (!spec) return r;
   return ops::wrap(detail::redistribute_local(r, replicated_like(*spec), *spec), spec);
+}
+
+// A plain result of the fallback as a ShardTensor replicated on every mesh dim.
+at::Tensor replicated(const at::Tensor& r, const DeviceMesh& mesh) {
+  return ops::wrap(r, ops::make_spec(mesh, Placements(mesh.ndim(), Replicate{}), r.sizes().vec()));
+}
+
+std::string copy_not_view(const c10::OperatorHandle& op) {
+  return c10::toString(op.operator_name()) +
+         " has no sharding rule; the generic fallback returned a copy, not a view";
 }
 
 }  // namespace
@@ -168,17 +182,24 @@ void generic_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* s
       TORCH_INTERNAL_ASSERT(found, "no written argument for a result of ", op.operator_name());
     } else if (r.isTensor()) {
       at::Tensor t = reshard(r.toTensor(), first);
-      if (alias && detail::shard_impl(t)) {
-        // A view op's result here is a copy: in-place ops on it must not be lost.
-        auto wb = std::make_shared<detail::WriteBack>();
-        wb->refusal = c10::toString(op.operator_name()) +
-                      " has no sharding rule; the generic fallback returned a copy, not a view";
-        detail::shard_impl(t)->set_write_back(std::move(wb));
+      if (alias) {
+        // A view op's result here is a copy: in-place ops on it must raise,
+        // not be lost. A plain (replicated) result would never reach the
+        // dispatcher again, so it is returned as a replicated ShardTensor.
+        if (!detail::shard_impl(t)) t = replicated(t, mesh);
+        ops::refuse_in_place(t, copy_not_view(op));
       }
       stack->push_back(std::move(t));
     } else if (r.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& t : r.toTensorList()) out.push_back(reshard(t, first));
+      for (const at::Tensor& t : r.toTensorList()) {
+        at::Tensor u = reshard(t, first);
+        if (alias) {
+          if (!detail::shard_impl(u)) u = replicated(u, mesh);
+          ops::refuse_in_place(u, copy_not_view(op));
+        }
+        out.push_back(u);
+      }
       stack->push_back(std::move(out));
     } else {
       stack->push_back(std::move(r));

@@ -60,6 +60,7 @@
 #include <limits>
 #include <sstream>
 
+#include "comm/function_output.h"
 #include "comm/ring.h"
 #include "ops/common.h"
 
@@ -368,7 +369,8 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     }
     at::Tensor out4 = st.acc.div_(st.l.unsqueeze(-1));
     at::Tensor lse = st.m.masked_fill(st.m.isneginf(), 0.0).add_(st.l.log());
-    at::Tensor out = out4.view({B, Hq, n, D}).to(q.scalar_type());
+    // The saved tensor is the returned one (Note [function outputs are not views]).
+    at::Tensor out = comm::function_output(out4.view({B, Hq, n, D}).to(q.scalar_type()), {q, k, v});
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
     return out;

@@ -119,6 +119,28 @@ at::Tensor wrap(at::Tensor local, SpecPtr spec) {
   return detail::make_shard_tensor(std::move(local), std::move(spec));
 }
 
+void refuse_in_place(const c10::IValue& result, const std::string& why) {
+  auto mark = [&](const at::Tensor& t) {
+    auto* impl = detail::shard_impl(t);
+    if (!impl) return;
+    auto wb = std::make_shared<detail::WriteBack>();
+    wb->refusal = why;
+    impl->set_write_back(std::move(wb));
+  };
+  if (result.isTensor()) {
+    mark(result.toTensor());
+  } else if (result.isTensorList()) {
+    for (const at::Tensor& t : result.toTensorList()) mark(t);
+  }
+}
+
+bool returns_view(const c10::FunctionSchema& schema) {
+  for (const auto& r : schema.returns()) {
+    if (r.alias_info() && !r.alias_info()->isWrite()) return true;
+  }
+  return false;
+}
+
 std::vector<c10::IValue> pop_args(const c10::OperatorHandle& op, Stack* stack) {
   const size_t n = op.schema().arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= n);

@@ -25,6 +25,17 @@ at::Tensor local_of(const at::Tensor& t);
 /// Wraps a local result.
 at::Tensor wrap(at::Tensor local, SpecPtr spec);
 
+/// Local. Note [view write-back] (tensor/shard_tensor_impl.h): marks every
+/// ShardTensor in `result` (a tensor or a tensor list) as a copy where
+/// libtorch would return a view, so that an in-place op on it raises on every
+/// rank, naming the op and `why`, instead of being lost. Callers decide from
+/// metadata only (every rank marks alike). Plain tensors are left alone.
+void refuse_in_place(const c10::IValue& result, const std::string& why);
+
+/// Whether the op's schema returns a view of an argument (an alias that is
+/// not written), as select, view, unfold and view_as_real do.
+bool returns_view(const c10::FunctionSchema& schema);
+
 /// Pops the op's arguments off the stack (in order).
 std::vector<c10::IValue> pop_args(const c10::OperatorHandle& op, Stack* stack);
 

@@ -85,6 +85,7 @@
 #include <cstring>
 
 #include "comm/exchange.h"
+#include "comm/function_output.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -550,7 +551,7 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
       ctx->saved_data["bias"] = p.has_bias;
       ctx->saved_data["bias_size"] = p.has_bias ? bias.size(0) : int64_t(0);
       if (!p.batched) out = out.squeeze(0);
-      return out;
+      return comm::function_output(out, {local, weight, bias});
     }
     at::Tensor x = gather_input(local, p);
     at::Tensor out;
@@ -567,7 +568,7 @@ struct ConvFn : torch::autograd::Function<ConvFn> {
     ctx->saved_data["bias"] = p.has_bias;
     ctx->saved_data["bias_size"] = p.has_bias ? bias.size(0) : int64_t(0);
     if (!p.batched) out = out.squeeze(0);
-    return out;
+    return comm::function_output(out, {local, weight, bias});
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

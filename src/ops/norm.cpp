@@ -67,6 +67,7 @@
 #include <functional>
 #include <string>
 
+#include "comm/function_output.h"
 #include "ops/common.h"
 
 namespace shardtensor::ops {
@@ -174,7 +175,7 @@ struct NormFn : torch::autograd::Function<NormFn> {
     ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
     ctx->saved_data["b_shape"] = b.sizes().vec();
     ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
-    return y;
+    return comm::function_output(y, {x, w, b});
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -102,6 +102,20 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
   Stack results = std::move(local_args);
   op.callBoxed(&results);
   push_results(op, args, &results, out_spec, stack);
+  // A view op (alias, detach, real, imag, _conj, ...) whose operand had to be
+  // brought to the result's layout (a Partial operand is summed) returns a
+  // copy: in-place ops on it must raise, not be lost (Note [view write-back]).
+  if (returns_view(schema)) {
+    const ShardSpec* s0 = args[0].isTensor() ? spec_of(args[0].toTensor()) : nullptr;
+    if (s0 && *s0 != *out_spec) {
+      for (size_t j = stack->size() - schema.returns().size(); j < stack->size(); ++j) {
+        refuse_in_place((*stack)[j], c10::toString(op.operator_name()) +
+                                         " of a ShardTensor laid out as " + s0->to_string() +
+                                         " returned a copy laid out as " + out_spec->to_string() +
+                                         ", not a view");
+      }
+    }
+  }
 }
 
 // Single-input ops whose result has the input's layout, with Partial resolved:

@@ -880,7 +880,8 @@ void split_rule(const c10::OperatorHandle& op, Stack* stack) {
 }
 
 // unbind.int(self, dim): along a sharded dim, one replication of that mesh dim
-// (rather than one per element), then a local unbind.
+// (rather than one per element), then a local unbind; writes through the
+// results go back to the owners (Note [view write-back]).
 void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   reject_named(op, args);
@@ -893,9 +894,16 @@ void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
   std::vector<int64_t> shape = s.global_shape();
   shape.erase(shape.begin() + dim);
   SpecPtr spec = drop_dims(*x.spec, {dim}, shape);
-  std::vector<Piece> out;
-  for (const auto& t : x.local.unbind(dim)) out.push_back({t, spec});
-  push_pieces(stack, out);
+  std::vector<at::Tensor> out;
+  for (const auto& t : x.local.unbind(dim)) out.push_back(wrap(t, spec));
+  if (m >= 0) {
+    // The results are views of the replicated copy: writes through any of
+    // them go back to the owners (Note [view write-back]).
+    for (const auto& t : out) {
+      set_write_back(t, args[0].toTensor(), x.local, {{dim, 0}}, /*copied=*/false);
+    }
+  }
+  stack->push_back(c10::IValue(out));
 }
 
 // diagonal(self, offset, dim1, dim2): a view of the piece when neither dim is

@@ -25,6 +25,7 @@
 
 #include <limits>
 
+#include "comm/function_output.h"
 #include "ops/common.h"
 
 namespace shardtensor::ops {
@@ -83,7 +84,8 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
       y.exp_().div_(s);
     }
     // Saved as returned (rounded, as libtorch's kernels save their output).
-    y = y.to(x_in.scalar_type());
+    // The saved tensor is the returned one (Note [function outputs are not views]).
+    y = comm::function_output(y.to(x_in.scalar_type()), {x_in});
     ctx->save_for_backward({y});
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["mesh_dim"] = mesh_dim;

@@ -19,7 +19,16 @@ namespace shardtensor::detail {
 /// chain of views). `fn` is collective only where the rule's decision to
 /// copy depended on metadata alone (so every rank holds one). A result that
 /// cannot write back carries a WriteBack without `fn`: an in-place op on it
-/// raises `refusal` instead of being silently lost.
+/// (or on a view of it) raises `refusal` on every rank instead of being
+/// silently lost. Who writes back: select, squeeze, diagonal and unbind of a
+/// sharded dim, view/unflatten that replicate or copy. Who refuses
+/// (ops::refuse_in_place): view ops through the generic fallback (unfold,
+/// as_strided, view_as_real, ...; a result that cannot be re-sharded comes
+/// back as a replicated ShardTensor rather than a plain tensor, so that the
+/// dispatcher sees the write), and view ops of the pointwise family (alias,
+/// detach, real, ...) whose operand had to change layout (a Partial one).
+/// Gradients flow through written views as in libtorch: Note [function
+/// outputs are not views] (comm/function_output.h).
 struct WriteBack {
   std::function<void(const at::Tensor& result)> fn;
   std::string refusal;
