@@ -31,6 +31,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "comm/function_output.h"
 #include "ops/common.h"
 #include "ops/stencil.h"
 
@@ -102,7 +103,9 @@ struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
     ctx->save_for_backward({local, weight, p.has_bias ? bias : at::Tensor()});
     ctx->saved_data["plan"] =
         c10::IValue::make_capsule(c10::make_intrusive<TransposedPlanHolder>(plan));
-    return out;
+    // Not a view (Note [function outputs are not views]): the block may be
+    // all of the local output, or its unbatched squeeze.
+    return comm::function_output(out, {local, weight, bias});
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
