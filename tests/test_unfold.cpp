@@ -48,8 +48,8 @@ class Unfold : public ::testing::Test {
   void check(const RefFn& fn, const std::vector<RefInput>& inputs, at::ScalarType dt,
              const std::string& what) {
     ::testing::AssertionResult r = ::testing::AssertionSuccess();
-    auto fb = strict_run(
-        [&] { r = reference_check(fn, inputs, mesh, {}, rtol_of(dt), atol_of(dt)); });
+    auto fb =
+        strict_run([&] { r = reference_check(fn, inputs, mesh, {}, rtol_of(dt), atol_of(dt)); });
     EXPECT_TRUE(r) << what;
     EXPECT_TRUE(all_ranks(fb.first == 0 && fb.second == 0))
         << what << ": fallbacks " << fb.first << ", gathered bytes " << fb.second;
@@ -59,8 +59,8 @@ class Unfold : public ::testing::Test {
 std::string cfg(const std::vector<int64_t>& k, const std::vector<int64_t>& d,
                 const std::vector<int64_t>& p, const std::vector<int64_t>& s) {
   std::ostringstream os;
-  os << "k=" << c10::IntArrayRef(k) << " d=" << c10::IntArrayRef(d)
-     << " p=" << c10::IntArrayRef(p) << " s=" << c10::IntArrayRef(s);
+  os << "k=" << c10::IntArrayRef(k) << " d=" << c10::IntArrayRef(d) << " p=" << c10::IntArrayRef(p)
+     << " s=" << c10::IntArrayRef(s);
   return os.str();
 }
 
@@ -69,20 +69,18 @@ std::string cfg(const std::vector<int64_t>& k, const std::vector<int64_t>& d,
 // ---- Tensor.unfold -------------------------------------------------------------
 
 TEST_F(Unfold, TensorUnfoldAlongShardedDimEqualsSingleProcess) {
-  const std::vector<std::pair<int64_t, int64_t>> windows = {{3, 1}, {3, 2}, {1, 1}, {4, 3},
+  const std::vector<std::pair<int64_t, int64_t>> windows = {{3, 1}, {3, 2},  {1, 1}, {4, 3},
                                                             {2, 5}, {11, 1}, {0, 2}};
   for (auto dt : kDtypes) {
     at::Tensor x = rnd({2, 11, 5}, 1).to(dt);
     for (bool empty : {false, true}) {
       for (auto [size, step] : windows) {
-        check(
-            [size = size, step = step](const std::vector<at::Tensor>& t,
-                                       const std::vector<at::Tensor>&) {
-              return t[0].unfold(1, size, step);
-            },
-            {in(x, {S1, S2}, empty)}, dt,
-            "unfold(1, " + std::to_string(size) + ", " + std::to_string(step) + ") empty " +
-                std::to_string(empty));
+        check([size = size, step = step](
+                  const std::vector<at::Tensor>& t,
+                  const std::vector<at::Tensor>&) { return t[0].unfold(1, size, step); },
+              {in(x, {S1, S2}, empty)}, dt,
+              "unfold(1, " + std::to_string(size) + ", " + std::to_string(step) + ") empty " +
+                  std::to_string(empty));
       }
       // Along the unsharded last dim (a view of the piece) and twice.
       check([](const std::vector<at::Tensor>& t,
@@ -116,8 +114,8 @@ TEST_F(Unfold, TensorUnfoldMovesOnlyTheHalo) {
   int64_t halo_rows = 0;
   if (w0 >= 0) {
     const int64_t lo = w0 * step, hi = (w1 - 1) * step + size;
-    halo_rows = (hi - lo) - std::max<int64_t>(
-                                0, std::min(hi, off[c] + sizes[c]) - std::max(lo, off[c]));
+    halo_rows =
+        (hi - lo) - std::max<int64_t>(0, std::min(hi, off[c] + sizes[c]) - std::max(lo, off[c]));
   }
   at::Tensor out;
   auto fb = strict_run([&] { out = sx.unfold(1, size, step); });
@@ -191,10 +189,8 @@ TEST_F(Unfold, FoldOfUnfoldEqualsSingleProcess) {
                 namespace F = torch::nn::functional;
                 auto cols = F::unfold(
                     t[0], F::UnfoldFuncOptions(w.k).dilation(w.d).padding(w.p).stride(w.s));
-                return F::fold(cols, F::FoldFuncOptions({10, 9}, w.k)
-                                         .dilation(w.d)
-                                         .padding(w.p)
-                                         .stride(w.s));
+                return F::fold(
+                    cols, F::FoldFuncOptions({10, 9}, w.k).dilation(w.d).padding(w.p).stride(w.s));
               },
               {in(x, pl, empty)}, dt,
               "fold(unfold) " + cfg(w.k, w.d, w.p, w.s) + " " + st::to_string(pl) + " empty " +
@@ -231,15 +227,27 @@ TEST_F(Unfold, Col2imOnShardedColumnsEqualsSingleProcess) {
 
 TEST_F(Unfold, Im2colCol2imBadArgumentsThrowEverywhere) {
   auto sx = st::distribute_tensor(rnd({1, 2, 5, 5}, 8), mesh, fit_placements(mesh, {S2, S3}));
-  EXPECT_TRUE(throws_everywhere([&] { at::im2col(sx, {7, 7}, {1, 1}, {0, 0}, {1, 1}); },
-                                {"aten::im2col", "[1, 2, 5, 5]", "does not fit"}));
-  EXPECT_TRUE(throws_everywhere([&] { at::im2col(sx, {2, 2}, {0, 1}, {0, 0}, {1, 1}); },
-                                {"aten::im2col", "dilation"}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        at::im2col(sx, {7, 7}, {1, 1}, {0, 0}, {1, 1});
+      },
+      {"aten::im2col", "[1, 2, 5, 5]", "does not fit"}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        at::im2col(sx, {2, 2}, {0, 1}, {0, 0}, {1, 1});
+      },
+      {"aten::im2col", "dilation"}));
   auto sc = st::distribute_tensor(rnd({1, 8, 12}, 9), mesh, fit_placements(mesh, {S2, S1}));
-  EXPECT_TRUE(throws_everywhere([&] { at::col2im(sc, {5, 5}, {2, 2}, {1, 1}, {0, 0}, {1, 1}); },
-                                {"aten::col2im", "sliding blocks"}));
-  EXPECT_TRUE(throws_everywhere([&] { at::col2im(sc, {4, 5}, {3, 3}, {1, 1}, {0, 0}, {1, 1}); },
-                                {"aten::col2im", "multiple of kernel_size"}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        at::col2im(sc, {5, 5}, {2, 2}, {1, 1}, {0, 0}, {1, 1});
+      },
+      {"aten::col2im", "sliding blocks"}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        at::col2im(sc, {4, 5}, {3, 3}, {1, 1}, {0, 0}, {1, 1});
+      },
+      {"aten::col2im", "multiple of kernel_size"}));
 }
 
 // ---- the accumulate primitive ---------------------------------------------------
@@ -276,8 +284,113 @@ TEST_F(Unfold, AccumulateRangeIsTheAdjointOfGatherRange) {
   // carried error: Note [carried errors]).
   EXPECT_TRUE(throws_everywhere(
       [&] {
-        st::comm::accumulate_range(rnd({2, hi - lo + 1}, 1), mesh, m, 1, sizes,
-                                   ranges);
+        st::comm::accumulate_range(rnd({2, hi - lo + 1}, 1), mesh, m, 1, sizes, ranges);
       },
       {"accumulate_range", "extent"}));
+}
+
+// ---- reshape / view / flatten / unflatten that merge or split a sharded dim -------
+
+// Note [view merge]: [B, H, W] sharded on H -> [B, H*W] keeps the shard with
+// sizes piece_H * W and moves nothing; sharded on W, the W split is moved onto
+// H first (an all-to-all, no gather); splitting [B, H*W] -> [B, H, W] with
+// pieces that are not whole rows of W repartitions. Values and gradients
+// equal libtorch's, in strict mode (no gather, no fallback).
+TEST_F(Unfold, MergeAndSplitOfAShardedDimEqualSingleProcess) {
+  using Fn = std::function<at::Tensor(const at::Tensor&)>;
+  const std::vector<std::pair<std::string, Fn>> merges = {
+      {"flatten", [](const at::Tensor& t) { return t.flatten(1); }},
+      {"reshape",
+       [](const at::Tensor& t) {
+         return t.reshape({2, 35});
+       }},
+      {"view",
+       [](const at::Tensor& t) {
+         return t.view({2, -1});
+       }},
+      {"flatten all", [](const at::Tensor& t) { return t.flatten(); }}};
+  const std::vector<std::pair<std::string, Fn>> splits = {{"unflatten",
+                                                           [](const at::Tensor& t) {
+                                                             return t.unflatten(1, {7, 5});
+                                                           }},
+                                                          {"view",
+                                                           [](const at::Tensor& t) {
+                                                             return t.view({2, 7, 5});
+                                                           }},
+                                                          {"reshape", [](const at::Tensor& t) {
+                                                             return t.reshape({2, 7, -1});
+                                                           }}};
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({2, 7, 5}, 11).to(dt);
+    at::Tensor y = rnd({2, 35}, 12).to(dt);
+    for (bool empty : {false, true}) {
+      for (const auto& [name, fn] : merges) {
+        for (const P& pl : std::vector<P>{{S1, R}, {S2, R}, {S2, S0}}) {
+          // Flattening B with a sharded W on a 2x2 mesh must gather (tested below).
+          if (name == "flatten all" && is_mesh_2x2() && pl == P{S2, S0}) continue;
+          check([fn = fn](const std::vector<at::Tensor>& t,
+                          const std::vector<at::Tensor>&) { return fn(t[0]) * 2; },
+                {in(x, pl, empty)}, dt, "merge " + name + " " + st::to_string(pl));
+        }
+      }
+      for (const auto& [name, fn] : splits) {
+        check([fn = fn](const std::vector<at::Tensor>& t,
+                        const std::vector<at::Tensor>&) { return fn(t[0]) * 2; },
+              {in(y, {S1, S0}, empty)}, dt, "split " + name);
+      }
+      // Writes through a view that had to move data reach the source.
+      check(
+          [](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+            at::Tensor u = t[0] * 1.5;
+            u.unflatten(1, {7, 5}).narrow(1, 2, 3).fill_(3.0);
+            u.view({2, 7, 5}).narrow(2, 1, 2).mul_(-2.0);
+            return u * u;
+          },
+          {in(y, {S1, S0}, empty)}, dt, "writes through split views");
+      check(
+          [](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+            at::Tensor u = t[0] * 1.5;
+            u.view({2, 35}).narrow(1, 3, 20).mul_(-2.0);
+            return u * u;
+          },
+          {in(x, {S2, R}, empty)}, dt, "writes through merged views");
+    }
+  }
+}
+
+TEST_F(Unfold, MergeOfAShardedOuterDimMovesNothing) {
+  at::Tensor x = rnd({2, 7, 5}, 13);
+  auto p = fit_placements(mesh, {S1, R});
+  auto sx = st::distribute_tensor(x, mesh, p);
+  const auto h = st::ShardTensor(sx).spec().shard_sizes(0);
+  at::Tensor out;
+  auto fb = strict_run([&] { out = sx.flatten(1); });
+  const auto stats = st::comm_stats();
+  EXPECT_TRUE(all_ranks(fb.first == 0 && stats.bytes_sent == 0 && stats.bytes_received == 0));
+  std::vector<int64_t> want;
+  for (int64_t n : h) want.push_back(n * 5);
+  EXPECT_EQ(st::ShardTensor(out).spec().shard_sizes(0), want);
+  EXPECT_EQ(st::to_string(st::ShardTensor(out).spec().placements()), st::to_string(p));
+  EXPECT_TRUE(all_close(gathered(out), x.flatten(1), 0, 0));
+}
+
+TEST_F(Unfold, MergeOfTwoShardedDimsGathersVisibly) {
+  if (!is_mesh_2x2()) return;  // needs H and W sharded by two mesh dims
+  at::Tensor x = rnd({2, 7, 5}, 14);
+  auto sx = st::distribute_tensor(x, mesh, {S1, S2});
+  // Strict mode refuses the gather of the inner mesh dim, on every rank.
+  {
+    StrictScope strict;
+    EXPECT_TRUE(throws_everywhere([&] { (void)sx.flatten(1); },
+                                  {"aten::flatten", "both sharded", "strict"}));
+  }
+  st::reset_comm_stats();
+  at::Tensor out = sx.flatten(1);
+  EXPECT_TRUE(all_ranks(st::comm_stats().gathered_bytes > 0));
+  EXPECT_TRUE(all_close(gathered(out), x.flatten(1), 0, 0));
+  EXPECT_TRUE(reference_check(
+      [](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+        return t[0].reshape({2, 35}) * 2;
+      },
+      {in(x, {S1, S2}, true)}, mesh));
 }

@@ -20,8 +20,8 @@ namespace shardtensor::comm {
 /// gather_range with fill 0. Throws c10::Error on every rank, before any
 /// message, if the sizes or ranges disagree or the extent of `range_local`
 /// along `dim` is not the length of its range.
-at::Tensor accumulate_range(const at::Tensor& range_local, const DeviceMesh& mesh,
-                            int64_t mesh_dim, int64_t dim, const std::vector<int64_t>& sizes,
+at::Tensor accumulate_range(const at::Tensor& range_local, const DeviceMesh& mesh, int64_t mesh_dim,
+                            int64_t dim, const std::vector<int64_t>& sizes,
                             const std::vector<std::pair<int64_t, int64_t>>& ranges);
 
 }  // namespace shardtensor::comm

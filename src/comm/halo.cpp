@@ -546,8 +546,8 @@ at::Tensor gather_range(const at::Tensor& local, const DeviceMesh& mesh, int64_t
 // where the contributions are summed. Used by col2im (fold), whose windows
 // overlap across piece boundaries. The plan is gather_range's, so the bytes
 // are the same; its backward is gather_range with fill 0 (HaloAdjointFn).
-at::Tensor accumulate_range(const at::Tensor& range_local, const DeviceMesh& mesh,
-                            int64_t mesh_dim, int64_t dim, const std::vector<int64_t>& sizes,
+at::Tensor accumulate_range(const at::Tensor& range_local, const DeviceMesh& mesh, int64_t mesh_dim,
+                            int64_t dim, const std::vector<int64_t>& sizes,
                             const std::vector<std::pair<int64_t, int64_t>>& ranges) {
   const Prim prim = Prim::AccumulateRange;
   const Axis a = axis(prim, mesh, mesh_dim);

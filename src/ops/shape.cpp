@@ -459,7 +459,8 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
         if (is_shard(src) && !is_shard(dst)) {
           back.emplace_back(shard_dim(src), 0);
         } else if (is_shard(dst)) {
-          only_replicates = only_replicates && src == dst && s.shard_sizes(m) == mid->shard_sizes(m);
+          only_replicates =
+              only_replicates && src == dst && s.shard_sizes(m) == mid->shard_sizes(m);
         }
       }
     }

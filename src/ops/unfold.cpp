@@ -121,7 +121,8 @@ void unfold_rule(const c10::OperatorHandle& op, Stack* stack) {
     // Unsharded dim: a view of the local piece (windows never cross pieces).
     at::Tensor out = x.unfold(dim, size, step);
     if (copy) out = out.clone(at::MemoryFormat::Contiguous);
-    stack->push_back(wrap(out, make_spec(s.mesh(), s.placements(), out_shape, s.all_shard_sizes())));
+    stack->push_back(
+        wrap(out, make_spec(s.mesh(), s.placements(), out_shape, s.all_shard_sizes())));
     return;
   }
   if (shard_count(s, dim) > 1) fail(op, args, "the dim is sharded by several mesh dims");
@@ -203,8 +204,8 @@ void im2col_rule(const c10::OperatorHandle& op, Stack* stack) {
   if (oh < 1 || ow < 1) {
     fail(op, args,
          "the kernel " + str(w.kernel) + " with dilation " + str(w.dilation) + " and padding " +
-             str(w.padding) + " does not fit the input's spatial size [" +
-             std::to_string(g[hdim]) + ", " + std::to_string(g[wdim]) + "]");
+             str(w.padding) + " does not fit the input's spatial size [" + std::to_string(g[hdim]) +
+             ", " + std::to_string(g[wdim]) + "]");
   }
   const int64_t kk = w.kernel[0] * w.kernel[1];
   const DeviceMesh& mesh = s.mesh();
@@ -214,8 +215,8 @@ void im2col_rule(const c10::OperatorHandle& op, Stack* stack) {
          "C, H and W all sharded: the W split has no free dim to move to; redistribute C or W "
          "first");
   }
-  const auto plans = stencil::window_plans(s, {hdim, wdim}, w.kernel, w.stride, w.dilation,
-                                           w.padding, {oh, ow});
+  const auto plans =
+      stencil::window_plans(s, {hdim, wdim}, w.kernel, w.stride, w.dilation, w.padding, {oh, ow});
   at::Tensor x = sp->has_partial() ? to_layout(self, s, s) : local_of(self);
   at::Tensor ext = stencil::gather_plans(x, mesh, plans, PadMode::Constant, 0.0);
   std::vector<int64_t> pad = w.padding;
