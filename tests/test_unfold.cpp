@@ -394,3 +394,113 @@ TEST_F(Unfold, MergeOfTwoShardedDimsGathersVisibly) {
       },
       {in(x, {S1, S2}, true)}, mesh));
 }
+
+// ---- grid_sample ------------------------------------------------------------------
+
+namespace {
+
+// A grid near the identity over [Ho, Wo]: reaches only nearby input rows.
+at::Tensor near_identity_grid(int64_t n, int64_t ho, int64_t wo, uint64_t seed, double jitter) {
+  at::Tensor ys = at::linspace(-1, 1, ho, at::kFloat), xs = at::linspace(-1, 1, wo, at::kFloat);
+  auto yx = at::meshgrid({ys, xs}, "ij");
+  at::Tensor g = at::stack({yx[1], yx[0]}, 2).unsqueeze(0).expand({n, ho, wo, 2});
+  return g + rnd({n, ho, wo, 2}, seed, jitter);
+}
+
+}  // namespace
+
+TEST_F(Unfold, GridSampleEqualsSingleProcess) {
+  const std::vector<P> layouts = {{S2, S3}, {S3, R}, {S1, S2}};
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({2, 3, 9, 7}, 21).to(dt);
+    at::Tensor grid = near_identity_grid(2, 8, 6, 22, 0.08).to(dt);
+    for (int64_t interp : {0, 1}) {
+      for (int64_t padding : {0, 1, 2}) {
+        for (bool align : {false, true}) {
+          for (const auto& pl : layouts) {
+            for (bool empty : {false, true}) {
+              check(
+                  [=](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+                    return at::grid_sampler(t[0], t[1], interp, padding, align);
+                  },
+                  {in(x, pl, empty), RefInput{grid, std::nullopt, true}}, dt,
+                  "grid_sample interp " + std::to_string(interp) + " padding " +
+                      std::to_string(padding) + " align " + std::to_string(align) + " " +
+                      st::to_string(pl) + " empty " + std::to_string(empty));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(Unfold, GridSampleWithAShardedGridAndFunctional) {
+  namespace F = torch::nn::functional;
+  at::Tensor x = rnd({1, 2, 11, 6}, 23);
+  // The grid sharded like the output (Ho on the mesh dim of H, Wo on W's).
+  at::Tensor grid = near_identity_grid(1, 11, 6, 24, 0.1);
+  for (bool empty : {false, true}) {
+    for (auto mode : {0, 1}) {
+      check(
+          [mode](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+            auto o = F::GridSampleFuncOptions().align_corners(true);
+            if (mode == 0) {
+              o = o.mode(torch::kBilinear).padding_mode(torch::kReflection);
+            } else {
+              o = o.mode(torch::kNearest).padding_mode(torch::kBorder);
+            }
+            return F::grid_sample(t[0], t[1], o);
+          },
+          {in(x, {S2, S3}, empty), in(grid, {S1, S2}, empty)}, at::kFloat,
+          "sharded grid mode " + std::to_string(mode) + " empty " + std::to_string(empty));
+    }
+  }
+}
+
+TEST_F(Unfold, GridSampleFarReachIsAVisibleGather) {
+  at::Tensor x = rnd({1, 2, 13, 5}, 25);
+  // Every output row samples the whole height (a flip plus noise).
+  at::Tensor grid = near_identity_grid(1, 13, 5, 26, 0.05).flip(1);
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2, R}));
+  const bool far = mesh.size(0) > 2;  // with 1-2 pieces every row is a neighbour's
+  {
+    StrictScope strict;
+    if (far) {
+      EXPECT_TRUE(throws_everywhere([&] { (void)at::grid_sampler(sx, grid, 0, 0, false); },
+                                    {"aten::grid_sampler", "reaches beyond", "strict"}));
+    }
+  }
+  st::reset_comm_stats();
+  at::Tensor out = at::grid_sampler(sx, grid, 0, 0, false);
+  const int64_t gb = st::comm_stats().gathered_bytes;
+  // Counted where the reach is far (some rank fetches beyond its piece), never otherwise.
+  const bool none = all_ranks(gb == 0);
+  EXPECT_EQ(none, !far) << gb;
+  EXPECT_TRUE(all_close(gathered(out), at::grid_sampler(x, grid, 0, 0, false)));
+  // Gradients too (float32: the grid gradient reaches |37|, whose ulp is 4e-6,
+  // so the file's float32 tolerance; float64 at 1e-12).
+  for (auto dt : kDtypes) {
+    EXPECT_TRUE(reference_check(
+        [](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
+          return at::grid_sampler(t[0], t[1], 0, 2, true);
+        },
+        {in(x.to(dt), {S2, R}, true), RefInput{grid.to(dt), std::nullopt, true}}, mesh, {},
+        rtol_of(dt), atol_of(dt)))
+        << dt;
+  }
+}
+
+TEST_F(Unfold, GridSampleBadArgumentsThrowEverywhere) {
+  auto sx = st::distribute_tensor(rnd({2, 2, 6, 5}, 27), mesh, fit_placements(mesh, {S2, S3}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        (void)at::grid_sampler(sx, rnd({3, 4, 4, 2}, 28), 0, 0, false);
+      },
+      {"aten::grid_sampler", "[N, Ho, Wo, 2]", "Shard(2)"}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        (void)at::grid_sampler(sx, rnd({2, 4, 4, 2}, 28).to(at::kDouble), 0, 0, false);
+      },
+      {"aten::grid_sampler", "dtype"}));
+}

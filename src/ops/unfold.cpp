@@ -50,6 +50,7 @@
 #include <string>
 
 #include "comm/accumulate.h"
+#include "comm/agree.h"
 #include "ops/common.h"
 #include "ops/stencil.h"
 
@@ -366,9 +367,231 @@ void col2im_rule(const c10::OperatorHandle& op, Stack* stack) {
   stack->push_back(wrap(y, make_spec(mesh, pl, out_shape, sizes)));
 }
 
+// ---------------------------------------------------------------- grid_sample
+
+// Note [grid_sample reach]: grid_sampler (2-D, bilinear or nearest, any
+// padding mode, either align_corners) with the input sharded along H and/or
+// W. The output [N, C, Ho, Wo] is sharded like the grid: along Ho (Wo) by the
+// mesh dim that shards the input's H (W), with the grid's sizes when the grid
+// is sharded there, else balanced (a replicated grid is sliced locally). Each
+// rank maps its grid piece to global input pixel coordinates with libtorch's
+// formulas, applying the padding mode (border clip, reflection) at the GLOBAL
+// border, and takes the rows (cols) its samples touch: floor(y) and
+// floor(y) + 1 for bilinear, round(y) for nearest, clipped to [0, H). The
+// ranges are agreed with one small all-gather of 6 integers per rank (the
+// union over the ranks that share a coordinate of the mesh dim, so that the
+// exchange along H and then W sees equal extents); comm::gather_range then
+// fetches exactly those rows (multi-hop if needed). libtorch's grid_sampler
+// runs on the extended piece with the coordinates shifted to local pixels and
+// renormalized for align_corners=false and zeros padding (the global padding
+// was applied already; what falls outside the global domain reads zeros as in
+// zeros mode). Gradients: libtorch's backward for the input piece, then the
+// halo accumulate; the grid's through the coordinate map.
+// "Halo-bounded" means every rank's range lies within its piece extended by
+// the largest piece of that mesh dim on each side (nearest-neighbour reach);
+// a grid that reaches further still moves only the rows it samples, but the
+// rows beyond the piece are counted as gathered_bytes with the once-per-op
+// warning, and strict mode refuses it (Note [visible gathers]). Bicubic
+// (whose padding applies per tap), 3-D sampling and a batch-sharded input are
+// declined (Note [partial rules]: the exact generic fallback).
+
+at::Tensor unnormalize(const at::Tensor& g, int64_t n, bool align) {
+  return align ? (g + 1) / 2 * (n - 1) : ((g + 1) * n - 1) / 2;
+}
+
+at::Tensor reflect(const at::Tensor& c, int64_t twice_low, int64_t twice_high) {
+  if (twice_low == twice_high) return at::zeros_like(c);
+  const double lo = twice_low / 2.0, span = (twice_high - twice_low) / 2.0;
+  at::Tensor a = (c - lo).abs();
+  at::Tensor extra = at::fmod(a, span);
+  at::Tensor flips = at::floor(a / span);
+  return at::where(at::fmod(flips, 2) == 0, extra + lo, span - extra + lo);
+}
+
+// libtorch's grid_sampler_compute_source_index: global pixel coordinates.
+at::Tensor source_index(const at::Tensor& g, int64_t n, int64_t padding, bool align) {
+  at::Tensor c = unnormalize(g, n, align);
+  if (padding == 1) {
+    c = c.clamp(0, n - 1);
+  } else if (padding == 2) {
+    c = align ? reflect(c, 0, 2 * (n - 1)) : reflect(c, -1, 2 * n - 1);
+    c = c.clamp(0, n - 1);
+  }
+  return c;
+}
+
+bool takes_grid_sampler(const c10::OperatorHandle& op, const Stack& stack) {
+  const size_t na = op.schema().arguments().size();
+  if (na < 5 || stack.size() < na) return false;
+  const c10::IValue& in = stack[stack.size() - na];
+  const c10::IValue& mode = stack[stack.size() - na + 2];
+  if (!in.isTensor() || !mode.isInt()) return false;
+  const ShardSpec* s = spec_of(in.toTensor());
+  if (!s || s->ndim() != 4 || mode.toInt() > 1) return false;
+  return s->mesh_dim_of(0) < 0;
+}
+
+void grid_sampler_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& input = args[0].toTensor();
+  const at::Tensor& grid = args[1].toTensor();
+  const int64_t interp = args[2].toInt(), padding = args[3].toInt();
+  const bool align = args[4].toBool();
+  const ShardSpec* sp = spec_of(input);
+  if (!sp) fail(op, args, "the input must be the ShardTensor");
+  const ShardSpec s = without_partial(*sp);
+  const auto& g = s.global_shape();
+  const std::vector<int64_t> gshape = grid.sizes().vec();
+  if (gshape.size() != 4 || gshape[3] != 2 || gshape[0] != g[0]) {
+    fail(op, args, "expected a grid of shape [N, Ho, Wo, 2] with N = " + std::to_string(g[0]));
+  }
+  if (grid.scalar_type() != input.scalar_type()) {
+    fail(op, args, "the input and the grid must have the same dtype");
+  }
+  if (padding < 0 || padding > 2) fail(op, args, "unknown padding mode");
+  for (int64_t d = 0; d < 4; ++d) {
+    if (shard_count(s, d) > 1) fail(op, args, "a dim sharded by several mesh dims");
+  }
+  const DeviceMesh& mesh = s.mesh();
+  const int64_t nm = mesh.ndim();
+  const ShardSpec* gs = spec_of(grid);
+  if (gs && !(gs->mesh() == mesh)) fail(op, args, "the input and the grid are on different meshes");
+  // The output layout (Note [grid_sample reach]) and the grid's.
+  const std::vector<int64_t> out_shape{g[0], g[1], gshape[1], gshape[2]};
+  Placements out_p(nm, Replicate{}), grid_p(nm, Replicate{});
+  ShardSizes out_sizes(nm), grid_sizes(nm);
+  for (int64_t m = 0; m < nm; ++m) {
+    const int64_t d = shard_dim(s.placements()[m]);
+    const int64_t gd = gs ? shard_dim(gs->placements()[m]) : -1;
+    auto follow = [&](int64_t grid_dim) {  // the output dim follows grid dim grid_dim
+      const int64_t od = grid_dim == 0 ? 0 : grid_dim + 1;
+      out_p[m] = Shard{od};
+      grid_p[m] = Shard{grid_dim};
+      out_sizes[m] =
+          gd == grid_dim ? gs->shard_sizes(m) : balanced_sizes(gshape[grid_dim], mesh.size(m));
+      grid_sizes[m] = out_sizes[m];
+    };
+    if (d == 1) {
+      out_p[m] = Shard{1};
+      out_sizes[m] = s.shard_sizes(m);
+    } else if (d == 2) {
+      follow(1);
+    } else if (d == 3) {
+      follow(2);
+    } else if (d < 0 && gd >= 0 && gd <= 2) {
+      follow(gd);
+    }
+  }
+  SpecPtr out_spec = make_spec(mesh, out_p, out_shape, out_sizes);
+  SpecPtr grid_spec = make_spec(mesh, grid_p, gshape, grid_sizes);
+  at::Tensor gl = to_layout(grid, *grid_spec, *out_spec);
+  at::Tensor x = sp->has_partial() ? to_layout(input, s, s) : local_of(input);
+  const int64_t mh = s.mesh_dim_of(2), mw = s.mesh_dim_of(3);
+  if (mh < 0 && mw < 0) {
+    // No sharded spatial dim: the op itself on the pieces.
+    at::Tensor out;
+    if (x.numel() == 0 || gl.numel() == 0) {
+      out = at::zeros(out_spec->local_shape(), x.options()) + (x.sum() + gl.sum()) * 0;
+    } else {
+      out = at::grid_sampler(x, gl, interp, padding, align);
+    }
+    stack->push_back(wrap(out, out_spec));
+    return;
+  }
+  // Global pixel coordinates of this rank's samples (x: W, y: H).
+  const at::ScalarType acc = at::kDouble;
+  at::Tensor gx = gl.select(3, 0).to(acc), gy = gl.select(3, 1).to(acc);
+  at::Tensor px = source_index(gx, g[3], padding, align);
+  at::Tensor py = source_index(gy, g[2], padding, align);
+  // The rows/cols the samples touch, clipped to the domain (metadata for the plan).
+  auto reach = [&](const at::Tensor& c, int64_t n) -> std::pair<int64_t, int64_t> {
+    at::Tensor t = c.detach();
+    t = t.masked_select(at::isfinite(t));
+    at::Tensor lo_i = interp == 1 ? at::round(t) : at::floor(t);
+    at::Tensor hi_i = interp == 1 ? lo_i : lo_i + 1;
+    at::Tensor valid_lo = lo_i.clamp(0, n - 1), valid_hi = hi_i.clamp(0, n - 1);
+    at::Tensor touched = (hi_i >= 0) & (lo_i <= n - 1);
+    if (!touched.any().item<bool>()) return {0, 0};
+    valid_lo = valid_lo.masked_select(touched);
+    valid_hi = valid_hi.masked_select(touched);
+    return {static_cast<int64_t>(valid_lo.min().item<double>()),
+            static_cast<int64_t>(valid_hi.max().item<double>()) + 1};
+  };
+  const auto coord = mesh.coordinate();
+  auto [ylo, yhi] = reach(py, g[2]);
+  auto [xlo, xhi] = reach(px, g[3]);
+  std::vector<int64_t> rec{mh >= 0 ? coord[mh] : 0, mw >= 0 ? coord[mw] : 0, ylo, yhi, xlo, xhi};
+  const auto recs = comm::all_gather_records(mesh, rec);
+  // Per coordinate of the mesh dim: the union of the ranges of its ranks.
+  auto ranges_of = [&](int64_t m, size_t k, size_t lo_at) {
+    std::vector<stencil::Range> r(mesh.size(m), {0, 0});
+    std::vector<bool> seen(mesh.size(m), false);
+    for (const auto& q : recs) {
+      const int64_t c = q[k], lo = q[lo_at], hi = q[lo_at + 1];
+      if (lo == hi) continue;
+      if (!seen[c]) {
+        r[c] = {lo, hi};
+        seen[c] = true;
+      } else {
+        r[c] = {std::min(r[c].first, lo), std::max(r[c].second, hi)};
+      }
+    }
+    return r;
+  };
+  std::vector<stencil::DimPlan> plans;
+  int64_t beyond_bytes = 0;  // this rank's elements from beyond its piece, in bytes
+  bool far = false;
+  std::vector<int64_t> lo_of{0, 0};
+  std::vector<int64_t> ext_shape = x.sizes().vec();
+  for (int i = 0; i < 2; ++i) {
+    const int64_t m = i == 0 ? mh : mw;
+    if (m < 0) continue;
+    stencil::DimPlan p;
+    p.dim = 2 + i;
+    p.mesh_dim = m;
+    p.in_sizes = s.shard_sizes(m);
+    p.ranges = ranges_of(m, i, 2 + 2 * i);
+    const auto off = offsets_of(p.in_sizes);
+    const int64_t halo = *std::max_element(p.in_sizes.begin(), p.in_sizes.end());
+    for (size_t c = 0; c < p.ranges.size(); ++c) {
+      const auto [lo, hi] = p.ranges[c];
+      if (lo == hi) continue;
+      if (lo < off[c] - halo || hi > off[c] + p.in_sizes[c] + halo) far = true;
+    }
+    const int64_t me = coord[m];
+    const auto [lo, hi] = p.ranges[me];
+    const int64_t own =
+        std::max<int64_t>(0, std::min(hi, off[me] + p.in_sizes[me]) - std::max(lo, off[me]));
+    ext_shape[p.dim] = hi - lo;
+    beyond_bytes += ((hi - lo) - own) * c10::multiply_integers(ext_shape) /
+                    std::max<int64_t>(hi - lo, 1) * x.element_size();
+    lo_of[i] = lo;
+    plans.push_back(std::move(p));
+  }
+  if (far) {
+    note_gather(op, args, mesh, beyond_bytes,
+                "grid_sample's grid reaches beyond the neighbouring pieces, so the input rows it "
+                "samples are fetched from distant ranks");
+  }
+  at::Tensor ext = stencil::gather_plans(x, mesh, plans, PadMode::Constant, 0.0);
+  const int64_t eh = ext.size(2), ew = ext.size(3);
+  at::Tensor out;
+  if (ext.numel() == 0 || gl.numel() == 0) {
+    out = at::zeros(out_spec->local_shape(), x.options()) + (ext.sum() + gl.sum()) * 0;
+  } else {
+    // Local pixels, renormalized for align_corners=false over the extended piece.
+    at::Tensor ly = (py - lo_of[0]), lx = (px - lo_of[1]);
+    at::Tensor ng = at::stack({(2 * lx + 1) / ew - 1, (2 * ly + 1) / eh - 1}, 3);
+    out = at::grid_sampler(ext, ng.to(gl.scalar_type()), interp, /*zeros=*/0, false);
+  }
+  stack->push_back(wrap(out, out_spec));
+}
+
 const RuleRegistrar unfold_ops({"unfold", "unfold_copy."}, unfold_rule);
 const RuleRegistrar im2col_ops({"im2col."}, im2col_rule);
 const RuleRegistrar col2im_ops({"col2im."}, col2im_rule);
+const RuleRegistrar grid_sampler_ops({"grid_sampler", "grid_sampler_2d"}, grid_sampler_rule,
+                                     takes_grid_sampler);
 
 }  // namespace
 }  // namespace shardtensor::ops
