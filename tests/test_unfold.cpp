@@ -19,6 +19,10 @@ using namespace shardtensor::testing;
 namespace {
 
 const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble};
+// (dtype, empty first pieces): float32 balanced, float64 with coordinate 0 of
+// every sharded mesh dim empty (keeps the suite's runtime small).
+const std::vector<std::pair<at::ScalarType, bool>> kCases = {{at::kFloat, false},
+                                                             {at::kDouble, true}};
 double rtol_of(at::ScalarType dt) { return dt == at::kDouble ? 1e-12 : 1e-5; }
 double atol_of(at::ScalarType dt) { return dt == at::kDouble ? 1e-12 : 1e-5; }
 
@@ -71,9 +75,9 @@ std::string cfg(const std::vector<int64_t>& k, const std::vector<int64_t>& d,
 TEST_F(Unfold, TensorUnfoldAlongShardedDimEqualsSingleProcess) {
   const std::vector<std::pair<int64_t, int64_t>> windows = {{3, 1}, {3, 2},  {1, 1}, {4, 3},
                                                             {2, 5}, {11, 1}, {0, 2}};
-  for (auto dt : kDtypes) {
+  for (const auto& [dt, empty] : kCases) {
     at::Tensor x = rnd({2, 11, 5}, 1).to(dt);
-    for (bool empty : {false, true}) {
+    {
       for (auto [size, step] : windows) {
         check([size = size, step = step](
                   const std::vector<at::Tensor>& t,
@@ -151,10 +155,10 @@ const std::vector<Win> kWins = {{{3, 3}, {1, 1}, {1, 1}, {1, 1}},
 TEST_F(Unfold, Im2colEqualsSingleProcess) {
   // H (and W on 2x2), W alone, C with H: every documented layout.
   const std::vector<P> layouts = {{S2, S3}, {S3, R}, {S1, S2}, {S0, S3}};
-  for (auto dt : kDtypes) {
+  for (const auto& [dt, empty] : kCases) {
     at::Tensor x = rnd({2, 3, 10, 9}, 4).to(dt);
     for (const auto& pl : layouts) {
-      for (bool empty : {false, true}) {
+      {
         for (const auto& w : kWins) {
           check(
               [w](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
@@ -179,10 +183,10 @@ TEST_F(Unfold, Im2colEqualsSingleProcess) {
 }
 
 TEST_F(Unfold, FoldOfUnfoldEqualsSingleProcess) {
-  for (auto dt : kDtypes) {
+  for (const auto& [dt, empty] : kCases) {
     at::Tensor x = rnd({2, 3, 10, 9}, 6).to(dt);
     for (const auto& pl : std::vector<P>{{S2, S3}, {S3, R}}) {
-      for (bool empty : {false, true}) {
+      {
         for (const auto& w : kWins) {
           check(
               [w](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
@@ -204,14 +208,14 @@ TEST_F(Unfold, FoldOfUnfoldEqualsSingleProcess) {
 TEST_F(Unfold, Col2imOnShardedColumnsEqualsSingleProcess) {
   // Columns sharded along L (balanced: not whole block rows, so repartitioned)
   // and along C*kh*kw (not whole channels).
-  for (auto dt : kDtypes) {
+  for (const auto& [dt, empty] : kCases) {
     for (const auto& w : kWins) {
       const int64_t H = 10, W = 9, C = 3;
       const int64_t oh = (H + 2 * w.p[0] - w.d[0] * (w.k[0] - 1) - 1) / w.s[0] + 1;
       const int64_t ow = (W + 2 * w.p[1] - w.d[1] * (w.k[1] - 1) - 1) / w.s[1] + 1;
       at::Tensor cols = rnd({2, C * w.k[0] * w.k[1], oh * ow}, 7).to(dt);
       for (const auto& pl : std::vector<P>{{S2, S1}, {S1, S2}, {S0, S2}}) {
-        for (bool empty : {false, true}) {
+        {
           check(
               [&](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
                 return at::col2im(t[0], {H, W}, w.k, w.d, w.p, w.s);
@@ -320,10 +324,10 @@ TEST_F(Unfold, MergeAndSplitOfAShardedDimEqualSingleProcess) {
                                                           {"reshape", [](const at::Tensor& t) {
                                                              return t.reshape({2, 7, -1});
                                                            }}};
-  for (auto dt : kDtypes) {
+  for (const auto& [dt, empty] : kCases) {
     at::Tensor x = rnd({2, 7, 5}, 11).to(dt);
     at::Tensor y = rnd({2, 35}, 12).to(dt);
-    for (bool empty : {false, true}) {
+    {
       for (const auto& [name, fn] : merges) {
         for (const P& pl : std::vector<P>{{S1, R}, {S2, R}, {S2, S0}}) {
           // Flattening B with a sharded W on a 2x2 mesh must gather (tested below).
@@ -411,14 +415,14 @@ at::Tensor near_identity_grid(int64_t n, int64_t ho, int64_t wo, uint64_t seed, 
 
 TEST_F(Unfold, GridSampleEqualsSingleProcess) {
   const std::vector<P> layouts = {{S2, S3}, {S3, R}, {S1, S2}};
-  for (auto dt : kDtypes) {
+  for (const auto& [dt, empty] : kCases) {
     at::Tensor x = rnd({2, 3, 9, 7}, 21).to(dt);
     at::Tensor grid = near_identity_grid(2, 8, 6, 22, 0.08).to(dt);
     for (int64_t interp : {0, 1}) {
       for (int64_t padding : {0, 1, 2}) {
         for (bool align : {false, true}) {
           for (const auto& pl : layouts) {
-            for (bool empty : {false, true}) {
+            {
               check(
                   [=](const std::vector<at::Tensor>& t, const std::vector<at::Tensor>&) {
                     return at::grid_sampler(t[0], t[1], interp, padding, align);

@@ -590,7 +590,7 @@ void grid_sampler_rule(const c10::OperatorHandle& op, Stack* stack) {
 const RuleRegistrar unfold_ops({"unfold", "unfold_copy."}, unfold_rule);
 const RuleRegistrar im2col_ops({"im2col."}, im2col_rule);
 const RuleRegistrar col2im_ops({"col2im."}, col2im_rule);
-const RuleRegistrar grid_sampler_ops({"grid_sampler", "grid_sampler_2d"}, grid_sampler_rule,
+const RuleRegistrar grid_sampler_ops({"grid_sampler.", "grid_sampler_2d."}, grid_sampler_rule,
                                      takes_grid_sampler);
 
 }  // namespace
