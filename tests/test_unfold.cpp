@@ -508,3 +508,36 @@ TEST_F(Unfold, GridSampleBadArgumentsThrowEverywhere) {
       },
       {"aten::grid_sampler", "dtype"}));
 }
+
+// ---- diag_embed / diag ---------------------------------------------------------
+
+// Note [diag_embed rows]: the row dim follows the sharded last dim; no bytes move.
+TEST_F(Unfold, DiagEmbedAndDiagEqualSingleProcess) {
+  for (const auto& [dt, empty] : kCases) {
+    at::Tensor x = rnd({3, 7}, 31).to(dt);
+    at::Tensor v = rnd({7}, 32).to(dt);
+    for (int64_t offset : {0, 2, -3}) {
+      for (auto [d1, d2] : std::vector<std::pair<int64_t, int64_t>>{{-2, -1}, {0, 2}, {2, 0}}) {
+        for (const P& pl : std::vector<P>{{S1, S0}, {S0, R}}) {
+          check(
+              [offset, d1 = d1, d2 = d2](const std::vector<at::Tensor>& t,
+                                         const std::vector<at::Tensor>&) {
+                return at::diag_embed(t[0], offset, d1, d2) * 2;
+              },
+              {in(x, pl, empty)}, dt,
+              "diag_embed offset " + std::to_string(offset) + " dims " + std::to_string(d1) + "," +
+                  std::to_string(d2) + " " + st::to_string(pl));
+        }
+      }
+      check([offset](const std::vector<at::Tensor>& t,
+                     const std::vector<at::Tensor>&) { return at::diag(t[0], offset) * 2; },
+            {in(v, {S0, R}, empty)}, dt, "diag offset " + std::to_string(offset));
+    }
+  }
+  auto sv = st::distribute_tensor(rnd({7}, 33), mesh, fit_placements(mesh, {S0, R}));
+  at::Tensor out;
+  auto fb = strict_run([&] { out = at::diag(sv, 1); });
+  EXPECT_TRUE(all_ranks(fb.first == 0 && st::comm_stats().bytes_received == 0));
+  EXPECT_TRUE(throws_everywhere([&] { (void)at::diag_embed(sv, 0, 0, 0); },
+                                {"aten::diag_embed", "identical"}));
+}

@@ -587,9 +587,109 @@ void grid_sampler_rule(const c10::OperatorHandle& op, Stack* stack) {
   stack->push_back(wrap(out, out_spec));
 }
 
+// ---------------------------------------------------------------- diag_embed / diag
+
+// Note [diag_embed rows]: diag_embed(x, offset, dim1, dim2) puts x[..., e] at
+// (row e + max(-offset, 0), col e + max(offset, 0)) of an N x N matrix,
+// N = n + |offset|. With the last dim of x sharded by mesh dim m, the output's
+// row dim (dim1) is sharded by m: coordinate c holds the rows of its own
+// elements, the first coordinate also the |offset| leading zero rows of a
+// negative offset and the last the trailing zero rows of a positive one. Each
+// block is libtorch's diag_embed of the piece, padded with zero columns to the
+// global width: no communication at all, forward or backward. Leading dims
+// are untouched. diag(x, k) of a 1-D x is diag_embed(x, k, 0, 1); diag of a
+// 2-D x is left to the fallback (Note [partial rules]).
+void diag_embed_impl(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                     const at::Tensor& self, int64_t offset, int64_t dim1, int64_t dim2,
+                     Stack* stack) {
+  const ShardSpec* sp = spec_of(self);
+  if (!sp) fail(op, args, "the input must be the ShardTensor");
+  const ShardSpec s = without_partial(*sp);
+  const int64_t nd = s.ndim();
+  if (nd < 1) fail(op, args, "expected an input with at least 1 dim");
+  const int64_t ond = nd + 1;
+  if (dim1 < -ond || dim1 >= ond || dim2 < -ond || dim2 >= ond) {
+    fail(op, args, "dim1 or dim2 is out of range for a " + std::to_string(ond) + "-d result");
+  }
+  dim1 = at::maybe_wrap_dim(dim1, ond);
+  dim2 = at::maybe_wrap_dim(dim2, ond);
+  if (dim1 == dim2) fail(op, args, "diagonal dimensions cannot be identical");
+  const int64_t last = nd - 1, n = s.global_shape()[last];
+  const int64_t N = n + std::abs(offset);
+  const DeviceMesh& mesh = s.mesh();
+  // Output dims: the leading input dims in order, skipping dim1 and dim2.
+  std::vector<int64_t> where(nd - 1);
+  for (int64_t d = 0, o = 0; d < nd - 1; ++d, ++o) {
+    while (o == dim1 || o == dim2) ++o;
+    where[d] = o;
+  }
+  std::vector<int64_t> out_shape(ond);
+  for (int64_t d = 0; d < nd - 1; ++d) out_shape[where[d]] = s.global_shape()[d];
+  out_shape[dim1] = N;
+  out_shape[dim2] = N;
+  Placements pl = s.placements();
+  ShardSizes sizes = s.all_shard_sizes();
+  at::Tensor x = sp->has_partial() ? to_layout(self, s, s) : local_of(self);
+  const int64_t m = s.mesh_dim_of(last);
+  int64_t col0 = std::max<int64_t>(offset, 0), lead = 0, trail = 0;
+  for (int64_t k = 0; k < mesh.ndim(); ++k) {
+    const int64_t d = shard_dim(pl[k]);
+    if (d < 0) continue;
+    if (d == last) {
+      if (shard_count(s, d) > 1) fail(op, args, "the last dim is sharded by several mesh dims");
+      pl[k] = Shard{dim1};
+      auto rows = s.shard_sizes(k);
+      if (offset < 0) rows.front() += -offset;
+      if (offset > 0) rows.back() += offset;
+      sizes[k] = rows;
+    } else {
+      pl[k] = Shard{where[d]};
+    }
+  }
+  if (m >= 0) {
+    const int64_t c = mesh.coordinate()[m], p = mesh.size(m);
+    const int64_t off = offsets_of(s.shard_sizes(m))[c];
+    col0 += off;
+    if (offset < 0 && c == 0) lead = -offset;
+    if (offset > 0 && c == p - 1) trail = offset;
+  }
+  // [..., rows, N] with the diagonal block, then the two dims moved in place.
+  const int64_t sz = x.size(-1);
+  at::Tensor block = at::diag_embed(x, 0, -2, -1);
+  if (m < 0) {
+    lead = std::max<int64_t>(-offset, 0);
+    trail = std::max<int64_t>(offset, 0);
+  }
+  const std::vector<int64_t> pad{col0, N - col0 - sz, lead, trail};
+  at::Tensor out = constant_pad_piece(block, pad, 0);
+  out = out.movedim({-2, -1}, {dim1, dim2});
+  stack->push_back(wrap(out, make_spec(mesh, pl, out_shape, sizes)));
+}
+
+void diag_embed_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  diag_embed_impl(op, args, args[0].toTensor(), int_arg(args[1]), int_arg(args[2]),
+                  int_arg(args[3]), stack);
+}
+
+bool takes_diag(const c10::OperatorHandle& op, const Stack& stack) {
+  const size_t na = op.schema().arguments().size();
+  if (stack.size() < na) return false;
+  const c10::IValue& in = stack[stack.size() - na];
+  const ShardSpec* s = in.isTensor() ? spec_of(in.toTensor()) : nullptr;
+  return s && s->ndim() == 1;
+}
+
+void diag_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  diag_embed_impl(op, args, args[0].toTensor(), int_arg(args[1]), 0, 1, stack);
+}
+
 const RuleRegistrar unfold_ops({"unfold", "unfold_copy."}, unfold_rule);
 const RuleRegistrar im2col_ops({"im2col."}, im2col_rule);
 const RuleRegistrar col2im_ops({"col2im."}, col2im_rule);
+const RuleRegistrar diag_embed_ops({"diag_embed."}, diag_embed_rule);
+const RuleRegistrar diag_ops({"diag."}, diag_rule, takes_diag);
 const RuleRegistrar grid_sampler_ops({"grid_sampler.", "grid_sampler_2d."}, grid_sampler_rule,
                                      takes_grid_sampler);
 
