@@ -541,3 +541,36 @@ TEST_F(Unfold, DiagEmbedAndDiagEqualSingleProcess) {
   EXPECT_TRUE(throws_everywhere([&] { (void)at::diag_embed(sv, 0, 0, 0); },
                                 {"aten::diag_embed", "identical"}));
 }
+
+// im2col along a sharded H receives exactly the rows of its output block's
+// input range that other ranks own (zero padding at the global edge is not sent).
+TEST_F(Unfold, Im2colMovesOnlyTheHalo) {
+  const int64_t N = 2, C = 3, H = 11, W = 6;
+  at::Tensor x = rnd({N, C, H, W}, 41);
+  auto p = fit_placements(mesh, {S2, R});
+  auto sx = st::distribute_tensor(x, mesh, p);
+  const auto in_sizes = st::ShardTensor(sx).spec().shard_sizes(0);
+  const auto off = st::offsets_of(in_sizes);
+  const int64_t c = mesh.coordinate()[0], P = mesh.size(0);
+  for (const auto& w : kWins) {
+    const int64_t oh = (H + 2 * w.p[0] - w.d[0] * (w.k[0] - 1) - 1) / w.s[0] + 1;
+    const auto out_sizes = oh == H ? in_sizes : st::balanced_sizes(oh, P);
+    const int64_t o0 = st::offsets_of(out_sizes)[c];
+    int64_t rows = 0;
+    if (out_sizes[c] > 0) {
+      const int64_t lo = std::max<int64_t>(o0 * w.s[0] - w.p[0], 0);
+      const int64_t hi = std::min<int64_t>(
+          (o0 + out_sizes[c] - 1) * w.s[0] - w.p[0] + w.d[0] * (w.k[0] - 1) + 1, H);
+      const int64_t own =
+          std::max<int64_t>(0, std::min(hi, off[c] + in_sizes[c]) - std::max(lo, off[c]));
+      rows = std::max<int64_t>(hi - lo, 0) - own;
+    }
+    at::Tensor out;
+    auto fb = strict_run([&] { out = at::im2col(sx, w.k, w.d, w.p, w.s); });
+    const int64_t got = st::comm_stats().bytes_received;
+    EXPECT_TRUE(all_ranks(fb.first == 0 && fb.second == 0));
+    EXPECT_TRUE(all_ranks(got == rows * N * C * W * static_cast<int64_t>(sizeof(float))))
+        << cfg(w.k, w.d, w.p, w.s) << ": received " << got << ", halo rows " << rows;
+    EXPECT_TRUE(all_close(gathered(out), at::im2col(x, w.k, w.d, w.p, w.s), 0, 0));
+  }
+}
