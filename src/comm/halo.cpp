@@ -6,6 +6,7 @@
 // exchange (Note [transport seam]). Under create_graph the backward is a
 // Function too (HaloAdjointFn), so double backward is exact.
 #include "comm/halo.h"
+#include "comm/accumulate.h"
 #include "comm/function_output.h"
 
 #include <ATen/ATen.h>
@@ -537,6 +538,42 @@ at::Tensor gather_range(const at::Tensor& local, const DeviceMesh& mesh, int64_t
                         double value) {
   return gather_range_impl(Prim::GatherRange, local, mesh, mesh_dim, dim, sizes, ranges, mode,
                            value, 0, 0);
+}
+
+// Note [accumulate range]: the adjoint of gather_range run as a forward op.
+// Each coordinate holds values for its range ranges[c] (constant mode: parts
+// outside [0, n) are dropped, exactly as gather_range's constant fill has no
+// gradient); every element goes to the coordinate that owns its global index,
+// where the contributions are summed. Used by col2im (fold), whose windows
+// overlap across piece boundaries. The plan is gather_range's, so the bytes
+// are the same; its backward is gather_range with fill 0 (HaloAdjointFn).
+at::Tensor accumulate_range(const at::Tensor& range_local, const DeviceMesh& mesh, int64_t mesh_dim,
+                            int64_t dim, const std::vector<int64_t>& sizes,
+                            const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  const Prim prim = Prim::AccumulateRange;
+  const Axis a = axis(prim, mesh, mesh_dim);
+  Checks checks(prim);
+  TORCH_CHECK(range_local.defined(), prefix(prim), "the local tensor is undefined");
+  const int64_t d = wrap_dim(checks, dim, range_local, "dim");
+  if (check_sizes(checks, sizes, a, "sizes") &&
+      check_ranges(checks, ranges, a, sum_of(sizes), PadMode::Constant) && checks.ok()) {
+    const auto [lo, hi] = ranges[a.me];
+    checks.require(range_local.size(d) == hi - lo, "the local tensor has extent ",
+                   range_local.size(d), " along dim ", d, " but the range of coordinate ", a.me,
+                   " of mesh dim ", a.mesh_dim, " is [", lo, ", ", hi, ")");
+  }
+  Fingerprint fp;
+  fp.add(a.mesh_dim).add(dim).add(sizes);
+  fp.add_shape(range_local, {d});
+  for (const auto& [lo, hi] : ranges) {
+    fp.add(lo).add(hi);
+  }
+  agree_or_throw(prim, a.comm, fp, checks);
+  std::vector<int64_t> owner_shape = range_local.sizes().vec();
+  owner_shape[d] = sizes[a.me];
+  auto plan = cached_plan(a, std::move(owner_shape), d, sizes, ranges, PadMode::Constant);
+  // Always through the Function: its backward is gather_range (fill 0).
+  return HaloAdjointFn::apply(range_local, plan);
 }
 
 at::Tensor halo_exchange(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,

@@ -77,6 +77,7 @@ enum class Prim : int64_t {
   Repartition,
   GatherRange,
   HaloExchange,
+  AccumulateRange,
 };
 
 inline const char* prim_name(Prim p) {
@@ -103,6 +104,8 @@ inline const char* prim_name(Prim p) {
       return "gather_range";
     case Prim::HaloExchange:
       return "halo_exchange";
+    case Prim::AccumulateRange:
+      return "accumulate_range";
   }
   return "?";
 }

@@ -225,13 +225,16 @@ void set_write_back(const at::Tensor& result, const at::Tensor& base, const at::
 //    counterpart: that mesh dim is replicated first (cheap and correct; the
 //    result is not a view of the source then);
 //  - sizes that are not multiples (e.g. [24] over 4 ranks as [6, 6, 6, 6] ->
-//    [6, 4] needs multiples of 4): view fails, because libtorch's view never
-//    copies; reshape, flatten and _unsafe_view (which may copy) first
-//    repartition that mesh dim to the balanced multiples (all-to-all moving
-//    only the elements that change owner);
+//    [6, 4] needs multiples of 4): that mesh dim is first repartitioned to the
+//    balanced multiples (point-to-point, moving only the elements that change
+//    owner). For view and unflatten (views in libtorch) the result is then a
+//    copy: in-place ops on it are written back to the source (Note [view
+//    write-back]), but later writes to the source do not reach it;
 //  - a sharded dim that is not the block's outermost, or a block with two
-//    sharded dims: fail with the layout in the message (redistribute first),
-//    except on a mesh dim of one coordinate, which is replicated (no data moves).
+//    sharded dims (e.g. [B, H, W] sharded on W -> [B, H*W]): Note [view merge]
+//    moves it onto the block's outermost dim first (all-to-all), or, when
+//    that dim is sharded too (H and W on a 2x2 mesh), replicates its mesh dim
+//    (a visible gather); a mesh dim of one coordinate is simply replicated.
 // A tensor with no elements maps every sharded dim to Replicate: every local
 // piece is empty, so no data needs to move.
 enum class ViewKind { View, Reshape, UnsafeView };
@@ -285,10 +288,16 @@ const char* kind_name(ViewKind k) {
 }
 
 // Validates and plans: `mid` is the layout the input must first be brought to
-// (equal to the input's when no data moves), `out` the result's.
+// (equal to the input's when no data moves), `out` the result's. Note
+// [view merge]: a sharded dim that is not the outermost of its block (or a
+// block's second sharded dim) is first moved: onto the block's outermost dim
+// when no mesh dim shards that one (an all-to-all; every rank keeps about its
+// share), else its mesh dim is replicated (a gather, counted and refused in
+// strict mode: Note [visible gathers]).
 std::pair<SpecPtr, SpecPtr> plan_view(const c10::OperatorHandle& op,
                                       const std::vector<c10::IValue>& args, const ShardSpec& s,
-                                      const std::vector<int64_t>& to, ViewKind kind) {
+                                      const std::vector<int64_t>& to, ViewKind kind,
+                                      int64_t itemsize) {
   const auto& from = s.global_shape();
   const DeviceMesh& mesh = s.mesh();
   const int64_t nm = mesh.ndim();
@@ -303,56 +312,63 @@ std::pair<SpecPtr, SpecPtr> plan_view(const c10::OperatorHandle& op,
     for (size_t b = 0; b < blocks.size(); ++b) {
       for (int64_t d : blocks[b].in) block_of[d] = static_cast<int64_t>(b);
     }
+    // Pass 1 (Note [view merge]): the mesh dim that shards each block's
+    // outermost dim keeps it; the other sharded dims of a block move.
+    std::vector<int64_t> owner(blocks.size(), -1);
     for (int64_t m = 0; m < nm; ++m) {
       if (!is_shard(s.placements()[m])) continue;
       const int64_t d = shard_dim(s.placements()[m]);
       if (from[d] == 1) {
+        // A sharded size-1 dim holds all its data on one coordinate.
         mid_p[m] = Replicate{};
         mid_sizes[m] = {};
-        continue;
+      } else if (blocks[block_of[d]].in.front() == d) {
+        owner[block_of[d]] = m;
       }
+    }
+    bool gather = false;
+    std::string gather_what;
+    for (int64_t m = 0; m < nm; ++m) {
+      if (!is_shard(mid_p[m])) continue;
+      const int64_t d = shard_dim(mid_p[m]);
       const Block& b = blocks[block_of[d]];
-      auto block_str = [&] {
-        return "input dims " + str(b.in) + " of sizes " +
-               str(c10::IntArrayRef(from).slice(b.in.front(), b.in.back() - b.in.front() + 1)) +
-               " map to output dims " + str(b.out);
-      };
-      std::string problem;
-      if (b.in.front() != d) {
-        problem = std::string(kind_name(kind)) + " cannot keep tensor dim " + std::to_string(d) +
-                  " sharded (" + mesh_dim_str(s, m) + "): " + block_str() +
-                  " and only the outermost of them may be sharded; redistribute mesh dim " +
-                  std::to_string(m) + " first";
-      }
-      for (size_t k = 1; k < b.in.size() && problem.empty(); ++k) {
-        if (s.mesh_dim_of(b.in[k]) >= 0) {
-          problem = std::string(kind_name(kind)) + " cannot keep tensor dims " + std::to_string(d) +
-                    " and " + std::to_string(b.in[k]) + " both sharded: " + block_str() +
-                    "; redistribute mesh dim " + std::to_string(s.mesh_dim_of(b.in[k])) + " first";
-        }
-      }
-      if (!problem.empty()) {
-        // A mesh dim of one coordinate holds the whole extent: replicating it moves nothing.
-        if (mesh.size(m) > 1) fail(op, args, problem);
+      if (b.in.front() == d) continue;
+      const int64_t outer = b.in.front();
+      if (mesh.size(m) == 1) {
+        // One coordinate holds the whole extent: replicating moves nothing.
         mid_p[m] = Replicate{};
         mid_sizes[m] = {};
-        continue;
+      } else if (owner[block_of[d]] < 0) {
+        mid_p[m] = Shard{outer};
+        mid_sizes[m] = balanced_sizes(from[outer], mesh.size(m));
+        owner[block_of[d]] = m;
+      } else {
+        mid_p[m] = Replicate{};
+        mid_sizes[m] = {};
+        gather = true;
+        gather_what = std::string(kind_name(kind)) + " merges tensor dims " + str(b.in) +
+                      " of which " + std::to_string(outer) + " and " + std::to_string(d) +
+                      " are both sharded, so " + mesh_dim_str(s, m) + " is replicated";
       }
+    }
+    if (gather) {
+      SpecPtr g = make_spec(mesh, mid_p, from, mid_sizes);
+      note_gather(op, args, mesh, gathered_bytes(s, *g, itemsize), gather_what);
+    }
+    // Pass 2: every sharded dim is the outermost of its block.
+    for (int64_t m = 0; m < nm; ++m) {
+      if (!is_shard(mid_p[m])) continue;
+      const int64_t d = shard_dim(mid_p[m]);
+      const Block& b = blocks[block_of[d]];
+      TORCH_INTERNAL_ASSERT(b.in.front() == d);
       int64_t inner_in = 1, inner_out = 1;
       for (size_t k = 1; k < b.in.size(); ++k) inner_in *= from[b.in[k]];
       for (size_t k = 1; k < b.out.size(); ++k) inner_out *= to[b.out[k]];
       const int64_t q = inner_out / std::gcd(inner_in, inner_out);
-      const auto& sz = s.shard_sizes(m);
+      const auto& sz = mid_sizes[m];
       const bool clean = std::all_of(sz.begin(), sz.end(), [&](int64_t n) { return n % q == 0; });
       if (!clean) {
-        if (kind == ViewKind::View) {
-          fail(op, args,
-               "view cannot split tensor dim " + std::to_string(d) + " (" + mesh_dim_str(s, m) +
-                   ") into output dims " + str(b.out) + " of sizes " + str(to) +
-                   " without moving data: every piece must hold a multiple of " +
-                   std::to_string(q) +
-                   " rows; view never copies: use reshape, or redistribute to such sizes first");
-        }
+        // Repartition that mesh dim to balanced multiples of q (Note [view layout]).
         auto balanced = balanced_sizes(from[d] / q, mesh.size(m));
         for (auto& n : balanced) n *= q;
         mid_sizes[m] = balanced;
@@ -370,11 +386,28 @@ std::pair<SpecPtr, SpecPtr> plan_view(const c10::OperatorHandle& op,
   return {mid, make_spec(mesh, out_p, to, out_sizes)};
 }
 
+// Note [view write-back] for a view whose input was moved to the layout `mid`
+// (Note [view merge], or a repartition to multiples): after an in-place op on
+// the result, `rep` (the moved piece, which the result's piece views, or of
+// which it is a contiguous copy when `copied`) is moved back to the source's
+// layout and copied into the source's piece. Collective like the move (every
+// rank runs the same in-place op).
+void set_moved_write_back(const at::Tensor& result, const at::Tensor& base, const at::Tensor& rep,
+                          SpecPtr mid, bool copied) {
+  auto wb = std::make_shared<detail::WriteBack>();
+  wb->fn = [base, rep, mid, copied](const at::Tensor& r) {
+    if (copied) rep.copy_(local_of(r).reshape(rep.sizes()));
+    const ShardSpec& bs = *spec_of(base);
+    local_of(base).copy_(detail::redistribute_local(rep, *mid, bs));
+  };
+  detail::shard_impl(result)->set_write_back(std::move(wb));
+}
+
 at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                      const at::Tensor& self, c10::IntArrayRef requested, ViewKind kind) {
   const ShardSpec& s = *spec_of(self);
   const std::vector<int64_t> to = at::infer_size(requested, s.numel());
-  auto [mid, out] = plan_view(op, args, s, to, kind);
+  auto [mid, out] = plan_view(op, args, s, to, kind, self.element_size());
   at::Tensor local = local_of(self);
   if (mid) local = detail::redistribute_local(local, s, *mid);
   const at::Tensor rep = local;
@@ -418,14 +451,24 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
     // Not a view of the piece (a replicated mesh dim, or a contiguous copy):
     // writes go back through Note [view write-back]. `mid` only replicates.
     std::vector<std::pair<int64_t, int64_t>> back;
+    bool only_replicates = true;
     if (mid) {
       for (int64_t m = 0; m < s.mesh().ndim(); ++m) {
-        if (is_shard(s.placements()[m]) && !is_shard(mid->placements()[m])) {
-          back.emplace_back(shard_dim(s.placements()[m]), 0);
+        const auto& src = s.placements()[m];
+        const auto& dst = mid->placements()[m];
+        if (is_shard(src) && !is_shard(dst)) {
+          back.emplace_back(shard_dim(src), 0);
+        } else if (is_shard(dst)) {
+          only_replicates =
+              only_replicates && src == dst && s.shard_sizes(m) == mid->shard_sizes(m);
         }
       }
     }
-    set_write_back(result, self, rep, back, copied);
+    if (only_replicates) {
+      set_write_back(result, self, rep, back, copied);
+    } else {
+      set_moved_write_back(result, self, rep, mid, copied);
+    }
   }
   return result;
 }
