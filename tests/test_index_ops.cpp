@@ -224,6 +224,127 @@ TEST(IndexOps, AlongAnUnshardedDimEqualsSingleProcess) {
         {plain(x2, true), entries(mesh, ids, true)}, mesh, 1e-6);
 }
 
+// ---- index ops in disguise (Note [index disguises], src/ops/index_ops.cpp) -------------
+
+TEST(IndexOps, RepeatTileAndRepeatInterleaveEqualSingleProcess) {
+  auto mesh = test_mesh();
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({B, C, H, W}, 40).to(dt);
+    at::Tensor reps = randint(3, {H}, 41);  // zeros included
+    for (bool empty : {false, true}) {
+      const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
+      check("repeat" + tag, op([](auto& in) {
+              return in[0].repeat({2, 1, 2, 3, 2});
+            }),
+            {field(mesh, x, empty)}, mesh, tol(dt));
+      check("repeat, zero along H" + tag, op([](auto& in) {
+              return in[0].repeat({1, 2, 0, 1});
+            }),
+            {field(mesh, x, empty)}, mesh, tol(dt));
+      check("tile" + tag, op([](auto& in) {
+              return in[0].tile({3, 1});
+            }),
+            {field(mesh, x, empty)}, mesh, tol(dt));
+      check("repeat_interleave int along H" + tag,
+            op([](auto& in) { return in[0].repeat_interleave(3, 2); }), {field(mesh, x, empty)},
+            mesh, tol(dt));
+      check("repeat_interleave tensor along H" + tag,
+            op([](auto& in) { return in[0].repeat_interleave(in[1], -2); }),
+            {field(mesh, x, empty), plain(reps)}, mesh, tol(dt));
+      check("repeat_interleave along C" + tag,
+            op([](auto& in) { return in[0].repeat_interleave(2, 1); }), {field(mesh, x, empty)},
+            mesh, tol(dt));
+    }
+  }
+}
+
+TEST(IndexOps, EmbeddingEqualsSingleProcess) {
+  auto mesh = test_mesh();
+  const int64_t V = 13, D = 4, T = 10;
+  for (auto dt : kDtypes) {
+    at::Tensor w = rnd({V, D}, 50).to(dt);
+    at::Tensor tok = randint(V, {2, T}, 51);  // duplicates
+    const st::Placements tokens = fit_placements(mesh, {S1, S0});
+    for (bool empty : {false, true}) {
+      const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
+      auto emb = op([](auto& in) { return at::embedding(in[0], in[1]); });
+      auto emb_pad = op([](auto& in) { return at::embedding(in[0], in[1], /*padding_idx=*/3); });
+      RefInput stok = empty ? empty_first_input(mesh, tok, tokens, false)
+                            : sharded_input(mesh, tok, tokens, false);
+      // Replicated weight, sharded tokens: local; the weight's gradient is summed.
+      check("embedding, replicated weight" + tag, emb, {plain(w, true), stok}, mesh, tol(dt));
+      check("embedding, replicated weight, padding_idx" + tag, emb_pad, {plain(w, true), stok},
+            mesh, tol(dt));
+      // Vocabulary-sharded weight, sharded or replicated tokens: a GhostPlan.
+      RefInput sw =
+          empty ? empty_first_input(mesh, w, {S0, R}, true) : sharded_input(mesh, w, {S0, R}, true);
+      check("embedding, row-sharded weight, sharded tokens" + tag, emb, {sw, stok}, mesh, tol(dt));
+      check("embedding, row-sharded weight, replicated tokens" + tag, emb, {sw, plain(tok)}, mesh,
+            tol(dt));
+      check("embedding, row-sharded weight, padding_idx" + tag, emb_pad, {sw, stok}, mesh, tol(dt));
+    }
+  }
+  // nn::Embedding, its weight distributed by distribute_module.
+  torch::nn::Embedding e(torch::nn::EmbeddingOptions(V, D));
+  auto tok = randint(V, {3, T}, 52);
+  st::distribute_module(*e, mesh);
+  auto stok = st::distribute_tensor(tok, mesh, fit_placements(mesh, {S1, S0}));
+  at::Tensor y = e(stok);
+  EXPECT_TRUE(all_close(gathered(y), at::embedding(e->weight.detach(), tok), 0, 0));
+}
+
+TEST(IndexOps, AdvancedIndexingAndTakeAlongDimEqualSingleProcess) {
+  using namespace torch::indexing;
+  auto mesh = test_mesh();
+  const int64_t E = 8;
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({B, C, H, W}, 60).to(dt);
+    at::Tensor idx = randint(H, {E}, 61) - 3;  // negative ids wrap
+    at::Tensor ids = distinct(H, 6, 62);
+    at::Tensor v = rnd({B, C, 6, W}, 63).to(dt);
+    at::Tensor mask = rnd({H}, 64).gt(0);
+    at::Tensor i4 = randint(H, {B, C, E, W}, 65);
+    for (bool empty : {false, true}) {
+      const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
+      auto get = op([](auto& in) { return in[0].index({Slice(), Slice(), in[1]}); });
+      check("x[:, :, idx]" + tag, get, {field(mesh, x, empty), plain(idx)}, mesh, tol(dt));
+      check("x[:, :, sharded idx]" + tag, get, {field(mesh, x, empty), entries(mesh, idx, !empty)},
+            mesh, tol(dt));
+      check("x[:, :, mask]" + tag, get, {field(mesh, x, empty), plain(mask)}, mesh, tol(dt));
+      check("x[:, idx]" + tag, op([](auto& in) {
+              return in[0].index({Slice(), in[1]});
+            }),
+            {field(mesh, x, empty), plain(randint(C, {4}, 66))}, mesh, tol(dt));
+      check("x[:, :, ids] = v" + tag, op([](auto& in) {
+              at::Tensor y = in[0] * 1;
+              y.index_put_({Slice(), Slice(), in[1]}, in[2]);
+              return y;
+            }),
+            {field(mesh, x, empty), plain(ids), field(mesh, v, !empty)}, mesh, tol(dt));
+      check("x[:, :, idx] += v (accumulate)" + tag, op([](auto& in) {
+              at::Tensor y = in[0] * 1;
+              c10::List<c10::optional<at::Tensor>> list;
+              list.push_back(c10::nullopt);
+              list.push_back(c10::nullopt);
+              list.push_back(in[1]);
+              return y.index_put_(list, in[2], /*accumulate=*/true);
+            }),
+            {field(mesh, x, empty), entries(mesh, idx, empty),
+             plain(rnd({B, C, E, 1}, 67).to(dt), true)},
+            mesh, tol(dt));
+      check("x[:, :, mask] = 2" + tag, op([](auto& in) {
+              at::Tensor y = in[0] + 0;
+              y.index_put_({Slice(), Slice(), in[1]}, at::scalar_tensor(2.0, y.options()));
+              return y;
+            }),
+            {field(mesh, x, empty), plain(mask)}, mesh, tol(dt));
+      check("take_along_dim" + tag,
+            op([](auto& in) { return at::take_along_dim(in[0], in[1], 2); }),
+            {field(mesh, x, empty), field(mesh, i4, !empty, false)}, mesh, tol(dt));
+    }
+  }
+}
+
 // ---- traffic ----------------------------------------------------------------------
 
 /// The bytes of the rows along H that this rank lacks for the ids `mine`

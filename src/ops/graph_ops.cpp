@@ -868,6 +868,13 @@ const RuleRegistrar r_index_fill({"index_fill.int_Scalar", "index_fill_.int_Scal
 
 }  // namespace
 
+bool index_rule_takes(const std::string& name, const std::vector<c10::IValue>& args) {
+  if (name == "index_select") return analyse(Kind::IndexSelect, args).has_value();
+  if (name == "index_add") return analyse(Kind::IndexAdd, args).has_value();
+  if (name == "index_copy") return analyse(Kind::IndexCopy, args).has_value();
+  return false;
+}
+
 at::Tensor select_along(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                         const at::Tensor& local, const ShardSpec& spec, int64_t d,
                         const at::Tensor& ids) {

@@ -35,6 +35,13 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
                      const at::Tensor& idx, const at::Tensor& key,
                      const std::vector<int64_t>& extra);
 
+/// Note [partial rules]. Local, metadata only. Whether the rules of Note
+/// [index ops along any dim] take a call of `name` ("index_select",
+/// "index_add" or "index_copy") with the boxed arguments `args` in schema
+/// order (index_add's alpha included), for rules that re-express an op as one
+/// of these (index.Tensor, index_put_).
+bool index_rule_takes(const std::string& name, const std::vector<c10::IValue>& args);
+
 /// Collective over every rank of the mesh of `spec` (Note [index ops along
 /// any dim]). `local` is this rank's piece of a tensor laid out as `spec`,
 /// whose dim `d` is sharded by a mesh dim; returns, differentiably, the rows
