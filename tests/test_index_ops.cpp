@@ -444,4 +444,79 @@ TEST(IndexOps, BadInputThrowsEverywhere) {
                         {"aten::index_fill_", "leaf"}));
 }
 
+TEST(IndexOps, BadInputOfIndexDisguisesThrowsEverywhere) {
+  using namespace torch::indexing;
+  auto mesh = test_mesh();
+  const int64_t V = 9;
+  auto sw = st::distribute_tensor(rnd({V, 3}, 34), mesh, fit_placements(mesh, {S0, R}), true);
+  at::Tensor w = rnd({V, 3}, 35).requires_grad_();
+  at::Tensor tok = randint(V, {2, 8}, 36);
+  tok[1][7] = V;  // on the last piece only
+  auto stok = st::distribute_tensor(tok, mesh, fit_placements(mesh, {S1, S0}));
+  EXPECT_TRUE(throws_everywhere([&] { at::embedding(sw, stok); },
+                                {"aten::embedding", "index out of range"}));
+  EXPECT_TRUE(throws_everywhere([&] { at::embedding(w, stok); },
+                                {"aten::embedding", "index out of range"}));
+  auto sx = st::distribute_tensor(rnd({B, C, H, W}, 37), mesh, fit_placements(mesh, kField));
+  at::Tensor bad = randint(H, {9}, 38);
+  bad[8] = H + 2;
+  auto sbad = st::distribute_tensor(bad, mesh, fit_placements(mesh, kEntries));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        sx.index({Slice(), Slice(), sbad});
+      },
+      {"aten::index", "index out of range"}));
+  EXPECT_TRUE(throws_everywhere([&] { sx.repeat({2, 2}); }, {"aten::repeat", "smaller"}));
+}
+
+TEST(IndexOps, RepeatAndVocabularyShardedEmbeddingMoveOnlyNeededRows) {
+  auto mesh = test_mesh();
+  const int64_t Hb = 40;
+  auto sx = st::distribute_tensor(rnd({1, 2, Hb, W}, 80), mesh, fit_placements(mesh, kField));
+  const st::ShardSpec& spec = st::ShardTensor(sx).spec();
+  const int64_t P0 = mesh.size(0), c0 = mesh.coordinate()[0];
+  const int64_t row_bytes = 2 * spec.local_shape()[3] * 4;
+  const int64_t lo = spec.local_offsets()[2], hi = lo + spec.local_shape()[2];
+  // repeat(1, 1, 2, 1): output rows [o, o + len) are input rows i % Hb.
+  const auto out = st::balanced_sizes(2 * Hb, P0);
+  const int64_t o = st::offsets_of(out)[c0];
+  at::Tensor ids = at::arange(o, o + out[c0], at::kLong).remainder(Hb);
+  const int64_t need = foreign_row_bytes(ids, lo, hi, row_bytes);
+  StrictOn strict;
+  st::reset_comm_stats();
+  at::Tensor y = sx.repeat({1, 1, 2, 1});
+  const auto s = st::comm_stats();
+  // The rows it lacks; the plan's build (counts, ids, the argument check) and
+  // the cache agreement add at most a few hundred bytes.
+  EXPECT_GE(s.bytes_received, need);
+  EXPECT_LE(s.bytes_received, need + need / row_bytes * 8 + 64 * P0 + 256);
+  EXPECT_EQ(s.gathered_bytes, 0);
+  EXPECT_TRUE(all_close(gathered(y), gathered(sx).repeat({1, 1, 2, 1}), 0, 0));
+  // A vocabulary-sharded embedding: the weight rows this rank's tokens need.
+  const int64_t V = 50, D = 8;
+  auto sw = st::distribute_tensor(rnd({V, D}, 81), mesh, fit_placements(mesh, {S0, R}));
+  at::Tensor tok = randint(V, {1, 24}, 82);
+  auto stok = st::distribute_tensor(tok, mesh, fit_placements(mesh, {S1, R}));
+  at::Tensor mine = st::ShardTensor(stok).local().reshape({-1});
+  const st::ShardSpec& wspec = st::ShardTensor(sw).spec();
+  const int64_t wlo = wspec.local_offsets()[0], whi = wlo + wspec.local_shape()[0];
+  const int64_t wneed = foreign_row_bytes(mine, wlo, whi, D * 4);
+  at::embedding(sw, stok);  // builds the plan
+  st::reset_comm_stats();
+  at::Tensor e = at::embedding(sw, stok);
+  const auto es = st::comm_stats();
+  EXPECT_GE(es.bytes_received, wneed);
+  EXPECT_LE(es.bytes_received, wneed + 128);
+  EXPECT_TRUE(all_close(gathered(e), at::embedding(gathered(sw), tok), 0, 0));
+  if (mesh.rank() == 0) {
+    std::printf(
+        "[ index ] repeat x2 along H (%lld rows): rank 0 received %lld bytes (rows it "
+        "lacks: %lld); embedding of 24 tokens, 50 x 8 vocabulary-sharded weight: %lld "
+        "bytes (rows it lacks: %lld)\n",
+        static_cast<long long>(Hb), static_cast<long long>(s.bytes_received),
+        static_cast<long long>(need), static_cast<long long>(es.bytes_received),
+        static_cast<long long>(wneed));
+  }
+}
+
 }  // namespace

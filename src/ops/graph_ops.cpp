@@ -1,7 +1,9 @@
 // Message passing as users write it: index_select / gather of node rows by
 // edge endpoints, and index_add / scatter_add / scatter_reduce back into the
 // nodes, on row-sharded nodes and edges, through GhostPlans
-// (Note [graph op rules], Note [index plan cache]).
+// (Note [graph op rules], Note [index plan cache]); and the same ops, with
+// index_copy and index_fill, along any dim of an N-d ShardTensor (Note
+// [index ops along any dim]).
 //
 // Note [graph op rules]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -42,14 +44,15 @@
 //    Under create_graph its backward is built from differentiable pieces; it
 //    is exact for amax/amin (constant coefficients, as libtorch's) and throws
 //    for prod (whose coefficients depend on the inputs).
-// A call outside this layout (an index that is a plain tensor or replicated,
-// dim != 0, nodes sharded along another dim or with a Partial placement, a
-// plain src, sparse_grad, a float16/bfloat16 or complex reduction) is not
-// taken (Note [partial rules]) and runs as before: through the generic
-// fallback, on gathered tensors, exactly. A bad call (an id outside [0, N) on
-// any rank, src rows sharded unlike the index's, shapes or dtypes libtorch
-// refuses) throws a c10::Error naming the op, the shapes and the placements
-// on every rank, before any data moves.
+// These are the row-sharded case of Note [index ops along any dim] (below),
+// which generalises them to any dim of an N-d tensor, replicated or sharded
+// indices and src, and adds index_copy and index_fill. A call outside those
+// layouts (a Partial placement, an index or src sharded unlike the layouts
+// there, sparse_grad, a float16/bfloat16 or complex reduction) is not taken
+// (Note [partial rules]) and runs as before: through the generic fallback, on
+// gathered tensors, exactly. A bad call (an id outside [0, N) on any rank,
+// shapes or dtypes libtorch refuses) throws a c10::Error naming the op, the
+// shapes and the placements on every rank, before any data moves.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/util/intrusive_ptr.h>
