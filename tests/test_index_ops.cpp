@@ -119,6 +119,9 @@ TEST(IndexOps, ReductionsAlongTheShardedDimEqualSingleProcess) {
     at::Tensor src = rnd({B, C, E, W}, 7).to(dt);
     at::Tensor ids = distinct(H, 7, 8);
     at::Tensor src7 = rnd({B, C, 7, W}, 9).to(dt);
+    // 7 distinct rows of H per (b, c, w) column.
+    at::Tensor perm4 =
+        at::argsort(rnd({B, C, H, W}, 90), int64_t{2}, false).narrow(2, 0, 7).contiguous();
     for (bool empty : {false, true}) {
       const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
       auto iadd = op([](auto& in) { return in[0].index_add(2, in[1], in[2], 0.5); });
@@ -153,6 +156,21 @@ TEST(IndexOps, ReductionsAlongTheShardedDimEqualSingleProcess) {
       check("index_copy, sharded index and src" + tag, icopy,
             {field(mesh, x, empty), entries(mesh, ids, !empty), field(mesh, src7, !empty)}, mesh,
             tol(dt));
+      // scatter: distinct positions per column (libtorch leaves duplicates undefined).
+      auto scat = op([](auto& in) { return in[0].scatter(2, in[1], in[2]); });
+      check("scatter, replicated index and src" + tag, scat,
+            {field(mesh, x, empty), plain(perm4), plain(src7, true)}, mesh, tol(dt));
+      check("scatter, sharded index and src" + tag, scat,
+            {field(mesh, x, empty), field(mesh, perm4, !empty, false), field(mesh, src7, !empty)},
+            mesh, tol(dt));
+      check("scatter value, sharded index" + tag,
+            op([](auto& in) { return in[0].scatter(-2, in[1], 1.25); }),
+            {field(mesh, x, empty), field(mesh, perm4, empty, false)}, mesh, tol(dt));
+      check("scatter_ (in place)" + tag, op([](auto& in) {
+              at::Tensor y = in[0] - 1;
+              return y.scatter_(2, in[1], in[2]);
+            }),
+            {field(mesh, x, empty), plain(perm4), field(mesh, src7, empty)}, mesh, tol(dt));
       auto fill = op([](auto& in) { return in[0].index_fill(2, in[1], -3.5); });
       check("index_fill, replicated index" + tag, fill, {field(mesh, x, empty), plain(idx)}, mesh,
             tol(dt));
@@ -213,6 +231,14 @@ TEST(IndexOps, AlongAnUnshardedDimEqualsSingleProcess) {
           tol(dt));
     check("index_copy" + tag, op([](auto& in) { return in[0].index_copy(1, in[1], in[2]); }),
           {field(mesh, x, empty), plain(ids), field(mesh, src2, empty)}, mesh, tol(dt));
+    check("scatter, index sharded like self" + tag,
+          op([](auto& in) { return in[0].scatter(1, in[1], in[2]); }),
+          {field(mesh, x, empty),
+           field(mesh,
+                 at::argsort(rnd({B, C, H, W}, 91), int64_t{1}, false).narrow(1, 0, 2).contiguous(),
+                 empty, false),
+           field(mesh, src2, empty)},
+          mesh, tol(dt));
     check("index_fill" + tag, op([](auto& in) { return in[0].index_fill(-3, in[1], 2.0); }),
           {field(mesh, x, empty), plain(idx)}, mesh, tol(dt));
   }

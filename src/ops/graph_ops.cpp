@@ -380,7 +380,17 @@ struct ScatterCombineFn : torch::autograd::Function<ScatterCombineFn> {
 
 // ---- the rules --------------------------------------------------------------------
 
-enum class Kind { IndexSelect, Gather, IndexAdd, ScatterAdd, ScatterReduce, IndexCopy, IndexFill };
+enum class Kind {
+  IndexSelect,
+  Gather,
+  IndexAdd,
+  ScatterAdd,
+  ScatterReduce,
+  IndexCopy,
+  IndexFill,
+  Scatter,      // scatter.src
+  ScatterValue  // scatter.value
+};
 
 const char* kind_name(Kind k) {
   switch (k) {
@@ -398,6 +408,9 @@ const char* kind_name(Kind k) {
       return "index_copy";
     case Kind::IndexFill:
       return "index_fill";
+    case Kind::Scatter:
+    case Kind::ScatterValue:
+      return "scatter";
   }
   return "";
 }
@@ -405,10 +418,10 @@ const char* kind_name(Kind k) {
 /// Ops with a src tensor.
 bool has_src(Kind k) {
   return k == Kind::IndexAdd || k == Kind::ScatterAdd || k == Kind::ScatterReduce ||
-         k == Kind::IndexCopy;
+         k == Kind::IndexCopy || k == Kind::Scatter;
 }
 /// Ops whose result is laid out like self.
-bool writes_self(Kind k) { return has_src(k) || k == Kind::IndexFill; }
+bool writes_self(Kind k) { return has_src(k) || k == Kind::IndexFill || k == Kind::ScatterValue; }
 /// Ops with a 1-D index of entries along dim (the others have a gather-style
 /// index with self's number of dims).
 bool one_d(Kind k) {
@@ -434,7 +447,7 @@ Call parse(Kind kind, const std::vector<c10::IValue>& a) {
   c.index = a[2].toTensor();
   if (has_src(kind)) c.src = a[3].toTensor();
   if (kind == Kind::IndexAdd) c.alpha = a[4].toScalar();
-  if (kind == Kind::IndexFill) c.alpha = a[3].toScalar();
+  if (kind == Kind::IndexFill || kind == Kind::ScatterValue) c.alpha = a[3].toScalar();
   if (kind == Kind::ScatterReduce) {
     c.reduce = a[4].toStringRef();
     c.include_self = a[5].toBool();
@@ -464,8 +477,11 @@ Call parse(Kind kind, const std::vector<c10::IValue>& a) {
 //    zero extended rows, ghost_accumulate brings them to their owners, and a
 //    count of the entries per row (no gradient) says which rows take the copy
 //    (duplicate ids: libtorch leaves the result undefined; here the copies are
-//    summed). index_fill with a replicated index needs no communication (each
-//    rank fills the ids it owns); with a sharded one the count says where.
+//    summed). scatter (src or value) does the same per element with a
+//    gather-style index (duplicate positions: summed, where libtorch leaves
+//    them undefined). index_fill with a replicated index needs no
+//    communication (each rank fills the ids it owns); with a sharded one the
+//    count says where.
 //  - d is not sharded (the "local" path): the plain op on the local pieces,
 //    with no communication at all when the index is replicated and used whole
 //    (one 1-int all-reduce of an error flag otherwise, so that an id outside
@@ -565,7 +581,9 @@ at::Tensor index_piece(const at::Tensor& t, const ShardSpec& target) {
 std::optional<Layout> analyse(Kind kind, const std::vector<c10::IValue>& a) {
   if (!a[0].isTensor() || !a[1].isInt() || !a[2].isTensor()) return std::nullopt;
   if (has_src(kind) && !a[3].isTensor()) return std::nullopt;
-  if (kind == Kind::IndexFill && !a[3].isScalar()) return std::nullopt;
+  if ((kind == Kind::IndexFill || kind == Kind::ScatterValue) && !a[3].isScalar()) {
+    return std::nullopt;
+  }
   if (kind == Kind::Gather && a[3].toBool()) return std::nullopt;  // sparse_grad
   const at::Tensor x = a[0].toTensor(), idx = a[2].toTensor();
   const at::Tensor src = has_src(kind) ? a[3].toTensor() : at::Tensor();
@@ -587,7 +605,7 @@ std::optional<Layout> analyse(Kind kind, const std::vector<c10::IValue>& a) {
   if (!have_mesh) return std::nullopt;
   const at::ScalarType t = x.scalar_type();
   if (at::isComplexType(t)) return std::nullopt;
-  if ((kind == Kind::IndexAdd || kind == Kind::ScatterAdd || kind == Kind::ScatterReduce) &&
+  if (has_src(kind) &&
       !(t == at::kFloat || t == at::kDouble || at::isIntegralType(t, /*includeBool=*/false))) {
     return std::nullopt;
   }
@@ -695,7 +713,7 @@ void check_call(Kind kind, const c10::OperatorHandle& op, const std::vector<c10:
   } else if (it != at::kLong) {
     fail(op, args, std::string("index must be an int64 tensor, got ") + c10::toString(it));
   }
-  if (kind == Kind::Gather) {
+  if (kind == Kind::Gather || kind == Kind::ScatterValue) {
     for (int64_t d = 0; d < nd; ++d) {
       if (d != L.d && ishape[d] > xshape[d]) {
         fail(op, args,
@@ -756,6 +774,17 @@ at::Tensor hit_rows(const IndexPlan& ip, int64_t ndim) {
   return ghost_accumulate_nograd(cnt, ip.plan, ReduceOp::Sum).gt(0).view(shape);
 }
 
+/// Which elements of the owned rows `xm` (dim 0 first) receive at least one
+/// entry of a gather-style index (bool, xm's shape). Collective over the
+/// plan's mesh dim, no gradient.
+at::Tensor hit_elements(const at::Tensor& xm, const IndexPlan& ip) {
+  at::NoGradGuard no_grad;
+  const at::Tensor ones = at::ones(ip.rows.sizes(), xm.options().dtype(at::kLong));
+  at::Tensor ext =
+      at::zeros(extended_shape(xm, ip.plan), ones.options()).scatter_add_(0, ip.rows, ones);
+  return ghost_accumulate_nograd(ext, ip.plan, ReduceOp::Sum).gt(0);
+}
+
 /// The ghost path of Note [index ops along any dim]: this rank's result
 /// piece, laid out as L.out_spec.
 at::Tensor ghost_path(Kind kind, const c10::OperatorHandle& op,
@@ -788,11 +817,18 @@ at::Tensor ghost_path(Kind kind, const c10::OperatorHandle& op,
     return out.movedim(0, d);
   }
   if (kind == Kind::IndexFill) return xm.masked_fill(hit_rows(ip, xm.dim()), c.alpha).movedim(0, d);
+  if (kind == Kind::ScatterValue) {
+    return xm.masked_fill(hit_elements(xm, ip), c.alpha).movedim(0, d);
+  }
   const at::Tensor sm = to_layout(c.src, *L.src_spec, *L.out_spec).movedim(d, 0);
   if (kind == Kind::IndexCopy) {
     at::Tensor ext =
         at::zeros(extended_shape(xm, ip.plan), xm.options()).index_copy(0, ip.rows, sm);
     return at::where(hit_rows(ip, xm.dim()), ghost_accumulate(ext, ip.plan), xm).movedim(0, d);
+  }
+  if (kind == Kind::Scatter) {
+    at::Tensor ext = at::zeros(extended_shape(xm, ip.plan), xm.options()).scatter(0, ip.rows, sm);
+    return at::where(hit_elements(xm, ip), ghost_accumulate(ext, ip.plan), xm).movedim(0, d);
   }
   return reduce_rows(kind, c, xm, sm, ip).movedim(0, d);
 }
@@ -825,6 +861,10 @@ at::Tensor local_path(Kind kind, const c10::OperatorHandle& op,
       return xl.index_copy(d, il, sl);
     case Kind::IndexFill:
       return xl.index_fill(d, il, c.alpha);
+    case Kind::Scatter:
+      return xl.scatter(d, il, sl);
+    case Kind::ScatterValue:
+      return xl.scatter(d, il, c.alpha);
   }
   return {};
 }
@@ -866,6 +906,10 @@ const RuleRegistrar r_scatter_reduce({"scatter_reduce.two", "scatter_reduce_.two
                                      rule_for(Kind::ScatterReduce), takes_for(Kind::ScatterReduce));
 const RuleRegistrar r_index_copy({"index_copy.", "index_copy_."}, rule_for(Kind::IndexCopy),
                                  takes_for(Kind::IndexCopy));
+const RuleRegistrar r_scatter({"scatter.src", "scatter_.src"}, rule_for(Kind::Scatter),
+                              takes_for(Kind::Scatter));
+const RuleRegistrar r_scatter_value({"scatter.value", "scatter_.value"},
+                                    rule_for(Kind::ScatterValue), takes_for(Kind::ScatterValue));
 const RuleRegistrar r_index_fill({"index_fill.int_Scalar", "index_fill_.int_Scalar"},
                                  rule_for(Kind::IndexFill), takes_for(Kind::IndexFill));
 
