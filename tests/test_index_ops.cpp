@@ -109,6 +109,22 @@ TEST(IndexOps, SelectionsAlongTheShardedDimEqualSingleProcess) {
   }
 }
 
+TEST(IndexOps, EmptyIndexAndOneDimensionalSelf) {
+  auto mesh = test_mesh();
+  at::Tensor x = rnd({B, C, H, W}, 95);
+  at::Tensor none = at::zeros({0}, at::kLong);
+  check("index_select by an empty index", op([](auto& in) { return in[0].index_select(2, in[1]); }),
+        {field(mesh, x, true), plain(none)}, mesh, 1e-6);
+  check("index_add of nothing", op([](auto& in) { return in[0].index_add(2, in[1], in[2]); }),
+        {field(mesh, x, false), plain(none), plain(rnd({B, C, 0, W}, 96), true)}, mesh, 1e-6);
+  at::Tensor v = rnd({H}, 97);
+  at::Tensor ids = randint(H, {15}, 98);
+  check("1-D self, replicated index", op([](auto& in) { return in[0].index_select(0, in[1]); }),
+        {RefInput{v, fit_placements(mesh, {S0, R}), true}, plain(ids)}, mesh, 1e-6);
+  check("1-D self, gather by a sharded index", op([](auto& in) { return in[0].gather(0, in[1]); }),
+        {RefInput{v, fit_placements(mesh, {S0, R}), true}, entries(mesh, ids, true)}, mesh, 1e-6);
+}
+
 TEST(IndexOps, ReductionsAlongTheShardedDimEqualSingleProcess) {
   auto mesh = test_mesh();
   const int64_t E = 13;
