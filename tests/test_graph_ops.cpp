@@ -430,10 +430,11 @@ TEST(GraphOps, BadInputThrowsEverywhere) {
   auto src_empty = st::distribute_tensor(rnd({E, 2}, 63), mesh, rows, false,
                                          sizes_with_empty_first(mesh, rows, {E, 2}));
   at::Tensor y = sx * 1;
-  if (mesh.size(0) > 1) {
-    EXPECT_TRUE(throws_everywhere([&] { y.scatter_add(0, sidx2, src_empty); },
-                                  {"aten::scatter_add", "sharded like the rows of index"}));
-  }
+  // src sharded like the index but with other sizes: repartitioned to the
+  // index's rows (Note [index ops along any dim]), exact.
+  EXPECT_TRUE(all_close(gathered(y.scatter_add(0, sidx2, src_empty)),
+                        gathered(y).scatter_add(0, gathered(sidx2), gathered(src_empty)), 1e-6,
+                        1e-6));
   EXPECT_TRUE(throws_everywhere([&] { y.scatter_add(0, sidx2, src_even.to(at::kDouble)); },
                                 {"aten::scatter_add", "same dtype"}));
   EXPECT_TRUE(throws_everywhere([&] { y.scatter_reduce(0, sidx2, src_even, "median"); },
@@ -454,9 +455,13 @@ TEST(GraphOps, OtherLayoutsKeepTheExactFallback) {
   at::Tensor x = rnd({N, N}, 70);
   at::Tensor ids = randint(N, {E}, 71);
   auto sx = st::distribute_tensor(x, mesh, rows);
-  // A plain (replicated) index, and dim 1.
+  // sparse_grad, and dim 1 by an index sharded along the mesh dim that
+  // shards the nodes (the result cannot be sharded twice along one mesh dim).
+  // A plain (replicated) index and other dims are rules now (test_index_ops).
+  at::Tensor ids2 = randint(N, {E, N}, 72);
   auto fb = fallbacks_of([&] {
-    EXPECT_TRUE(all_close(gathered(sx.index_select(0, ids)), x.index_select(0, ids), 0, 0));
+    EXPECT_TRUE(all_close(gathered(sx.gather(0, st::distribute_tensor(ids2, mesh, rows), true)),
+                          x.gather(0, ids2), 0, 0));
     EXPECT_TRUE(all_close(gathered(sx.index_select(1, st::distribute_tensor(ids, mesh, rows))),
                           x.index_select(1, ids), 0, 0));
   });

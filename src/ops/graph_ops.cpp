@@ -1,7 +1,9 @@
 // Message passing as users write it: index_select / gather of node rows by
 // edge endpoints, and index_add / scatter_add / scatter_reduce back into the
 // nodes, on row-sharded nodes and edges, through GhostPlans
-// (Note [graph op rules], Note [index plan cache]).
+// (Note [graph op rules], Note [index plan cache]); and the same ops, with
+// index_copy and index_fill, along any dim of an N-d ShardTensor (Note
+// [index ops along any dim]).
 //
 // Note [graph op rules]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -42,14 +44,15 @@
 //    Under create_graph its backward is built from differentiable pieces; it
 //    is exact for amax/amin (constant coefficients, as libtorch's) and throws
 //    for prod (whose coefficients depend on the inputs).
-// A call outside this layout (an index that is a plain tensor or replicated,
-// dim != 0, nodes sharded along another dim or with a Partial placement, a
-// plain src, sparse_grad, a float16/bfloat16 or complex reduction) is not
-// taken (Note [partial rules]) and runs as before: through the generic
-// fallback, on gathered tensors, exactly. A bad call (an id outside [0, N) on
-// any rank, src rows sharded unlike the index's, shapes or dtypes libtorch
-// refuses) throws a c10::Error naming the op, the shapes and the placements
-// on every rank, before any data moves.
+// These are the row-sharded case of Note [index ops along any dim] (below),
+// which generalises them to any dim of an N-d tensor, replicated or sharded
+// indices and src, and adds index_copy and index_fill. A call outside those
+// layouts (a Partial placement, an index or src sharded unlike the layouts
+// there, sparse_grad, a float16/bfloat16 or complex reduction) is not taken
+// (Note [partial rules]) and runs as before: through the generic fallback, on
+// gathered tensors, exactly. A bad call (an id outside [0, N) on any rank,
+// shapes or dtypes libtorch refuses) throws a c10::Error naming the op, the
+// shapes and the placements on every rank, before any data moves.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/util/intrusive_ptr.h>
@@ -73,33 +76,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-enum class Kind { IndexSelect, Gather, IndexAdd, ScatterAdd, ScatterReduce };
-
-bool is_reduction(Kind k) {
-  return k == Kind::IndexAdd || k == Kind::ScatterAdd || k == Kind::ScatterReduce;
-}
-
-/// The mesh dim m when `s` is Shard(0) along exactly m and Replicate on every
-/// other mesh dim; -1 otherwise. Metadata only: the same on every rank.
-int64_t row_mesh_dim(const ShardSpec& s) {
-  int64_t m = -1;
-  for (int64_t d = 0; d < s.mesh().ndim(); ++d) {
-    const auto& pl = s.placements()[d];
-    if (is_shard(pl)) {
-      if (shard_dim(pl) != 0 || m >= 0) return -1;
-      m = d;
-    } else if (!is_replicate(pl)) {
-      return -1;
-    }
-  }
-  return m;
-}
-
-std::vector<c10::IValue> peek_args(const c10::OperatorHandle& op, const Stack& stack) {
-  const size_t n = op.schema().arguments().size();
-  return std::vector<c10::IValue>(stack.end() - n, stack.end());
-}
 
 // ---- Note [index plan cache] --------------------------------------------------------
 //
@@ -146,6 +122,7 @@ struct Entry {
   DeviceMesh mesh;
   int64_t mesh_dim = 0;
   std::vector<int64_t> node_sizes;
+  std::vector<int64_t> extra;  // how the ids were derived from the index (its target piece)
   int64_t stamp = 0;
   GhostPlan plan;
   at::Tensor rows;  // the index mapped to extended rows (int64, the index's shape)
@@ -165,28 +142,21 @@ PlanCache& plan_cache() {
 }
 
 bool same_key(const Entry& e, const at::Tensor& idx, const DeviceMesh& mesh, int64_t m,
-              const std::vector<int64_t>& node_sizes) {
+              const std::vector<int64_t>& node_sizes, const std::vector<int64_t>& extra) {
   return !e.dead() && e.raw == idx.unsafeGetTensorImpl() && e.version == idx._version() &&
          e.data == idx.data_ptr() && e.numel == idx.numel() && e.shape == idx.sizes().vec() &&
          e.strides == idx.strides().vec() && e.dtype == idx.scalar_type() && e.mesh_dim == m &&
-         e.node_sizes == node_sizes && e.mesh == mesh;
+         e.node_sizes == node_sizes && e.extra == extra && e.mesh == mesh;
 }
 
-struct IndexPlan {
-  GhostPlan plan;
-  at::Tensor rows;
-};
+}  // namespace
 
-/// Collective over every rank of `mesh` (one all-reduce; a build when any
-/// rank misses). The plan of the ids in `idx` (this rank's index piece) over
-/// mesh dim `m` with nodes `node_sizes`, and `idx` mapped to extended rows.
-/// Throws on every rank, naming the call, if any rank holds an id outside
-/// [0, N).
 IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                      const DeviceMesh& mesh, int64_t m, const std::vector<int64_t>& node_sizes,
-                     const at::Tensor& idx) {
+                     const at::Tensor& idx, const at::Tensor& key,
+                     const std::vector<int64_t>& extra) {
   auto& c = plan_cache();
-  const bool cacheable = !idx.is_inference();
+  const bool cacheable = key.defined() && !key.is_inference();
   std::optional<IndexPlan> found;
   int64_t found_stamp = 0, next_stamp = 0;
   {
@@ -194,7 +164,7 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
     c.entries.remove_if([](const Entry& e) { return e.dead(); });
     if (cacheable) {
       for (auto it = c.entries.begin(); it != c.entries.end(); ++it) {
-        if (!same_key(*it, idx, mesh, m, node_sizes)) continue;
+        if (!same_key(*it, key, mesh, m, node_sizes, extra)) continue;
         found = IndexPlan{it->plan, it->rows};
         found_stamp = it->stamp;
         c.entries.splice(c.entries.begin(), c.entries, it);
@@ -235,19 +205,21 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
   ++c.builds;
   c.stamp = v[4];
   if (cacheable) {
-    c.entries.remove_if([&](const Entry& e) { return same_key(e, idx, mesh, m, node_sizes); });
+    c.entries.remove_if(
+        [&](const Entry& e) { return same_key(e, key, mesh, m, node_sizes, extra); });
     Entry e;
-    e.impl = Entry::WeakImpl(idx.getIntrusivePtr());
-    e.raw = idx.unsafeGetTensorImpl();
-    e.version = idx._version();
-    e.data = idx.data_ptr();
-    e.numel = idx.numel();
-    e.shape = idx.sizes().vec();
-    e.strides = idx.strides().vec();
-    e.dtype = idx.scalar_type();
+    e.impl = Entry::WeakImpl(key.getIntrusivePtr());
+    e.raw = key.unsafeGetTensorImpl();
+    e.version = key._version();
+    e.data = key.data_ptr();
+    e.numel = key.numel();
+    e.shape = key.sizes().vec();
+    e.strides = key.strides().vec();
+    e.dtype = key.scalar_type();
     e.mesh = mesh;
     e.mesh_dim = m;
     e.node_sizes = node_sizes;
+    e.extra = extra;
     e.stamp = v[4];
     e.plan = out.plan;
     e.rows = out.rows;
@@ -256,6 +228,8 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
   }
   return out;
 }
+
+namespace {
 
 // ---- amax / amin / prod --------------------------------------------------------------
 
@@ -406,19 +380,74 @@ struct ScatterCombineFn : torch::autograd::Function<ScatterCombineFn> {
 
 // ---- the rules --------------------------------------------------------------------
 
+enum class Kind {
+  IndexSelect,
+  Gather,
+  IndexAdd,
+  ScatterAdd,
+  ScatterReduce,
+  IndexCopy,
+  IndexFill,
+  Scatter,      // scatter.src
+  ScatterValue  // scatter.value
+};
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::IndexSelect:
+      return "index_select";
+    case Kind::Gather:
+      return "gather";
+    case Kind::IndexAdd:
+      return "index_add";
+    case Kind::ScatterAdd:
+      return "scatter_add";
+    case Kind::ScatterReduce:
+      return "scatter_reduce";
+    case Kind::IndexCopy:
+      return "index_copy";
+    case Kind::IndexFill:
+      return "index_fill";
+    case Kind::Scatter:
+    case Kind::ScatterValue:
+      return "scatter";
+  }
+  return "";
+}
+
+/// Ops with a src tensor.
+bool has_src(Kind k) {
+  return k == Kind::IndexAdd || k == Kind::ScatterAdd || k == Kind::ScatterReduce ||
+         k == Kind::IndexCopy || k == Kind::Scatter;
+}
+/// Ops whose result is laid out like self.
+bool writes_self(Kind k) { return has_src(k) || k == Kind::IndexFill || k == Kind::ScatterValue; }
+/// Ops with a 1-D index of entries along dim (the others have a gather-style
+/// index with self's number of dims).
+bool one_d(Kind k) {
+  return k == Kind::IndexSelect || k == Kind::IndexAdd || k == Kind::IndexCopy ||
+         k == Kind::IndexFill;
+}
+
+std::vector<c10::IValue> peek_args(const c10::OperatorHandle& op, const Stack& stack) {
+  const size_t n = op.schema().arguments().size();
+  return std::vector<c10::IValue>(stack.end() - n, stack.end());
+}
+
 struct Call {
   at::Tensor self, index, src;
   std::string reduce = "sum";
   bool include_self = true;
-  c10::Scalar alpha = 1;
+  c10::Scalar alpha = 1;  // index_add; the fill value of index_fill
 };
 
 Call parse(Kind kind, const std::vector<c10::IValue>& a) {
   Call c;
   c.self = a[0].toTensor();
   c.index = a[2].toTensor();
-  if (is_reduction(kind)) c.src = a[3].toTensor();
+  if (has_src(kind)) c.src = a[3].toTensor();
   if (kind == Kind::IndexAdd) c.alpha = a[4].toScalar();
+  if (kind == Kind::IndexFill || kind == Kind::ScatterValue) c.alpha = a[3].toScalar();
   if (kind == Kind::ScatterReduce) {
     c.reduce = a[4].toStringRef();
     c.include_self = a[5].toBool();
@@ -426,93 +455,210 @@ Call parse(Kind kind, const std::vector<c10::IValue>& a) {
   return c;
 }
 
-/// Note [partial rules]: the layouts of Note [graph op rules]; everything
-/// else keeps the generic fallback.
-bool takes(Kind kind, const c10::OperatorHandle& op, const Stack& stack) {
-  const auto a = peek_args(op, stack);
-  if (!a[0].isTensor() || !a[1].isInt() || !a[2].isTensor()) return false;
-  const ShardSpec* xs = spec_of(a[0].toTensor());
-  const ShardSpec* is = spec_of(a[2].toTensor());
-  if (xs == nullptr || is == nullptr || xs->mesh() != is->mesh()) return false;
-  const int64_t m = row_mesh_dim(*xs);
-  if (m < 0 || row_mesh_dim(*is) != m) return false;
-  const int64_t d = a[1].toInt();
-  if (d != 0 && d != -xs->ndim()) return false;
-  if (kind == Kind::Gather && a[3].toBool()) return false;  // sparse_grad
-  const at::ScalarType t = a[0].toTensor().scalar_type();
-  if (!is_reduction(kind)) return !at::isComplexType(t);
-  if (!a[3].isTensor()) return false;
-  const ShardSpec* ss = spec_of(a[3].toTensor());
-  if (ss == nullptr || ss->mesh() != xs->mesh()) return false;
-  return t == at::kFloat || t == at::kDouble || at::isIntegralType(t, /*includeBool=*/false);
+// Note [index ops along any dim]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [graph op rules] in general: self is a ShardTensor (or a plain tensor,
+// taken as replicated) in any layout without Partial, and the op works along
+// any dim d. Two cases, decided from metadata alone:
+//
+//  - d is sharded by mesh dim m (the "ghost" path). The index's entries (its
+//    dim 0 for index_select / index_add / index_copy / index_fill, its dim d
+//    for gather / scatter_add / scatter_reduce) are sharded along m too: with
+//    the index's own sizes when it is sharded there, else with src's when src
+//    is, else balanced. A replicated (plain) index or src is sliced to those
+//    entries locally (src differentiably: its gradient is all-gathered). The
+//    other dims are laid out like self: the index, src and a gather's result
+//    must then match self's extent on every other sharded dim. d is moved to
+//    the front (movedim, a view) and the rest of each row travels as
+//    features: one GhostPlan of this rank's ids over m (Note [index plan
+//    cache]; on a 2-D mesh the plan's exchange runs within each m
+//    sub-communicator, where the other dims' pieces agree), then the rules of
+//    Note [graph op rules] on the moved rows. index_copy scatters src into
+//    zero extended rows, ghost_accumulate brings them to their owners, and a
+//    count of the entries per row (no gradient) says which rows take the copy
+//    (duplicate ids: libtorch leaves the result undefined; here the copies are
+//    summed). scatter (src or value) does the same per element with a
+//    gather-style index (duplicate positions: summed, where libtorch leaves
+//    them undefined). index_fill with a replicated index needs no
+//    communication (each rank fills the ids it owns); with a sharded one the
+//    count says where.
+//  - d is not sharded (the "local" path): the plain op on the local pieces,
+//    with no communication at all when the index is replicated and used whole
+//    (one 1-int all-reduce of an error flag otherwise, so that an id outside
+//    [0, n) on one rank throws on every rank). The index is replicated, or
+//    laid out like self on the other dims; for index_select and gather only,
+//    its entries may also be sharded along a mesh dim on which self is
+//    Replicate: the result is then sharded like the index (and self's
+//    gradient is summed over that mesh dim).
+// Anything else (Partial, an index or src sharded unlike these targets, a
+// src wider than the index along a sharded d, complex dtypes) is not taken
+// (Note [partial rules]) and keeps the exact generic fallback.
+
+struct Layout {
+  DeviceMesh mesh;
+  SpecPtr xs;                              // self's layout (fully replicated for a plain self)
+  int64_t d = 0;                           // the op's dim, wrapped
+  int64_t m = -1;                          // the mesh dim sharding d in self, or -1
+  int64_t em = -1;                         // the mesh dim sharding the entries, or -1
+  std::vector<int64_t> es;                 // entry sizes along em
+  SpecPtr index_spec, src_spec, out_spec;  // the layouts the rule computes in
+};
+
+/// A spec laid out like self (Shard(d) along em with the entry sizes) for a
+/// tensor of `shape`; nullptr when `shape` disagrees with self's extent on a
+/// dim that another mesh dim shards, or its dim d with the entry sizes.
+SpecPtr like_self(const Layout& L, const std::vector<int64_t>& shape) {
+  const ShardSpec& xs = *L.xs;
+  if (static_cast<int64_t>(shape.size()) != xs.ndim()) return nullptr;
+  Placements p = xs.placements();
+  ShardSizes s = xs.all_shard_sizes();
+  for (int64_t k = 0; k < L.mesh.ndim(); ++k) {
+    if (k == L.em) continue;
+    const int64_t e = shard_dim(p[k]);
+    if (e >= 0 && e != L.d && shape[e] != xs.global_shape()[e]) return nullptr;
+  }
+  if (L.em >= 0) {
+    int64_t sum = 0;
+    for (int64_t v : L.es) sum += v;
+    if (shape[L.d] != sum) return nullptr;
+    p[L.em] = Shard{L.d};
+    s[L.em] = L.es;
+  }
+  return make_spec(L.mesh, p, shape, s);
 }
 
-/// Metadata checks (the same verdict on every rank, before any communication).
-void check_call(Kind kind, const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
-                const Call& c, int64_t m) {
-  const ShardSpec& xs = *spec_of(c.self);
-  const ShardSpec& is = *spec_of(c.index);
-  const int64_t nd = xs.ndim();
-  const auto& xshape = xs.global_shape();
-  const auto& ishape = is.global_shape();
-  const at::ScalarType it = c.index.scalar_type();
-  const std::string dims = std::to_string(nd);
-  if (kind == Kind::IndexSelect || kind == Kind::IndexAdd) {
-    if (it != at::kLong && it != at::kInt) {
-      fail(op, args,
-           std::string("index must be an int64 or int32 tensor, got ") + c10::toString(it));
+/// A 1-D index laid out as the entries.
+SpecPtr entries_1d(const Layout& L, int64_t n) {
+  Placements p(L.mesh.ndim(), Replicate{});
+  ShardSizes s(L.mesh.ndim());
+  if (L.em >= 0) {
+    int64_t sum = 0;
+    for (int64_t v : L.es) sum += v;
+    if (sum != n) return nullptr;
+    p[L.em] = Shard{0};
+    s[L.em] = L.es;
+  }
+  return make_spec(L.mesh, p, {n}, s);
+}
+
+/// Whether `t` is a plain tensor or a ShardTensor with every placement Replicate.
+bool is_replicated_operand(const at::Tensor& t) {
+  const ShardSpec* s = spec_of(t);
+  return s == nullptr || s->is_replicated();
+}
+
+/// Whether `t` can be brought to `target` without replicating more than its
+/// piece: a plain or replicated tensor (sliced locally), or one with the
+/// target's placements (its sizes may differ: a repartition).
+bool fits(const at::Tensor& t, const SpecPtr& target) {
+  if (!target) return false;
+  if (t.sizes().vec() != target->global_shape()) return false;
+  const ShardSpec* s = spec_of(t);
+  if (s == nullptr) return true;
+  if (s->has_partial() || s->mesh() != target->mesh()) return false;
+  return s->is_replicated() || s->placements() == target->placements();
+}
+
+/// The piece of the index in the layout `target` (fits()); no gradient.
+at::Tensor index_piece(const at::Tensor& t, const ShardSpec& target) {
+  const ShardSpec* s = spec_of(t);
+  if (s != nullptr && *s == target) return local_of(t);
+  if (s != nullptr && !s->is_replicated()) {
+    at::NoGradGuard no_grad;
+    return detail::redistribute_local(local_of(t), *s, target);
+  }
+  at::Tensor full = local_of(t);
+  const auto off = target.local_offsets();
+  const auto shape = target.local_shape();
+  for (int64_t e = 0; e < full.dim(); ++e) {
+    if (shape[e] != full.size(e)) full = full.narrow(e, off[e], shape[e]);
+  }
+  return full;
+}
+
+/// Note [partial rules], Note [index ops along any dim]: the layout the rule
+/// computes in, or nullopt when the call is not taken. Metadata only.
+std::optional<Layout> analyse(Kind kind, const std::vector<c10::IValue>& a) {
+  if (!a[0].isTensor() || !a[1].isInt() || !a[2].isTensor()) return std::nullopt;
+  if (has_src(kind) && !a[3].isTensor()) return std::nullopt;
+  if ((kind == Kind::IndexFill || kind == Kind::ScatterValue) && !a[3].isScalar()) {
+    return std::nullopt;
+  }
+  if (kind == Kind::Gather && a[3].toBool()) return std::nullopt;  // sparse_grad
+  const at::Tensor x = a[0].toTensor(), idx = a[2].toTensor();
+  const at::Tensor src = has_src(kind) ? a[3].toTensor() : at::Tensor();
+  const ShardSpec* xs = spec_of(x);
+  const ShardSpec* is = spec_of(idx);
+  const ShardSpec* ss = src.defined() ? spec_of(src) : nullptr;
+  Layout L;
+  bool have_mesh = false;
+  for (const ShardSpec* s : {xs, is, ss}) {
+    if (s == nullptr) continue;
+    if (s->has_partial()) return std::nullopt;
+    if (!have_mesh) {
+      L.mesh = s->mesh();
+      have_mesh = true;
+    } else if (s->mesh() != L.mesh) {
+      return std::nullopt;
     }
-    if (is.ndim() != 1) fail(op, args, "index must be 1-D");
+  }
+  if (!have_mesh) return std::nullopt;
+  const at::ScalarType t = x.scalar_type();
+  if (at::isComplexType(t)) return std::nullopt;
+  if (has_src(kind) &&
+      !(t == at::kFloat || t == at::kDouble || at::isIntegralType(t, /*includeBool=*/false))) {
+    return std::nullopt;
+  }
+  const int64_t nd = x.dim();
+  if (nd == 0) return std::nullopt;
+  if (one_d(kind) ? idx.dim() != 1 : idx.dim() != nd) return std::nullopt;
+  if (src.defined() && src.dim() != nd) return std::nullopt;
+  int64_t d = a[1].toInt();
+  if (d < -nd || d >= nd) return std::nullopt;
+  L.d = d < 0 ? d + nd : d;
+  L.xs = xs != nullptr ? spec_ptr_of(x)
+                       : make_spec(L.mesh, Placements(L.mesh.ndim(), Replicate{}), x.sizes().vec());
+  L.m = L.xs->mesh_dim_of(L.d);
+  const int64_t ie = one_d(kind) ? 0 : L.d;  // the index's entry dim
+  const int64_t n_entries = idx.size(ie);
+  const int64_t im = is != nullptr ? is->mesh_dim_of(ie) : -1;
+  const int64_t sm = ss != nullptr ? ss->mesh_dim_of(L.d) : -1;
+  if (L.m >= 0) {
+    L.em = L.m;
+    if (im == L.m) {
+      L.es = is->shard_sizes(L.m);
+    } else if (sm == L.m && src.size(L.d) == n_entries) {
+      L.es = ss->shard_sizes(L.m);
+    } else {
+      L.es = balanced_sizes(n_entries, L.mesh.size(L.m));
+    }
+  } else if (im >= 0) {
+    // Entries sharded along a mesh dim on which self is Replicate: selections only.
+    if (writes_self(kind) || !is_replicate(L.xs->placements()[im])) return std::nullopt;
+    L.em = im;
+    L.es = is->shard_sizes(im);
+  }
+  L.index_spec = one_d(kind) ? entries_1d(L, n_entries) : like_self(L, idx.sizes().vec());
+  if (!fits(idx, L.index_spec)) return std::nullopt;
+  if (src.defined()) {
+    L.src_spec = like_self(L, src.sizes().vec());
+    if (!fits(src, L.src_spec)) return std::nullopt;
+  }
+  if (writes_self(kind)) {
+    L.out_spec = L.xs;
+  } else if (kind == Kind::IndexSelect) {
+    std::vector<int64_t> shape = L.xs->global_shape();
+    shape[L.d] = n_entries;
+    L.out_spec = like_self(L, shape);
   } else {
-    if (it != at::kLong) {
-      fail(op, args, std::string("index must be an int64 tensor, got ") + c10::toString(it));
-    }
-    if (is.ndim() != nd) fail(op, args, "index must have as many dims as self (" + dims + ")");
+    L.out_spec = L.index_spec;
   }
-  if (kind == Kind::Gather) {
-    for (int64_t d = 1; d < nd; ++d) {
-      if (ishape[d] > xshape[d]) {
-        fail(op, args,
-             "index.size(" + std::to_string(d) + ") must be <= self.size(" + std::to_string(d) +
-                 ")");
-      }
-    }
-  }
-  if (!is_reduction(kind)) return;
-  const ShardSpec& ss = *spec_of(c.src);
-  const auto& sshape = ss.global_shape();
-  if (c.src.scalar_type() != c.self.scalar_type()) {
-    fail(op, args,
-         std::string("self and src must have the same dtype, got ") +
-             c10::toString(c.self.scalar_type()) + " and " + c10::toString(c.src.scalar_type()));
-  }
-  if (ss.placements() != is.placements() || sshape[0] != ishape[0] ||
-      ss.shard_sizes(m) != is.shard_sizes(m)) {
-    fail(op, args,
-         "the rows of src must be sharded like the rows of index (the same placements, global "
-         "rows and sizes along mesh dim " +
-             std::to_string(m) + "), got src " + ss.to_string() + " and index " + is.to_string());
-  }
-  if (ss.ndim() != nd) fail(op, args, "src must have as many dims as self (" + dims + ")");
-  for (int64_t d = 1; d < nd; ++d) {
-    const std::string ds = std::to_string(d);
-    if (kind == Kind::IndexAdd && sshape[d] != xshape[d]) {
-      fail(op, args, "source.size(" + ds + ") must equal self.size(" + ds + ")");
-    }
-    if (kind != Kind::IndexAdd && (ishape[d] > sshape[d] || ishape[d] > xshape[d])) {
-      fail(op, args,
-           "index.size(" + ds + ") must be <= src.size(" + ds + ") and <= self.size(" + ds + ")");
-    }
-  }
-  if (kind == Kind::ScatterReduce && c.reduce != "sum" && c.reduce != "mean" &&
-      c.reduce != "amax" && c.reduce != "amin" && c.reduce != "prod") {
-    fail(op, args, "reduce must be one of sum, prod, mean, amax, amin, got '" + c.reduce + "'");
-  }
-  const at::Tensor xl = local_of(c.self);
-  if (is_written(op.schema().arguments()[0]) && at::GradMode::is_enabled() && xl.is_leaf() &&
-      xl.requires_grad()) {
-    fail(op, args, "a leaf ShardTensor that requires grad is being used in an in-place operation");
-  }
+  if (!L.out_spec) return std::nullopt;
+  return L;
+}
+
+bool takes(Kind kind, const c10::OperatorHandle& op, const Stack& stack) {
+  return analyse(kind, peek_args(op, stack)).has_value();
 }
 
 /// The reductions on local rows (Note [graph op rules]): this rank's owned
@@ -551,39 +697,197 @@ at::Tensor reduce_rows(Kind kind, const Call& c, const at::Tensor& xl, const at:
   return reduced_value(xl, combine_contributions(xl, sn, a), a);
 }
 
-void graph_rule(Kind kind, const c10::OperatorHandle& op, Stack* stack) {
-  auto args = pop_args(op, stack);
-  const Call c = parse(kind, args);
-  const ShardSpec& xs = *spec_of(c.self);
-  const ShardSpec& is = *spec_of(c.index);
-  const DeviceMesh& mesh = xs.mesh();
-  const int64_t m = row_mesh_dim(xs);
-  check_call(kind, op, args, c, m);
-  // Communication starts here.
-  const at::Tensor xl = local_of(c.self);
-  const IndexPlan ip = index_plan(op, args, mesh, m, xs.shard_sizes(m), local_of(c.index));
-  if (!is_reduction(kind)) {
-    at::Tensor ext = ghost_exchange(xl, ip.plan);
-    std::vector<int64_t> shape = is.global_shape();
-    at::Tensor out;
-    if (kind == Kind::IndexSelect) {
-      out = ext.index_select(0, ip.rows);
-      shape = xs.global_shape();
-      shape[0] = is.global_shape()[0];
-    } else {
-      out = ext.gather(0, ip.rows);
+/// Metadata checks (the same verdict on every rank, before any communication).
+void check_call(Kind kind, const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                const Call& c, const Layout& L) {
+  const int64_t nd = L.xs->ndim();
+  const auto& xshape = L.xs->global_shape();
+  const auto ishape = c.index.sizes().vec();
+  const at::ScalarType it = c.index.scalar_type();
+  const std::string dims = std::to_string(nd);
+  if (kind == Kind::IndexSelect || kind == Kind::IndexAdd) {
+    if (it != at::kLong && it != at::kInt) {
+      fail(op, args,
+           std::string("index must be an int64 or int32 tensor, got ") + c10::toString(it));
     }
-    stack->push_back(wrap(out, make_spec(mesh, is.placements(), shape, is.all_shard_sizes())));
-    return;
+  } else if (it != at::kLong) {
+    fail(op, args, std::string("index must be an int64 tensor, got ") + c10::toString(it));
   }
-  at::Tensor out = reduce_rows(kind, c, xl, local_of(c.src), ip);
+  if (kind == Kind::Gather || kind == Kind::ScatterValue) {
+    for (int64_t d = 0; d < nd; ++d) {
+      if (d != L.d && ishape[d] > xshape[d]) {
+        fail(op, args,
+             "index.size(" + std::to_string(d) + ") must be <= self.size(" + std::to_string(d) +
+                 ")");
+      }
+    }
+  }
+  if (c.src.defined()) {
+    const auto sshape = c.src.sizes().vec();
+    if (c.src.scalar_type() != c.self.scalar_type()) {
+      fail(op, args,
+           std::string("self and src must have the same dtype, got ") +
+               c10::toString(c.self.scalar_type()) + " and " + c10::toString(c.src.scalar_type()));
+    }
+    for (int64_t d = 0; d < nd; ++d) {
+      const std::string ds = std::to_string(d);
+      if (one_d(kind) && d != L.d && sshape[d] != xshape[d]) {
+        fail(op, args, "source.size(" + ds + ") must equal self.size(" + ds + ")");
+      }
+      if (!one_d(kind) && (ishape[d] > sshape[d] || (d != L.d && ishape[d] > xshape[d]))) {
+        fail(op, args,
+             "index.size(" + ds + ") must be <= src.size(" + ds + ") and <= self.size(" + ds + ")");
+      }
+    }
+  }
+  if (kind == Kind::ScatterReduce && c.reduce != "sum" && c.reduce != "mean" &&
+      c.reduce != "amax" && c.reduce != "amin" && c.reduce != "prod") {
+    fail(op, args, "reduce must be one of sum, prod, mean, amax, amin, got '" + c.reduce + "'");
+  }
+  const at::Tensor xl = local_of(c.self);
+  if (is_written(op.schema().arguments()[0]) && at::GradMode::is_enabled() && xl.is_leaf() &&
+      xl.requires_grad()) {
+    fail(op, args, "a leaf ShardTensor that requires grad is being used in an in-place operation");
+  }
+}
+
+/// Local. The message for ids of `ids` outside [0, n), "" when none.
+std::string range_error(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                        const at::Tensor& ids, int64_t n) {
+  if (ids.numel() == 0) return "";
+  const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+  if (lo >= 0 && hi < n) return "";
+  return "index out of range: this rank's index piece holds ids in [" + std::to_string(lo) + ", " +
+         std::to_string(hi) + "] but dim has " + std::to_string(n) + " rows, in " +
+         describe_call(op, args);
+}
+
+/// Which extended rows receive at least one entry, as this rank's owned rows
+/// along dim 0 of a tensor of `ndim` dims (bool, broadcastable). Collective
+/// over the plan's mesh dim, no gradient.
+at::Tensor hit_rows(const IndexPlan& ip, int64_t ndim) {
+  at::NoGradGuard no_grad;
+  at::Tensor cnt = at::zeros({ip.plan.num_extended()}, ip.rows.options().dtype(at::kLong));
+  cnt.index_add_(0, ip.rows.reshape({-1}), at::ones({ip.rows.numel()}, cnt.options()));
+  std::vector<int64_t> shape(ndim, 1);
+  shape[0] = ip.plan.num_owned();
+  return ghost_accumulate_nograd(cnt, ip.plan, ReduceOp::Sum).gt(0).view(shape);
+}
+
+/// Which elements of the owned rows `xm` (dim 0 first) receive at least one
+/// entry of a gather-style index (bool, xm's shape). Collective over the
+/// plan's mesh dim, no gradient.
+at::Tensor hit_elements(const at::Tensor& xm, const IndexPlan& ip) {
+  at::NoGradGuard no_grad;
+  const at::Tensor ones = at::ones(ip.rows.sizes(), xm.options().dtype(at::kLong));
+  at::Tensor ext =
+      at::zeros(extended_shape(xm, ip.plan), ones.options()).scatter_add_(0, ip.rows, ones);
+  return ghost_accumulate_nograd(ext, ip.plan, ReduceOp::Sum).gt(0);
+}
+
+/// The ghost path of Note [index ops along any dim]: this rank's result
+/// piece, laid out as L.out_spec.
+at::Tensor ghost_path(Kind kind, const c10::OperatorHandle& op,
+                      const std::vector<c10::IValue>& args, const Call& c, const Layout& L,
+                      const at::Tensor& xl) {
+  const int64_t d = L.d;
+  const at::Tensor xm = xl.movedim(d, 0);
+  if (kind == Kind::IndexFill && is_replicated_operand(c.index)) {
+    // Every rank holds the whole index: fill the ids it owns, no communication.
+    const at::Tensor full = local_of(c.index);
+    const std::string err = range_error(op, args, full, L.xs->global_shape()[d]);
+    if (!err.empty()) fail(op, args, err);  // the same data, hence the same verdict, everywhere
+    const int64_t off = L.xs->local_offsets()[d], n = xl.size(d);
+    const at::Tensor mine = full.ge(off).logical_and(full.lt(off + n));
+    return xl.index_fill(d, full.masked_select(mine) - off, c.alpha);
+  }
+  const at::Tensor il = index_piece(c.index, *L.index_spec);
+  const at::Tensor im = one_d(kind) ? il : il.movedim(d, 0);
+  std::vector<int64_t> extra = L.index_spec->local_offsets();
+  for (int64_t v : L.index_spec->local_shape()) extra.push_back(v);
+  extra.push_back(d);
+  extra.push_back(one_d(kind) ? 1 : 0);
+  const IndexPlan ip =
+      index_plan(op, args, L.mesh, L.m, L.xs->shard_sizes(L.m), im, local_of(c.index), extra);
+  // Communication of data starts here.
+  if (kind == Kind::IndexSelect || kind == Kind::Gather) {
+    const at::Tensor ext = ghost_exchange(xm, ip.plan);
+    at::Tensor out =
+        kind == Kind::IndexSelect ? ext.index_select(0, ip.rows) : ext.gather(0, ip.rows);
+    return out.movedim(0, d);
+  }
+  if (kind == Kind::IndexFill) return xm.masked_fill(hit_rows(ip, xm.dim()), c.alpha).movedim(0, d);
+  if (kind == Kind::ScatterValue) {
+    return xm.masked_fill(hit_elements(xm, ip), c.alpha).movedim(0, d);
+  }
+  const at::Tensor sm = to_layout(c.src, *L.src_spec, *L.out_spec).movedim(d, 0);
+  if (kind == Kind::IndexCopy) {
+    at::Tensor ext =
+        at::zeros(extended_shape(xm, ip.plan), xm.options()).index_copy(0, ip.rows, sm);
+    return at::where(hit_rows(ip, xm.dim()), ghost_accumulate(ext, ip.plan), xm).movedim(0, d);
+  }
+  if (kind == Kind::Scatter) {
+    at::Tensor ext = at::zeros(extended_shape(xm, ip.plan), xm.options()).scatter(0, ip.rows, sm);
+    return at::where(hit_elements(xm, ip), ghost_accumulate(ext, ip.plan), xm).movedim(0, d);
+  }
+  return reduce_rows(kind, c, xm, sm, ip).movedim(0, d);
+}
+
+/// The local path of Note [index ops along any dim].
+at::Tensor local_path(Kind kind, const c10::OperatorHandle& op,
+                      const std::vector<c10::IValue>& args, const Call& c, const Layout& L,
+                      const at::Tensor& xl) {
+  const int64_t d = L.d;
+  const at::Tensor il = index_piece(c.index, *L.index_spec);
+  const std::string err = range_error(op, args, il, L.xs->global_shape()[d]);
+  if (L.index_spec->is_replicated()) {
+    if (!err.empty()) fail(op, args, err);  // the whole index on every rank: the same verdict
+  } else {
+    comm::check_all(L.mesh, err.empty(), "shardtensor: " + c10::toString(op.operator_name()), err);
+  }
+  const at::Tensor sl = c.src.defined() ? to_layout(c.src, *L.src_spec, *L.out_spec) : at::Tensor();
+  switch (kind) {
+    case Kind::IndexSelect:
+      return xl.index_select(d, il);
+    case Kind::Gather:
+      return xl.gather(d, il);
+    case Kind::IndexAdd:
+      return xl.index_add(d, il, sl, c.alpha);
+    case Kind::ScatterAdd:
+      return xl.scatter_add(d, il, sl);
+    case Kind::ScatterReduce:
+      return xl.scatter_reduce(d, il, sl, c.reduce, c.include_self);
+    case Kind::IndexCopy:
+      return xl.index_copy(d, il, sl);
+    case Kind::IndexFill:
+      return xl.index_fill(d, il, c.alpha);
+    case Kind::Scatter:
+      return xl.scatter(d, il, sl);
+    case Kind::ScatterValue:
+      return xl.scatter(d, il, c.alpha);
+  }
+  return {};
+}
+
+void index_rule(Kind kind, const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const std::optional<Layout> L = analyse(kind, args);
+  TORCH_INTERNAL_ASSERT(L.has_value(), "shardtensor: ", kind_name(kind),
+                        " rule called for a call it does not take");
+  const Call c = parse(kind, args);
+  check_call(kind, op, args, c, *L);
+  // Self's piece; where the result is sharded along a mesh dim on which self
+  // is Replicate, self's gradient is summed over it (to_layout).
+  const at::Tensor xl = to_layout(c.self, *L->xs, *L->out_spec);
+  at::Tensor out =
+      L->m >= 0 ? ghost_path(kind, op, args, c, *L, xl) : local_path(kind, op, args, c, *L, xl);
   if (is_written(op.schema().arguments()[0])) xl.copy_(out);
   Stack results{out};
-  push_results(op, args, &results, spec_ptr_of(c.self), stack);
+  push_results(op, args, &results, L->out_spec, stack);
 }
 
 Rule rule_for(Kind k) {
-  return [k](const c10::OperatorHandle& op, Stack* stack) { graph_rule(k, op, stack); };
+  return [k](const c10::OperatorHandle& op, Stack* stack) { index_rule(k, op, stack); };
 }
 Accepts takes_for(Kind k) {
   return [k](const c10::OperatorHandle& op, const Stack& stack) { return takes(k, op, stack); };
@@ -600,8 +904,33 @@ const RuleRegistrar r_scatter_add({"scatter_add.", "scatter_add_."}, rule_for(Ki
                                   takes_for(Kind::ScatterAdd));
 const RuleRegistrar r_scatter_reduce({"scatter_reduce.two", "scatter_reduce_.two"},
                                      rule_for(Kind::ScatterReduce), takes_for(Kind::ScatterReduce));
+const RuleRegistrar r_index_copy({"index_copy.", "index_copy_."}, rule_for(Kind::IndexCopy),
+                                 takes_for(Kind::IndexCopy));
+const RuleRegistrar r_scatter({"scatter.src", "scatter_.src"}, rule_for(Kind::Scatter),
+                              takes_for(Kind::Scatter));
+const RuleRegistrar r_scatter_value({"scatter.value", "scatter_.value"},
+                                    rule_for(Kind::ScatterValue), takes_for(Kind::ScatterValue));
+const RuleRegistrar r_index_fill({"index_fill.int_Scalar", "index_fill_.int_Scalar"},
+                                 rule_for(Kind::IndexFill), takes_for(Kind::IndexFill));
 
 }  // namespace
+
+bool index_rule_takes(const std::string& name, const std::vector<c10::IValue>& args) {
+  if (name == "index_select") return analyse(Kind::IndexSelect, args).has_value();
+  if (name == "index_add") return analyse(Kind::IndexAdd, args).has_value();
+  if (name == "index_copy") return analyse(Kind::IndexCopy, args).has_value();
+  return false;
+}
+
+at::Tensor select_along(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                        const at::Tensor& local, const ShardSpec& spec, int64_t d,
+                        const at::Tensor& ids) {
+  const int64_t m = spec.mesh_dim_of(d);
+  TORCH_INTERNAL_ASSERT(m >= 0, "select_along: dim ", d, " is not sharded in ", spec.to_string());
+  const IndexPlan ip =
+      index_plan(op, args, spec.mesh(), m, spec.shard_sizes(m), ids, at::Tensor(), {});
+  return ghost_exchange(local.movedim(d, 0), ip.plan).index_select(0, ip.rows).movedim(0, d);
+}
 
 IndexPlanCacheStats index_plan_cache_stats() {
   auto& c = plan_cache();

@@ -52,9 +52,9 @@
 //               or empty sizes (identity in the reference run)
 //   fallback    ops with no rule (the generic gather fallback: glu, logaddexp,
 //               sinc, logit, rad2deg, i0, renorm, sort, kthvalue, median,
-//               unfold, rot90, repeat) and composite ones that decompose
-//               (diff, cosine_similarity, cumulative_trapezoid, nanmean, tile,
-//               movedim)
+//               unfold, rot90), repeat (a rule since Note [index disguises])
+//               and composite ones that decompose (diff, cosine_similarity,
+//               cumulative_trapezoid, nanmean, tile, movedim)
 // Every op is first applied to the plain tensor while the program is built:
 // an op libtorch rejects, one giving an empty, non-finite, too large (numel,
 // rank, magnitude) result, or one at a kink (var/std or a normalization of a
@@ -1363,7 +1363,8 @@ Maybe op_linear(Gen& g, const at::Tensor& cur) {
 
 // ------------------------------------------------------------------ fallback / composite
 
-// Ops with no rule (the generic gather fallback) or that decompose; a.dims[0]
+// Ops with no rule (the generic gather fallback) or that decompose, and
+// repeat (a rule, Note [index disguises]); a.dims[0]
 // the dim, a.dims[1] a second one, a.k/a.n sizes, a.reps repeats.
 const std::vector<TableOp> kFallback{
     {"glu", [](T x, const Args& a, T) { return at::glu(x, a.dims[0]); }},
