@@ -1,0 +1,331 @@
+// Sorting and selection on ShardTensors (Notes [select layout], [distributed
+// selection], [selection ties], [sort gather]) against single-process
+// libtorch on the gathered tensor: values, indices and input gradients,
+// float32 and float64, balanced and empty-first pieces, ties and NaNs, along
+// sharded and unsharded dims; traffic and memory of the selection; bad input.
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+using shardtensor::DeviceMesh;
+using shardtensor::Placements;
+
+namespace {
+
+using Fn1 = std::function<at::Tensor(const at::Tensor&)>;
+
+// Every layout of kLayouts, balanced and with an empty first piece, float32 and float64.
+void sweep(const DeviceMesh& mesh, const std::string& name, const Fn1& f, const at::Tensor& x,
+           const std::vector<Placements>& layouts, bool grad = true) {
+  for (const auto& p : layouts) {
+    for (bool empty : {false, true}) {
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        auto full = x.to(dtype);
+        auto in =
+            empty ? empty_first_input(mesh, full, p, grad) : sharded_input(mesh, full, p, grad);
+        auto fn = [&](const std::vector<at::Tensor>& v, const std::vector<at::Tensor>&) {
+          return f(v[0]);
+        };
+        // Selections move elements: exact.
+        EXPECT_TRUE(reference_check(fn, {in}, mesh, {}, 0.0, 0.0, grad))
+            << name << " on " << st::to_string(*in.placements) << (empty ? " empty-first" : "")
+            << " " << c10::toString(dtype);
+      }
+    }
+  }
+}
+
+// Sharded along dim 0, dim 1, dim 2 and not along dim 1; on the 2x2 mesh two dims at once.
+const std::vector<Placements> kLayouts = {{S0, S1}, {S1, S0}, {S2, S1}, {R, S1}};
+
+at::Tensor idx_as(const at::Tensor& i, const at::Tensor& like) { return i.to(like.scalar_type()); }
+
+// Rounded values: many ties; a few NaNs where `nans`.
+at::Tensor tied(c10::IntArrayRef shape, uint64_t seed, bool nans) {
+  auto x = at::round(rnd(shape, seed, 1.5));
+  if (nans) {
+    auto m = rnd(shape, seed + 100) > 1.2;
+    x = x.masked_fill(m, std::numeric_limits<double>::quiet_NaN());
+  }
+  return x;
+}
+
+}  // namespace
+
+TEST(Select, SortAndArgsort) {
+  auto mesh = test_mesh();
+  auto x = rnd({7, 9, 3}, 1);
+  for (int64_t d : {0, 1, -1}) {
+    const bool desc = d == 1;
+    sweep(
+        mesh, "sort " + std::to_string(d) + (desc ? " descending" : ""),
+        [=](const at::Tensor& t) {
+          auto [v, i] = at::sort(t, d, desc);
+          return v * 1.5 + idx_as(i, t) * 10;
+        },
+        x, kLayouts);
+  }
+  // Stable sort and argsort on ties: libtorch's own order.
+  auto y = tied({7, 9, 3}, 2, false);
+  for (int64_t d : {0, 1}) {
+    sweep(
+        mesh, "stable sort " + std::to_string(d),
+        [=](const at::Tensor& t) {
+          auto [v, i] = at::sort(t, /*stable=*/true, d, /*descending=*/true);
+          return v + idx_as(i, t) * 100;
+        },
+        y, kLayouts);
+    sweep(
+        mesh, "argsort stable " + std::to_string(d),
+        [=](const at::Tensor& t) { return idx_as(at::argsort(t, /*stable=*/true, d), t); }, y,
+        kLayouts, false);
+    sweep(
+        mesh, "argsort " + std::to_string(d),
+        [=](const at::Tensor& t) { return idx_as(at::argsort(t, d), t); }, x, kLayouts, false);
+  }
+}
+
+TEST(Select, KthvalueMedianDistinctValues) {
+  // Distinct values: indices and gradients are unique, so all must match libtorch.
+  auto mesh = test_mesh();
+  auto x = rnd({7, 9, 3}, 3);
+  for (int64_t d : {0, 1, -1}) {
+    const int64_t n = x.size(d < 0 ? d + 3 : d);
+    const bool keep = d == 1;
+    const std::string ds = std::to_string(d) + (keep ? " keepdim" : "");
+    for (int64_t k : d == 0 ? std::vector<int64_t>{1, 3, n} : std::vector<int64_t>{2}) {
+      sweep(
+          mesh, "kthvalue " + std::to_string(k) + " " + ds,
+          [=](const at::Tensor& t) {
+            auto [v, i] = at::kthvalue(t, k, d, keep);
+            return v * 1.5 + idx_as(i, t) * 10;
+          },
+          x, kLayouts);
+    }
+    sweep(
+        mesh, "median.dim " + ds,
+        [=](const at::Tensor& t) {
+          auto [v, i] = at::median(t, d, keep);
+          return v * 1.5 + idx_as(i, t) * 10;
+        },
+        x, kLayouts);
+    sweep(
+        mesh, "nanmedian.dim " + ds,
+        [=](const at::Tensor& t) {
+          auto [v, i] = at::nanmedian(t, d, !keep);
+          return v * 1.5 + idx_as(i, t) * 10;
+        },
+        x, kLayouts);
+  }
+}
+
+TEST(Select, MedianTiesAndNaNsMatchLibtorch) {
+  // median.dim / nanmedian.dim take equal values in index order, as libtorch
+  // 1.13 does (Note [selection ties]): values, indices and gradients match,
+  // with ties and NaNs.
+  auto mesh = test_mesh();
+  for (bool nans : {false, true}) {
+    auto x = tied({8, 9, 3}, 4, nans);
+    for (int64_t d : {0, 1}) {
+      const std::string ds = std::to_string(d) + (nans ? " nans" : "");
+      sweep(
+          mesh, "median.dim values " + ds,
+          [=](const at::Tensor& t) { return std::get<0>(at::median(t, d)); }, x, kLayouts);
+      sweep(
+          mesh, "median.dim indices " + ds,
+          [=](const at::Tensor& t) { return idx_as(std::get<1>(at::median(t, d)), t); }, x,
+          kLayouts, false);
+      sweep(
+          mesh, "nanmedian.dim values " + ds,
+          [=](const at::Tensor& t) { return std::get<0>(at::nanmedian(t, d, true)); }, x, kLayouts);
+      sweep(
+          mesh, "nanmedian.dim indices " + ds,
+          [=](const at::Tensor& t) { return idx_as(std::get<1>(at::nanmedian(t, d, true)), t); }, x,
+          kLayouts, false);
+    }
+  }
+  // A position that is all NaN: nanmedian is NaN there; libtorch's index is
+  // implementation-defined (its nth_element among equivalent NaNs: 7 for 9
+  // NaNs, 8 for 10), ours the first NaN (Note [selection ties]).
+  auto x = tied({8, 9, 3}, 4, true);
+  x.select(0, 2).select(1, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+  for (int64_t d : {0, 1}) {
+    sweep(
+        mesh, "nanmedian.dim all-NaN position " + std::to_string(d),
+        [=](const at::Tensor& t) { return std::get<0>(at::nanmedian(t, d)); }, x, kLayouts, false);
+    for (const auto& p : kLayouts) {
+      auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, p));
+      auto [v, i] = at::nanmedian(sx, d);
+      auto gi = gathered(i), gv = gathered(v);
+      auto at_i = x.gather(d, gi.unsqueeze(d)).squeeze(d);
+      const bool ok =
+          (at_i == gv).logical_or(at_i.isnan().logical_and(gv.isnan())).all().item<bool>();
+      EXPECT_TRUE(all_ranks(ok)) << "all-NaN index on " << st::to_string(p);
+    }
+  }
+}
+
+TEST(Select, KthvalueTiesPointAtAnEqualElement) {
+  // libtorch's kthvalue picks among equal values in an unspecified way; ours
+  // takes them in index order (Note [selection ties]). Values must equal
+  // libtorch's, the index must hold an element equal to the value (NaN
+  // included), and the gradient goes to that element.
+  auto mesh = test_mesh();
+  for (bool nans : {false, true}) {
+    auto x = tied({8, 9, 3}, 5, nans);
+    for (int64_t d : {0, 1}) {
+      for (int64_t k : d == 0 ? std::vector<int64_t>{1, 4, x.size(d)} : std::vector<int64_t>{4}) {
+        const std::string what =
+            "kthvalue k=" + std::to_string(k) + " dim " + std::to_string(d) + (nans ? " nans" : "");
+        sweep(
+            mesh, what, [=](const at::Tensor& t) { return std::get<0>(at::kthvalue(t, k, d)); }, x,
+            kLayouts, false);
+        for (const auto& p : kLayouts) {
+          for (bool empty : {false, true}) {
+            auto in = empty ? empty_first_input(mesh, x, p) : sharded_input(mesh, x, p);
+            auto sx = st::ShardTensor(st::distribute_tensor(x, mesh, *in.placements));
+            if (in.sizes) sx = st::ShardTensor(sx.redistribute(*in.placements, in.sizes));
+            sx.local().requires_grad_(true);
+            auto [v, i] = at::kthvalue(sx, k, d);
+            auto gi = gathered(i);
+            auto gv = gathered(v);
+            auto at_i = x.gather(d, gi.unsqueeze(d)).squeeze(d);
+            const bool same =
+                (at_i == gv).logical_or(at_i.isnan().logical_and(gv.isnan())).all().item<bool>();
+            EXPECT_TRUE(all_ranks(same)) << what << " on " << st::to_string(*in.placements);
+            st::backward(v, at::ones(v.sizes(), v.options()));
+            auto g = gathered(sx.grad());
+            auto expect = at::zeros_like(x).scatter(d, gi.unsqueeze(d), 1.0);
+            EXPECT_TRUE(all_close(g, expect, 0, 0)) << what << " gradient";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Select, WholeTensorMedian) {
+  auto mesh = test_mesh();
+  const std::vector<Placements> layouts = {{S0, S1}, {S1, S0}, {S2, R}, {R, R}};
+  for (bool nans : {false, true}) {
+    for (bool ties : {false, true}) {
+      auto x = ties ? tied({7, 5, 3}, 6, nans) : rnd({7, 5, 3}, 6);
+      if (!ties && nans) x.view(-1)[17] = std::numeric_limits<double>::quiet_NaN();
+      const std::string what = std::string(ties ? " ties" : "") + (nans ? " nans" : "");
+      sweep(
+          mesh, "median()" + what, [](const at::Tensor& t) { return at::median(t) * 1.5; }, x,
+          layouts);
+      sweep(
+          mesh, "nanmedian()" + what, [](const at::Tensor& t) { return at::nanmedian(t) * 1.5; }, x,
+          layouts);
+    }
+  }
+  // Even count (the lower middle), and all NaN.
+  sweep(mesh, "median() even", [](const at::Tensor& t) { return at::median(t); }, rnd({6, 4}, 7),
+        {{S0, S1}, {S1, S0}});
+  sweep(
+      mesh, "nanmedian() all NaN", [](const at::Tensor& t) { return at::nanmedian(t); },
+      at::full({6, 4}, std::numeric_limits<double>::quiet_NaN()), {{S0, S1}}, false);
+}
+
+TEST(Select, Mode) {
+  auto mesh = test_mesh();
+  auto x = at::round(rnd({7, 9, 3}, 8, 1.2));
+  for (int64_t d : {0, 1, -1}) {
+    for (bool keep : {false, true}) {
+      const std::string ds = std::to_string(d) + (keep ? " keepdim" : "");
+      sweep(
+          mesh, "mode values " + ds,
+          [=](const at::Tensor& t) { return std::get<0>(at::mode(t, d, keep)) * 1.5; }, x,
+          kLayouts);
+      sweep(
+          mesh, "mode indices " + ds,
+          [=](const at::Tensor& t) { return idx_as(std::get<1>(at::mode(t, d, keep)), t); }, x,
+          kLayouts, false);
+    }
+  }
+}
+
+TEST(Select, TrafficAndLayouts) {
+  auto mesh = test_mesh();
+  const int64_t P = mesh.size(0);
+  // Along a dim no mesh dim shards: no communication, layout kept.
+  auto x = rnd({6, 10, 4}, 9);
+  auto sx = st::ShardTensor(st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, S2})));
+  st::reset_comm_stats();
+  auto [sv, si] = at::sort(sx, 1);
+  auto [kv, ki] = at::kthvalue(sx, 3, 1);
+  auto [mv, mi] = at::median(sx, 1);
+  auto [nv, ni] = at::nanmedian(sx, 1, true);
+  auto [ov, oi] = at::mode(sx, 1);
+  auto ai = at::argsort(sx, /*stable=*/true, 1);
+  auto s0 = st::comm_stats();
+  EXPECT_EQ(s0.bytes_sent + s0.bytes_received + s0.messages, 0);
+  EXPECT_EQ(st::ShardTensor(sv).spec(), sx.spec());
+  EXPECT_EQ(st::ShardTensor(ai).spec().placements(), sx.spec().placements());
+  EXPECT_EQ(st::ShardTensor(kv).spec().placements(), fit_placements(mesh, {S0, S1}));
+  EXPECT_EQ(st::ShardTensor(nv).spec().placements(), sx.spec().placements());
+  EXPECT_TRUE(all_close(gathered(mv), std::get<0>(at::median(x, 1)), 0, 0));
+
+  // Along a sharded dim: the selection never gathers the dim. A long dim
+  // (20000 per row, 2 rows): what a rank receives stays a few cross-sections
+  // per round, far below the dim itself; peak memory a few times the piece.
+  auto y = rnd({20000, 2}, 10);
+  auto sy = st::ShardTensor(st::distribute_tensor(y, mesh, fit_placements(mesh, {S0})));
+  const int64_t piece = sy.local().numel() * 4;
+  st::reset_comm_stats();
+  st::reset_peak_memory_stats();
+  const int64_t before = st::memory_stats().current_bytes;
+  auto [yv, yi] = at::median(sy, 0);
+  auto [qv, qi] = at::kthvalue(sy, 12345, 0);
+  const auto s1 = st::comm_stats();
+  const int64_t peak = st::memory_stats().peak_bytes - before;
+  EXPECT_EQ(s1.gathered_bytes, 0);
+  EXPECT_LT(s1.bytes_received, 20000 * 2 * 4 / 4);
+  EXPECT_LE(peak, 6 * piece + 4096);
+  if (st::world_rank() == 0) {
+    std::printf(
+        "[select] median.dim + kthvalue of [20000, 2] over %lld ranks: %lld bytes received, "
+        "%lld messages, peak +%lld bytes (piece %lld bytes)\n",
+        static_cast<long long>(P), static_cast<long long>(s1.bytes_received),
+        static_cast<long long>(s1.messages), static_cast<long long>(peak),
+        static_cast<long long>(piece));
+  }
+  EXPECT_TRUE(all_close(gathered(yv), std::get<0>(at::median(y, 0)), 0, 0));
+  EXPECT_TRUE(all_close(gathered(yi), std::get<1>(at::median(y, 0)), 0, 0));
+  EXPECT_TRUE(all_close(gathered(qv), std::get<0>(at::kthvalue(y, 12345, 0)), 0, 0));
+
+  // sort along a sharded dim gathers it, visibly; strict mode refuses it.
+  st::reset_comm_stats();
+  auto [zv, zi] = at::sort(sy, 0);
+  EXPECT_EQ(st::comm_stats().gathered_bytes, P > 1 ? (20000 - sy.local().size(0)) * 2 * 4 : 0);
+  EXPECT_TRUE(all_close(gathered(zv), std::get<0>(at::sort(y, 0)), 0, 0));
+  if (P > 1) {
+    const bool was = st::strict();
+    st::set_strict(true);
+    EXPECT_TRUE(throws_everywhere([&] { auto r = at::sort(sy, 0); }, {"aten::sort", "strict"}));
+    EXPECT_TRUE(throws_everywhere([&] { auto r = at::mode(sy, 0); }, {"aten::mode", "strict"}));
+    auto [wv, wi] = at::median(sy, 0);  // no gather: allowed in strict mode
+    st::set_strict(was);
+  }
+}
+
+TEST(Select, BadInput) {
+  auto mesh = test_mesh();
+  auto sx = st::distribute_tensor(rnd({6, 5}, 11), mesh, fit_placements(mesh, {S0, S1}));
+  EXPECT_TRUE(
+      throws_everywhere([&] { auto r = at::kthvalue(sx, 0, 0); }, {"kthvalue", "out of range"}));
+  EXPECT_TRUE(
+      throws_everywhere([&] { auto r = at::kthvalue(sx, 7, 0); }, {"kthvalue", "out of range"}));
+  EXPECT_TRUE(
+      throws_everywhere([&] { auto r = at::kthvalue(sx, 2, 3); }, {"kthvalue", "out of range"}));
+  EXPECT_TRUE(throws_everywhere([&] { auto r = at::median(sx, -3); }, {"median", "out of range"}));
+  EXPECT_TRUE(throws_everywhere([&] { auto r = at::sort(sx, 2); }, {"sort", "out of range"}));
+  EXPECT_TRUE(throws_everywhere([&] { auto r = at::mode(sx, 5); }, {"mode", "out of range"}));
+  auto se = st::distribute_tensor(at::zeros({0, 5}), mesh, fit_placements(mesh, {S0, S1}));
+  EXPECT_TRUE(throws_everywhere([&] { auto r = at::median(se, 0); }, {"median", "non-zero size"}));
+}
