@@ -21,20 +21,22 @@
 // kthvalue, median.dim, nanmedian.dim, whole-tensor median()/nanmedian() and
 // quantile/nanquantile along a sharded dim (mesh dim m; for the whole-tensor
 // forms every mesh dim that shards the tensor) never gather that dim. Every
-// element gets an order-preserving int64 key: the IEEE bits of the value with
+// element gets an order-preserving integer key: the IEEE bits of the value with
 // the magnitude bits of negatives flipped (float16/bfloat16 are widened to
 // float32 first, exactly; integers are their own key), -0.0 folded into +0.0
 // and every NaN mapped to one key above +inf (libtorch orders NaN last). The
-// key of rank r (0-based, per output position) is then found bit by bit from
-// the top, as in a radix select: one round decides the sign, and each of the
-// remaining 31 (float32 and narrower) or 63 (float64, int64) rounds counts,
-// per output position, the local keys that match the bits decided so far and
-// have a 0 in the next bit, sums the counts over the mesh dims (one
-// all-reduce of one int64 per output position and rank asked for), and moves
-// into the 0 or the 1 half. All positions (and, for quantile, all requested
-// ranks) share the rounds, so a call costs 32 or 64 all-reduces of a
-// cross-section, never a slice of the dim, and O(local piece) memory (one
-// int64 key per element). What is left of r at the end is the rank of the
+// key of rank r (0-based, per output position) is then found digit by digit
+// from the top, as in a radix select: each round histograms, per output
+// position, the w-bit digit of the local keys that match the digits decided so
+// far, sums the histograms over the mesh dims (one all-reduce of 2^w int64
+// counts per output position and rank asked for), and moves into the bin that
+// holds rank r. w = 8 while the positions are few (at most 16: 4 rounds for
+// 32-bit keys, 8 for 64-bit ones), else w = 4 (8 or 16 rounds, 16 counts per
+// position and round), trading latency against bandwidth. All positions (and,
+// for quantile, all requested ranks) share the rounds, so a call costs a
+// fixed number of all-reduces of a few cross-sections, whatever the length of
+// the dim, and O(local piece) memory (one key per element, int32 for 4-byte
+// and narrower types). What is left of r at the end is the rank of the
 // selected element among the elements equal to it (Note [selection ties]);
 // an all-gather of the per-coordinate counts of equal keys (P cross-sections)
 // tells the owning coordinate, which finds the element and contributes its
@@ -257,31 +259,50 @@ at::Tensor counts_over(const at::Tensor& c, const Rows& r) {
   return comm::all_reduce_nograd(c.contiguous(), *r.mesh, r.mdims, ReduceOp::Sum);
 }
 
+// Note [distributed selection]: digit width of the radix select. Wide digits
+// mean fewer rounds (latency) but 2^w counts per position and round
+// (bandwidth): 8 bits while the positions are few, 4 bits otherwise. J and R
+// are the same on every rank of the reducing communicator, so all agree.
+int digit_bits(int64_t J, int64_t R) { return J * R <= 16 ? 8 : 4; }
+
 // Note [distributed selection]. rank: (J, R) int64, 0-based, within [0, n).
-// Returns the selected keys (J, R) and what is left of the rank (the rank among
-// equal keys).
+// Returns the selected keys (J, R, key dtype) and what is left of the rank
+// (the rank among equal keys). One all-reduce of (J, R, 2^w) counts per
+// digit, from the top; the top digit has its sign bit flipped so that digits
+// order like the signed keys.
 std::pair<at::Tensor, at::Tensor> radix_select(const Rows& r, at::Tensor rank, int bits) {
-  const int64_t J = rank.size(0);
-  auto count = [&](const std::function<at::Tensor(int64_t)>& match) {
-    std::vector<at::Tensor> cs;
-    for (int64_t j = 0; j < J; ++j) cs.push_back(match(j).sum(1));
-    return counts_over(at::stack(cs), r);
-  };
-  at::Tensor cnt = count([&](int64_t) { return r.keys < 0; });
-  at::Tensor neg = rank < cnt;
-  const int64_t low = bits == 64 ? std::numeric_limits<int64_t>::min() : -(int64_t{1} << 31);
-  at::Tensor prefix =
-      at::where(neg, at::full({}, low, r.keys.options()), at::zeros({}, r.keys.options()));
-  rank = at::where(neg, rank, rank - cnt);
-  for (int b = bits - 2; b >= 0; --b) {
-    at::Tensor shifted = at::bitwise_right_shift(r.keys, b);
-    at::Tensor target = at::bitwise_right_shift(prefix, b);
-    cnt = count([&](int64_t j) { return shifted == target[j].unsqueeze(1); });
-    at::Tensor one = rank >= cnt;
-    prefix = at::where(one, at::bitwise_or(prefix, int64_t{1} << b), prefix);
-    rank = at::where(one, rank - cnt, rank);
+  const int64_t J = rank.size(0), R = r.keys.size(0);
+  const int w = digit_bits(J, R);
+  const int64_t bins = int64_t{1} << w;
+  const at::ScalarType st =
+      R * bins < std::numeric_limits<int32_t>::max() ? r.keys.scalar_type() : at::kLong;
+  const at::Tensor row_base = at::arange(R, r.keys.options().dtype(st)).unsqueeze(1) * bins;
+  at::Tensor prefix = at::zeros_like(rank);  // decided bits, as a signed int64 value
+  for (int shift = bits - w; shift >= 0; shift -= w) {
+    const bool top = shift == bits - w;
+    // (R, n): the bin of every key, row by row.
+    at::Tensor slot = at::bitwise_and(at::bitwise_right_shift(r.keys, shift), bins - 1).to(st);
+    if (top) slot.bitwise_xor_(bins / 2);
+    slot.add_(row_base);
+    std::vector<at::Tensor> hs;
+    for (int64_t j = 0; j < J; ++j) {
+      at::Tensor sel = slot;
+      if (!top) {
+        at::Tensor high = at::bitwise_right_shift(prefix[j], shift + w).to(r.keys.scalar_type());
+        sel = slot.masked_select(at::bitwise_right_shift(r.keys, shift + w) == high.unsqueeze(1));
+      }
+      hs.push_back(at::bincount(sel.reshape({-1}), {}, R * bins).view({R, bins}));
+    }
+    at::Tensor hist = counts_over(at::stack(hs), r);  // (J, R, bins)
+    at::Tensor cum = hist.cumsum(2);
+    at::Tensor d = (cum <= rank.unsqueeze(2)).sum(2);  // the digit of the rank's key
+    at::Tensor before = at::where(
+        d > 0, cum.gather(2, (d - 1).clamp_min(0).unsqueeze(2)).squeeze(2), at::zeros_like(d));
+    rank = rank - before;
+    // The top digit is signed: d - bins/2 after the flip.
+    prefix = prefix + (top ? d - bins / 2 : d) * (int64_t{1} << shift);
   }
-  return {prefix, rank};
+  return {prefix.to(r.keys.scalar_type()), rank};
 }
 
 struct Selected {
