@@ -251,6 +251,69 @@ TEST(Select, Mode) {
   }
 }
 
+TEST(Select, QuantileAndNanquantile) {
+  auto mesh = test_mesh();
+  auto x = rnd({7, 9, 3}, 12);
+  auto q = at::tensor(std::vector<double>{0.0, 0.25, 0.5, 0.9, 1.0});
+  struct Case {
+    c10::optional<int64_t> dim;
+    bool keepdim;
+    const char* interpolation;
+  };
+  const std::vector<Case> cases = {
+      {0, false, "linear"},           {1, false, "lower"},
+      {-1, true, "nearest"},          {c10::nullopt, false, "midpoint"},
+      {c10::nullopt, true, "higher"}, {1, true, "linear"}};
+  for (const auto& c : cases) {
+    const std::string what = std::string(c.interpolation) + " dim " +
+                             (c.dim ? std::to_string(*c.dim) : "None") +
+                             (c.keepdim ? " keepdim" : "");
+    // Distinct values: gradients go to unique elements, so they match libtorch's.
+    sweep(
+        mesh, "quantile " + what,
+        [=](const at::Tensor& t) {
+          return at::quantile(t, q.to(t.scalar_type()), c.dim, c.keepdim, c.interpolation) * 1.5;
+        },
+        x, kLayouts);
+    sweep(
+        mesh, "quantile.scalar " + what,
+        [=](const at::Tensor& t) {
+          return at::quantile(t, 0.3, c.dim, c.keepdim, c.interpolation) * 1.5;
+        },
+        x, kLayouts);
+  }
+  // Ties and NaNs: values (nanquantile ignores NaN, quantile returns NaN).
+  auto y = tied({8, 9, 3}, 13, true);
+  y.select(0, 2).select(1, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+  for (const auto& c : cases) {
+    const std::string what =
+        std::string(c.interpolation) + " dim " + (c.dim ? std::to_string(*c.dim) : "None");
+    sweep(
+        mesh, "nanquantile ties, NaN " + what,
+        [=](const at::Tensor& t) {
+          return at::nanquantile(t, q.to(t.scalar_type()), c.dim, c.keepdim, c.interpolation);
+        },
+        y, kLayouts, false);
+    sweep(
+        mesh, "quantile ties, NaN " + what,
+        [=](const at::Tensor& t) {
+          return at::quantile(t, q.to(t.scalar_type()), c.dim, c.keepdim, c.interpolation);
+        },
+        y, kLayouts, false);
+  }
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, S1}));
+  EXPECT_TRUE(throws_everywhere([&] { auto r = at::quantile(sx, 1.5, 0); }, {"quantile", "range"}));
+  EXPECT_TRUE(
+      throws_everywhere([&] { auto r = at::quantile(sx, 0.5, 4); }, {"quantile", "out of range"}));
+  EXPECT_TRUE(throws_everywhere([&] { auto r = at::quantile(sx, 0.5, 0, false, "cubic"); },
+                                {"quantile", "interpolation"}));
+  EXPECT_TRUE(throws_everywhere([&] { auto r = at::quantile(sx, q, 0); }, {"quantile", "dtype"}));
+  // Along the sharded dim: no gather.
+  st::reset_comm_stats();
+  auto r = at::quantile(sx, q.to(at::kFloat), 0);
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+}
+
 TEST(Select, TrafficAndLayouts) {
   auto mesh = test_mesh();
   const int64_t P = mesh.size(0);

@@ -313,17 +313,31 @@ struct Selected {
 
 // The element of key `key` (J, R) that has `rem` equal keys before it in
 // global index order: its owner, global index and value (one all-gather of
-// per-coordinate counts and one all-reduce).
+// per-coordinate counts and one all-reduce). Without a single mesh dim
+// (r.m < 0, whole-tensor quantile) any equal element: the first one of the
+// lowest mesh rank that holds one, and no index.
 Selected resolve(const Rows& r, const at::Tensor& key, const at::Tensor& rem) {
   const int64_t J = key.size(0), R = r.x.size(0), n = r.x.size(1);
   at::Tensor eq = r.keys.unsqueeze(0) == key.unsqueeze(2);  // (J, R, n)
   at::Tensor c = eq.sum(2);                                 // (J, R)
-  const int64_t P = r.mesh->size(r.m);
-  const int64_t me = r.mesh->coordinate()[r.m];
-  at::Tensor all_c = comm::all_gather(c.unsqueeze(0).contiguous(), *r.mesh, r.m, 0,
-                                      std::vector<int64_t>(static_cast<size_t>(P), 1));
-  at::Tensor q = rem - all_c.narrow(0, 0, me).sum(0);  // occurrence on this coordinate
-  at::Tensor owner = at::logical_and(q >= 0, q < c);
+  at::Tensor q, owner;
+  if (r.m >= 0) {
+    const int64_t P = r.mesh->size(r.m);
+    const int64_t me = r.mesh->coordinate()[r.m];
+    at::Tensor all_c = comm::all_gather(c.unsqueeze(0).contiguous(), *r.mesh, r.m, 0,
+                                        std::vector<int64_t>(static_cast<size_t>(P), 1));
+    q = rem - all_c.narrow(0, 0, me).sum(0);  // occurrence on this coordinate
+    owner = at::logical_and(q >= 0, q < c);
+  } else {
+    // Whole-tensor (several mesh dims, no index): the first equal element of
+    // the lowest mesh rank that holds one.
+    const int64_t me = r.mesh->rank();
+    at::Tensor cand =
+        at::where(c > 0, at::full({}, me, c.options()), at::full({}, kNoIndex, c.options()));
+    cand = comm::all_reduce_nograd(cand.contiguous(), *r.mesh, r.mdims, ReduceOp::Min);
+    owner = cand == me;
+    q = at::zeros_like(c);
+  }
   Selected s;
   s.hit = at::logical_and(
       eq, at::logical_and(at::cumsum(eq, 2, at::kInt) == (q + 1).unsqueeze(2), owner.unsqueeze(2)));
@@ -599,6 +613,153 @@ void mode_rule(const c10::OperatorHandle& op, Stack* stack) {
   gather_dim(op, c, "mode", true, keepdim, stack);
 }
 
+// quantile / nanquantile (self, q, dim?, keepdim, *, interpolation), q a
+// plain tensor (0-d or 1-d) or a float (.scalar).
+enum class Interp { Linear, Lower, Higher, Midpoint, Nearest };
+
+void quantile_rule(const c10::OperatorHandle& op, Stack* stack, bool ignore_nan) {
+  auto args = pop_args(op, stack);
+  const ShardSpec in = without_partial(self_spec(op, args));
+  const at::Tensor self = args[0].toTensor();
+  const char* name = ignore_nan ? "nanquantile" : "quantile";
+  const std::string pre = std::string(name) + "(): ";
+  const at::ScalarType t = self.scalar_type();
+  if (in.numel() == 0) fail(op, args, pre + "input tensor must be non-empty");
+  if (t != at::kFloat && t != at::kDouble) {
+    fail(op, args, pre + "input tensor must be either float or double dtype");
+  }
+  at::Tensor q;
+  if (args[1].isTensor()) {
+    q = args[1].toTensor();
+    if (spec_of(q)) fail(op, args, pre + "q must be a plain tensor (identical on every rank)");
+    if (q.dim() > 1) fail(op, args, pre + "q must be a scalar or 1D tensor");
+    if (q.scalar_type() != t)
+      fail(op, args, pre + "q tensor must be same dtype as the input tensor");
+    if (!at::logical_and(q >= 0, q <= 1).all().item<bool>()) {
+      fail(op, args, pre + "q values must be in the range [0, 1]");
+    }
+  } else {
+    const double qs = args[1].toDouble();
+    if (!(qs >= 0 && qs <= 1)) {
+      fail(op, args, pre + "q must be in the range [0, 1] but got " + std::to_string(qs));
+    }
+    q = at::scalar_tensor(qs, at::TensorOptions().dtype(t));
+  }
+  const std::string how = args[4].toStringRef();
+  Interp interp;
+  if (how == "linear") {
+    interp = Interp::Linear;
+  } else if (how == "lower") {
+    interp = Interp::Lower;
+  } else if (how == "higher") {
+    interp = Interp::Higher;
+  } else if (how == "midpoint") {
+    interp = Interp::Midpoint;
+  } else if (how == "nearest") {
+    interp = Interp::Nearest;
+  } else {
+    fail(op, args,
+         pre + "interpolation must be one of linear, lower, higher, midpoint or nearest. Got " +
+             how);
+  }
+  const bool keepdim = args[3].toBool();
+  const bool has_dim = !args[2].isNone();
+  const int64_t nq = q.numel();
+  const std::vector<int64_t> lead = q.dim() > 0 ? std::vector<int64_t>{nq} : std::vector<int64_t>{};
+  const DeviceMesh& mesh = in.mesh();
+  int64_t d = 0, m = -1;
+  std::vector<int64_t> mdims;
+  if (has_dim) {
+    d = wrap_dim(op, args, in.ndim(), args[2].toInt());
+    const int64_t mm = in.ndim() > 0 ? in.mesh_dim_of(d) : -1;
+    if (mm >= 0 && mesh.size(mm) > 1) {
+      m = mm;
+      mdims = {m};
+    }
+  } else {
+    for (int64_t mm = 0; mm < mesh.ndim(); ++mm) {
+      if (is_shard(in.placements()[mm]) && mesh.size(mm) > 1) mdims.push_back(mm);
+    }
+  }
+  // Communication starts here.
+  at::Tensor local = to_layout(self, in, in);
+  if (mdims.empty()) {
+    // Note [select layout]: libtorch's op on the piece. A piece with no
+    // element (another dim's shard is empty) gives an empty result.
+    SpecPtr out = has_dim ? reduced_spec(in, d, keepdim, lead) : nullptr;
+    at::Tensor r;
+    if (local.numel() > 0) {
+      Stack s = args;
+      s[0] = local;
+      op.callBoxed(&s);
+      r = s[0].toTensor();
+    } else {
+      TORCH_INTERNAL_ASSERT(out, "an empty piece of an unsharded tensor");
+      r = at::zeros(out->local_shape(), local.options()) + local.sum() * 0;
+    }
+    stack->push_back(out ? wrap(r, out) : r);
+    return;
+  }
+  Rows rows;
+  int64_t n = 0;
+  if (has_dim) {
+    rows = rows_along(local, d, in, m);
+    n = in.global_shape()[d];
+  } else {
+    rows.x = local.detach().reshape({1, -1});
+    rows.keys = order_keys(rows.x);
+    rows.mesh = &mesh;
+    rows.mdims = mdims;
+    n = in.numel();
+  }
+  const bool grad_mode = at::GradMode::is_enabled();
+  at::Tensor value, hit, weights;
+  {
+    at::NoGradGuard no_grad;
+    // libtorch 1.13's ranks (quantile_compute), element by element.
+    at::Tensor nans = counts_over(rows.x.isnan().sum(1).unsqueeze(0), rows);  // (1, R)
+    at::Tensor qv = q.reshape({-1, 1});
+    at::Tensor ranks;
+    if (ignore_nan) {
+      ranks = qv * (n - nans - 1);
+      ranks = ranks.masked_fill(ranks < 0, 0);
+    } else {
+      ranks = at::masked_fill(qv * (n - 1), nans > 0, n - 1);
+    }
+    if (interp == Interp::Lower) ranks = ranks.floor();
+    if (interp == Interp::Higher) ranks = ranks.ceil();
+    if (interp == Interp::Nearest) ranks = ranks.round();
+    at::Tensor below = ranks.to(at::kLong);
+    at::Tensor want = below;
+    if (interp == Interp::Linear || interp == Interp::Midpoint) {
+      weights = interp == Interp::Midpoint ? at::full_like(ranks, 0.5) : ranks - below;
+      want = at::cat({below, ranks.ceil().to(at::kLong)});
+    }
+    auto [key, rem] = radix_select(rows, want.contiguous(), key_bits(t));
+    Selected sel = resolve(rows, key, rem);
+    value = sel.value;
+    hit = sel.hit;
+  }
+  at::Tensor out;
+  {
+    at::AutoGradMode grad(grad_mode);
+    at::Tensor flat = has_dim ? local : local.reshape({-1});
+    at::Tensor v =
+        carry_grad(value, local, [&] { return one_hot_carrier(flat, has_dim ? d : 0, hit); });
+    out = weights.defined() ? at::lerp(v.narrow(0, 0, nq), v.narrow(0, nq, nq), weights) : v;
+    if (has_dim) {
+      out = unrows(out, local, d);  // (nq, ..., 1 at d + 1, ...)
+      if (!keepdim) out = out.squeeze(d + 1);
+      if (q.dim() == 0) out = out.squeeze(0);
+    } else {
+      std::vector<int64_t> shape = lead;
+      if (keepdim) shape.resize(shape.size() + in.ndim(), 1);
+      out = out.reshape(shape);
+    }
+  }
+  stack->push_back(has_dim ? wrap(out, reduced_spec(in, d, keepdim, lead)) : out);
+}
+
 // "name." is the overload without a name only (ops/registry.h); the out= and
 // Dimname overloads keep their handling.
 const RuleRegistrar r_sort({"sort.", "sort.stable", "argsort.stable"}, sort_rule);
@@ -616,6 +777,14 @@ const RuleRegistrar r_nanmedian({"nanmedian."}, [](const c10::OperatorHandle& op
   median_all(op, s, true);
 });
 const RuleRegistrar r_mode({"mode."}, mode_rule);
+const RuleRegistrar r_quantile({"quantile.", "quantile.scalar"},
+                               [](const c10::OperatorHandle& op, Stack* s) {
+                                 quantile_rule(op, s, false);
+                               });
+const RuleRegistrar r_nanquantile({"nanquantile.", "nanquantile.scalar"},
+                                  [](const c10::OperatorHandle& op, Stack* s) {
+                                    quantile_rule(op, s, true);
+                                  });
 
 }  // namespace
 }  // namespace shardtensor::ops
