@@ -19,23 +19,23 @@ namespace {
 
 using Fn1 = std::function<at::Tensor(const at::Tensor&)>;
 
-// Every layout of kLayouts, balanced and with an empty first piece, float32 and float64.
+// Every layout of kLayouts: balanced pieces in float32 and float64 (uneven at
+// 3 ranks), and an empty first piece in float64.
 void sweep(const DeviceMesh& mesh, const std::string& name, const Fn1& f, const at::Tensor& x,
            const std::vector<Placements>& layouts, bool grad = true) {
+  const std::vector<std::pair<bool, at::ScalarType>> runs = {
+      {false, at::kFloat}, {false, at::kDouble}, {true, at::kDouble}};
   for (const auto& p : layouts) {
-    for (bool empty : {false, true}) {
-      for (auto dtype : {at::kFloat, at::kDouble}) {
-        auto full = x.to(dtype);
-        auto in =
-            empty ? empty_first_input(mesh, full, p, grad) : sharded_input(mesh, full, p, grad);
-        auto fn = [&](const std::vector<at::Tensor>& v, const std::vector<at::Tensor>&) {
-          return f(v[0]);
-        };
-        // Selections move elements: exact.
-        EXPECT_TRUE(reference_check(fn, {in}, mesh, {}, 0.0, 0.0, grad))
-            << name << " on " << st::to_string(*in.placements) << (empty ? " empty-first" : "")
-            << " " << c10::toString(dtype);
-      }
+    for (const auto& [empty, dtype] : runs) {
+      auto full = x.to(dtype);
+      auto in = empty ? empty_first_input(mesh, full, p, grad) : sharded_input(mesh, full, p, grad);
+      auto fn = [&](const std::vector<at::Tensor>& v, const std::vector<at::Tensor>&) {
+        return f(v[0]);
+      };
+      // Selections move elements: exact.
+      EXPECT_TRUE(reference_check(fn, {in}, mesh, {}, 0.0, 0.0, grad))
+          << name << " on " << st::to_string(*in.placements) << (empty ? " empty-first" : "") << " "
+          << c10::toString(dtype);
     }
   }
 }
@@ -44,6 +44,14 @@ void sweep(const DeviceMesh& mesh, const std::string& name, const Fn1& f, const 
 const std::vector<Placements> kLayouts = {{S0, S1}, {S1, S0}, {S2, S1}, {R, S1}};
 
 at::Tensor idx_as(const at::Tensor& i, const at::Tensor& like) { return i.to(like.scalar_type()); }
+
+// Values and indices in one output, stacked in a new first dim (the gradient
+// flows through the values). ShardTensor results cannot all be flattened
+// (reshape refuses to merge a sharded dim), hence stack and cat along dim 0.
+at::Tensor vi(const std::tuple<at::Tensor, at::Tensor>& r) {
+  const auto& [v, i] = r;
+  return at::stack({v * 1.5, idx_as(i, v)});
+}
 
 // Rounded values: many ties; a few NaNs where `nans`.
 at::Tensor tied(c10::IntArrayRef shape, uint64_t seed, bool nans) {
@@ -55,6 +63,15 @@ at::Tensor tied(c10::IntArrayRef shape, uint64_t seed, bool nans) {
   return x;
 }
 
+// Collective. The index of every position of a selection holds an element
+// equal to its value (NaN for NaN).
+bool points_at_value(const at::Tensor& x, int64_t d, const at::Tensor& v, const at::Tensor& i) {
+  auto gi = gathered(i), gv = gathered(v);
+  auto at_i = x.gather(d, gi.unsqueeze(d)).squeeze(d);
+  return all_ranks(
+      (at_i == gv).logical_or(at_i.isnan().logical_and(gv.isnan())).all().item<bool>());
+}
+
 }  // namespace
 
 TEST(Select, SortAndArgsort) {
@@ -64,29 +81,19 @@ TEST(Select, SortAndArgsort) {
     const bool desc = d == 1;
     sweep(
         mesh, "sort " + std::to_string(d) + (desc ? " descending" : ""),
-        [=](const at::Tensor& t) {
-          auto [v, i] = at::sort(t, d, desc);
-          return v * 1.5 + idx_as(i, t) * 10;
-        },
-        x, kLayouts);
+        [=](const at::Tensor& t) { return vi(at::sort(t, d, desc)); }, x, kLayouts);
   }
   // Stable sort and argsort on ties: libtorch's own order.
   auto y = tied({7, 9, 3}, 2, false);
   for (int64_t d : {0, 1}) {
     sweep(
-        mesh, "stable sort " + std::to_string(d),
+        mesh, "stable sort, argsort " + std::to_string(d),
         [=](const at::Tensor& t) {
-          auto [v, i] = at::sort(t, /*stable=*/true, d, /*descending=*/true);
-          return v + idx_as(i, t) * 100;
+          return at::cat({vi(at::sort(t, /*stable=*/true, d, /*descending=*/true)),
+                          at::stack({idx_as(at::argsort(t, /*stable=*/true, d), t),
+                                     idx_as(at::argsort(t, d), t)})});
         },
         y, kLayouts);
-    sweep(
-        mesh, "argsort stable " + std::to_string(d),
-        [=](const at::Tensor& t) { return idx_as(at::argsort(t, /*stable=*/true, d), t); }, y,
-        kLayouts, false);
-    sweep(
-        mesh, "argsort " + std::to_string(d),
-        [=](const at::Tensor& t) { return idx_as(at::argsort(t, d), t); }, x, kLayouts, false);
   }
 }
 
@@ -94,31 +101,24 @@ TEST(Select, KthvalueMedianDistinctValues) {
   // Distinct values: indices and gradients are unique, so all must match libtorch.
   auto mesh = test_mesh();
   auto x = rnd({7, 9, 3}, 3);
+  sweep(
+      mesh, "kthvalue 1, 7 dim 0",
+      [](const at::Tensor& t) {
+        return at::cat({vi(at::kthvalue(t, 1, 0)), vi(at::kthvalue(t, 7, 0))});
+      },
+      x, kLayouts);
+  sweep(
+      mesh, "kthvalue 3 dim 1 keepdim",
+      [](const at::Tensor& t) { return vi(at::kthvalue(t, 3, 1, true)); }, x, kLayouts);
+  sweep(
+      mesh, "kthvalue 2 dim -1", [](const at::Tensor& t) { return vi(at::kthvalue(t, 2, -1)); }, x,
+      kLayouts);
   for (int64_t d : {0, 1, -1}) {
-    const int64_t n = x.size(d < 0 ? d + 3 : d);
     const bool keep = d == 1;
-    const std::string ds = std::to_string(d) + (keep ? " keepdim" : "");
-    for (int64_t k : d == 0 ? std::vector<int64_t>{1, 3, n} : std::vector<int64_t>{2}) {
-      sweep(
-          mesh, "kthvalue " + std::to_string(k) + " " + ds,
-          [=](const at::Tensor& t) {
-            auto [v, i] = at::kthvalue(t, k, d, keep);
-            return v * 1.5 + idx_as(i, t) * 10;
-          },
-          x, kLayouts);
-    }
     sweep(
-        mesh, "median.dim " + ds,
+        mesh, "median.dim, nanmedian.dim " + std::to_string(d),
         [=](const at::Tensor& t) {
-          auto [v, i] = at::median(t, d, keep);
-          return v * 1.5 + idx_as(i, t) * 10;
-        },
-        x, kLayouts);
-    sweep(
-        mesh, "nanmedian.dim " + ds,
-        [=](const at::Tensor& t) {
-          auto [v, i] = at::nanmedian(t, d, !keep);
-          return v * 1.5 + idx_as(i, t) * 10;
+          return at::cat({vi(at::median(t, d, keep)), vi(at::nanmedian(t, d, keep))});
         },
         x, kLayouts);
   }
@@ -132,21 +132,12 @@ TEST(Select, MedianTiesAndNaNsMatchLibtorch) {
   for (bool nans : {false, true}) {
     auto x = tied({8, 9, 3}, 4, nans);
     for (int64_t d : {0, 1}) {
-      const std::string ds = std::to_string(d) + (nans ? " nans" : "");
       sweep(
-          mesh, "median.dim values " + ds,
-          [=](const at::Tensor& t) { return std::get<0>(at::median(t, d)); }, x, kLayouts);
-      sweep(
-          mesh, "median.dim indices " + ds,
-          [=](const at::Tensor& t) { return idx_as(std::get<1>(at::median(t, d)), t); }, x,
-          kLayouts, false);
-      sweep(
-          mesh, "nanmedian.dim values " + ds,
-          [=](const at::Tensor& t) { return std::get<0>(at::nanmedian(t, d, true)); }, x, kLayouts);
-      sweep(
-          mesh, "nanmedian.dim indices " + ds,
-          [=](const at::Tensor& t) { return idx_as(std::get<1>(at::nanmedian(t, d, true)), t); }, x,
-          kLayouts, false);
+          mesh, "median.dim, nanmedian.dim " + std::to_string(d) + (nans ? " nans" : ""),
+          [=](const at::Tensor& t) {
+            return at::cat({vi(at::median(t, d)), vi(at::nanmedian(t, d))});
+          },
+          x, kLayouts);
     }
   }
   // A position that is all NaN: nanmedian is NaN there; libtorch's index is
@@ -161,11 +152,7 @@ TEST(Select, MedianTiesAndNaNsMatchLibtorch) {
     for (const auto& p : kLayouts) {
       auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, p));
       auto [v, i] = at::nanmedian(sx, d);
-      auto gi = gathered(i), gv = gathered(v);
-      auto at_i = x.gather(d, gi.unsqueeze(d)).squeeze(d);
-      const bool ok =
-          (at_i == gv).logical_or(at_i.isnan().logical_and(gv.isnan())).all().item<bool>();
-      EXPECT_TRUE(all_ranks(ok)) << "all-NaN index on " << st::to_string(p);
+      EXPECT_TRUE(points_at_value(x, d, v, i)) << "all-NaN index on " << st::to_string(p);
     }
   }
 }
@@ -179,30 +166,29 @@ TEST(Select, KthvalueTiesPointAtAnEqualElement) {
   for (bool nans : {false, true}) {
     auto x = tied({8, 9, 3}, 5, nans);
     for (int64_t d : {0, 1}) {
-      for (int64_t k : d == 0 ? std::vector<int64_t>{1, 4, x.size(d)} : std::vector<int64_t>{4}) {
-        const std::string what =
-            "kthvalue k=" + std::to_string(k) + " dim " + std::to_string(d) + (nans ? " nans" : "");
-        sweep(
-            mesh, what, [=](const at::Tensor& t) { return std::get<0>(at::kthvalue(t, k, d)); }, x,
-            kLayouts, false);
-        for (const auto& p : kLayouts) {
-          for (bool empty : {false, true}) {
-            auto in = empty ? empty_first_input(mesh, x, p) : sharded_input(mesh, x, p);
-            auto sx = st::ShardTensor(st::distribute_tensor(x, mesh, *in.placements));
-            if (in.sizes) sx = st::ShardTensor(sx.redistribute(*in.placements, in.sizes));
-            sx.local().requires_grad_(true);
-            auto [v, i] = at::kthvalue(sx, k, d);
-            auto gi = gathered(i);
-            auto gv = gathered(v);
-            auto at_i = x.gather(d, gi.unsqueeze(d)).squeeze(d);
-            const bool same =
-                (at_i == gv).logical_or(at_i.isnan().logical_and(gv.isnan())).all().item<bool>();
-            EXPECT_TRUE(all_ranks(same)) << what << " on " << st::to_string(*in.placements);
-            st::backward(v, at::ones(v.sizes(), v.options()));
-            auto g = gathered(sx.grad());
-            auto expect = at::zeros_like(x).scatter(d, gi.unsqueeze(d), 1.0);
-            EXPECT_TRUE(all_close(g, expect, 0, 0)) << what << " gradient";
-          }
+      const std::vector<int64_t> ks =
+          d == 0 ? std::vector<int64_t>{1, 4, 8} : std::vector<int64_t>{5};
+      const std::string what = "kthvalue dim " + std::to_string(d) + (nans ? " nans" : "");
+      sweep(
+          mesh, what,
+          [=](const at::Tensor& t) {
+            std::vector<at::Tensor> vs;
+            for (int64_t k : ks) vs.push_back(std::get<0>(at::kthvalue(t, k, d)));
+            return at::stack(vs);
+          },
+          x, kLayouts, false);
+      for (const auto& p : {kLayouts[0], kLayouts[1]}) {
+        for (bool empty : {false, true}) {
+          auto in = empty ? empty_first_input(mesh, x, p) : sharded_input(mesh, x, p);
+          auto sx = st::ShardTensor(st::distribute_tensor(x, mesh, *in.placements));
+          if (in.sizes) sx = st::ShardTensor(sx.redistribute(*in.placements, in.sizes));
+          sx.local().requires_grad_(true);
+          auto [v, i] = at::kthvalue(sx, ks.back(), d);
+          EXPECT_TRUE(points_at_value(x, d, v, i))
+              << what << " on " << st::to_string(*in.placements);
+          st::backward(v, at::ones(v.sizes(), v.options()));
+          auto expect = at::zeros_like(x).scatter(d, gathered(i).unsqueeze(d), 1.0);
+          EXPECT_TRUE(all_close(gathered(sx.grad()), expect, 0, 0)) << what << " gradient";
         }
       }
     }
@@ -210,24 +196,28 @@ TEST(Select, KthvalueTiesPointAtAnEqualElement) {
 }
 
 TEST(Select, WholeTensorMedian) {
+  // median() / nanmedian(): a plain result; the gradient is shared by the
+  // elements equal to it (libtorch's evenly_distribute_backward).
   auto mesh = test_mesh();
   const std::vector<Placements> layouts = {{S0, S1}, {S1, S0}, {S2, R}, {R, R}};
-  for (bool nans : {false, true}) {
-    for (bool ties : {false, true}) {
-      auto x = ties ? tied({7, 5, 3}, 6, nans) : rnd({7, 5, 3}, 6);
-      if (!ties && nans) x.view(-1)[17] = std::numeric_limits<double>::quiet_NaN();
-      const std::string what = std::string(ties ? " ties" : "") + (nans ? " nans" : "");
-      sweep(
-          mesh, "median()" + what, [](const at::Tensor& t) { return at::median(t) * 1.5; }, x,
-          layouts);
-      sweep(
-          mesh, "nanmedian()" + what, [](const at::Tensor& t) { return at::nanmedian(t) * 1.5; }, x,
-          layouts);
-    }
+  for (auto [nans, ties] :
+       std::vector<std::pair<bool, bool>>{{false, false}, {true, true}, {false, true}}) {
+    auto x = ties ? tied({7, 5, 3}, 6, nans) : rnd({7, 5, 3}, 6);
+    sweep(
+        mesh, std::string("median(), nanmedian()") + (ties ? " ties" : "") + (nans ? " nans" : ""),
+        [](const at::Tensor& t) {
+          return at::stack({at::median(t), at::nanmedian(t)}) * 1.5;
+        },
+        x, layouts);
   }
-  // Even count (the lower middle), and all NaN.
-  sweep(mesh, "median() even", [](const at::Tensor& t) { return at::median(t); }, rnd({6, 4}, 7),
-        {{S0, S1}, {S1, S0}});
+  // One NaN among distinct values; an even count (the lower middle); all NaN.
+  auto y = rnd({6, 4}, 7);
+  y.view(-1)[17] = std::numeric_limits<double>::quiet_NaN();
+  sweep(mesh, "median() even, one NaN",
+        [](const at::Tensor& t) {
+          return at::stack({at::median(t), at::nanmedian(t)});
+        },
+        y, {{S0, S1}, {S1, S0}});
   sweep(
       mesh, "nanmedian() all NaN", [](const at::Tensor& t) { return at::nanmedian(t); },
       at::full({6, 4}, std::numeric_limits<double>::quiet_NaN()), {{S0, S1}}, false);
@@ -237,17 +227,10 @@ TEST(Select, Mode) {
   auto mesh = test_mesh();
   auto x = at::round(rnd({7, 9, 3}, 8, 1.2));
   for (int64_t d : {0, 1, -1}) {
-    for (bool keep : {false, true}) {
-      const std::string ds = std::to_string(d) + (keep ? " keepdim" : "");
-      sweep(
-          mesh, "mode values " + ds,
-          [=](const at::Tensor& t) { return std::get<0>(at::mode(t, d, keep)) * 1.5; }, x,
-          kLayouts);
-      sweep(
-          mesh, "mode indices " + ds,
-          [=](const at::Tensor& t) { return idx_as(std::get<1>(at::mode(t, d, keep)), t); }, x,
-          kLayouts, false);
-    }
+    const bool keep = d == 1;
+    sweep(
+        mesh, "mode " + std::to_string(d) + (keep ? " keepdim" : ""),
+        [=](const at::Tensor& t) { return vi(at::mode(t, d, keep)); }, x, kLayouts);
   }
 }
 
@@ -275,13 +258,14 @@ TEST(Select, QuantileAndNanquantile) {
           return at::quantile(t, q.to(t.scalar_type()), c.dim, c.keepdim, c.interpolation) * 1.5;
         },
         x, kLayouts);
-    sweep(
-        mesh, "quantile.scalar " + what,
-        [=](const at::Tensor& t) {
-          return at::quantile(t, 0.3, c.dim, c.keepdim, c.interpolation) * 1.5;
-        },
-        x, kLayouts);
   }
+  sweep(
+      mesh, "quantile.scalar, nanquantile.scalar",
+      [=](const at::Tensor& t) {
+        return at::stack(
+            {at::quantile(t, 0.3, 1, false), at::nanquantile(t, 0.7, 1, false, "nearest")});
+      },
+      x, kLayouts);
   // Ties and NaNs: values (nanquantile ignores NaN, quantile returns NaN).
   auto y = tied({8, 9, 3}, 13, true);
   y.select(0, 2).select(1, 1).fill_(std::numeric_limits<double>::quiet_NaN());
@@ -289,15 +273,11 @@ TEST(Select, QuantileAndNanquantile) {
     const std::string what =
         std::string(c.interpolation) + " dim " + (c.dim ? std::to_string(*c.dim) : "None");
     sweep(
-        mesh, "nanquantile ties, NaN " + what,
+        mesh, "quantile, nanquantile ties, NaN " + what,
         [=](const at::Tensor& t) {
-          return at::nanquantile(t, q.to(t.scalar_type()), c.dim, c.keepdim, c.interpolation);
-        },
-        y, kLayouts, false);
-    sweep(
-        mesh, "quantile ties, NaN " + what,
-        [=](const at::Tensor& t) {
-          return at::quantile(t, q.to(t.scalar_type()), c.dim, c.keepdim, c.interpolation);
+          auto qt = q.to(t.scalar_type());
+          return at::stack({at::quantile(t, qt, c.dim, c.keepdim, c.interpolation),
+                            at::nanquantile(t, qt, c.dim, c.keepdim, c.interpolation)});
         },
         y, kLayouts, false);
   }
