@@ -368,6 +368,21 @@ TEST(Select, TrafficAndLayouts) {
   }
 }
 
+TEST(Select, PartialInputIsSummedFirst) {
+  auto mesh = test_mesh();
+  auto x = rnd({6, 5}, 14);
+  // World rank 0 holds x, every other rank zeros: the pending sum is x exactly.
+  auto local = st::world_rank() == 0 ? x.clone() : at::zeros_like(x);
+  auto sp = st::ShardTensor::from_local(local, mesh, Placements(mesh.ndim(), st::Partial{}));
+  EXPECT_TRUE(
+      all_close(gathered(std::get<0>(at::median(sp, 0))), std::get<0>(at::median(x, 0)), 0, 0));
+  EXPECT_TRUE(all_close(gathered(std::get<1>(at::kthvalue(sp, 2, 1))),
+                        std::get<1>(at::kthvalue(x, 2, 1)), 0, 0));
+  EXPECT_TRUE(all_close(at::quantile(sp, 0.4), at::quantile(x, 0.4), 0, 0));
+  EXPECT_TRUE(all_close(at::nanmedian(sp), at::nanmedian(x), 0, 0));
+  EXPECT_TRUE(all_close(gathered(std::get<0>(at::sort(sp, 1))), std::get<0>(at::sort(x, 1)), 0, 0));
+}
+
 TEST(Select, BadInput) {
   auto mesh = test_mesh();
   auto sx = st::distribute_tensor(rnd({6, 5}, 11), mesh, fit_placements(mesh, {S0, S1}));
