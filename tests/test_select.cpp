@@ -368,6 +368,25 @@ TEST(Select, TrafficAndLayouts) {
   }
 }
 
+TEST(Select, IntegerTensors) {
+  // Integer keys are the values themselves; no NaN handling.
+  auto mesh = test_mesh();
+  for (auto dtype : {at::kLong, at::kInt}) {
+    auto x = at::round(rnd({9, 4}, 15, 3.0)).to(dtype);
+    for (const auto& p : {Placements{S0, S1}, Placements{S1, S0}}) {
+      auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, p));
+      auto [mv, mi] = at::median(sx, 0);
+      EXPECT_TRUE(all_close(gathered(mv), std::get<0>(at::median(x, 0)), 0, 0));
+      EXPECT_TRUE(all_close(gathered(mi), std::get<1>(at::median(x, 0)), 0, 0));
+      auto [kv, ki] = at::kthvalue(sx, 7, 0);
+      EXPECT_TRUE(all_close(gathered(kv), std::get<0>(at::kthvalue(x, 7, 0)), 0, 0));
+      EXPECT_TRUE(points_at_value(x, 0, kv, ki));
+      EXPECT_TRUE(all_close(at::median(sx), at::median(x), 0, 0));
+      EXPECT_TRUE(all_close(at::nanmedian(sx), at::nanmedian(x), 0, 0));
+    }
+  }
+}
+
 TEST(Select, PartialInputIsSummedFirst) {
   auto mesh = test_mesh();
   auto x = rnd({6, 5}, 14);

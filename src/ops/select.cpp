@@ -429,12 +429,14 @@ void select_dim(const c10::OperatorHandle& op, const Call& c, Pick pick, int64_t
     rank = at::full({1, R}, k - 1, lopt);
   } else if (pick == Pick::Median) {
     rank = at::full({1, R}, (c.n - 1) / 2, lopt);
-    at::Tensor first = at::full({1, R}, kNoIndex, lopt);
-    if (r.x.size(1) > 0) {
-      at::Tensor pos = at::arange(r.x.size(1), lopt) + r.offset;
-      first = at::where(r.x.isnan(), pos, at::full({}, kNoIndex, lopt)).amin(1).unsqueeze(0);
+    if (at::isFloatingType(r.x.scalar_type())) {  // the same on every rank
+      at::Tensor first = at::full({1, R}, kNoIndex, lopt);
+      if (r.x.size(1) > 0) {
+        at::Tensor pos = at::arange(r.x.size(1), lopt) + r.offset;
+        first = at::where(r.x.isnan(), pos, at::full({}, kNoIndex, lopt)).amin(1).unsqueeze(0);
+      }
+      first_nan = comm::all_reduce_nograd(first.contiguous(), *r.mesh, r.mdims, ReduceOp::Min);
     }
-    first_nan = comm::all_reduce_nograd(first.contiguous(), *r.mesh, r.mdims, ReduceOp::Min);
   } else {
     at::Tensor nans = counts_over(r.x.isnan().sum(1).unsqueeze(0), r);
     // (n - nan - 1) / 2 with C++ division (rank 0 when every value is NaN).
@@ -443,7 +445,7 @@ void select_dim(const c10::OperatorHandle& op, const Call& c, Pick pick, int64_t
   auto [key, rem] = radix_select(r, rank, key_bits(r.x.scalar_type()));
   Selected s = resolve(r, key, rem);
   at::Tensor value = s.value, index = s.index, hit = s.hit;
-  if (pick == Pick::Median) {
+  if (first_nan.defined()) {
     // A position with a NaN: its first NaN (libtorch's median.dim).
     at::Tensor has = first_nan != kNoIndex;
     value = at::where(has, at::full({}, std::numeric_limits<double>::quiet_NaN(), value.options()),
@@ -506,7 +508,7 @@ void median_all(const c10::OperatorHandle& op, Stack* stack, bool ignore_nan) {
   at::Tensor rank = ignore_nan ? at::div(n - nans - 1, 2, "trunc")
                                : at::full({1, 1}, (n - 1) / 2, r.keys.options().dtype(at::kLong));
   at::Tensor key = radix_select(r, rank, key_bits(t)).first;
-  if (!ignore_nan) {
+  if (!ignore_nan && at::isFloatingType(t)) {
     // libtorch: NaN when any element is NaN.
     const int64_t nan_key =
         order_keys(at::full({1}, std::numeric_limits<double>::quiet_NaN(), r.x.options()))
