@@ -39,7 +39,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/core/WrapDimMinimal.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <limits>
@@ -47,51 +46,16 @@
 #include <string>
 #include <unordered_map>
 
+#include "ops/carry_grad.h"
 #include "ops/common.h"
 
 namespace shardtensor::ops {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t kNoIndex = std::numeric_limits<int64_t>::max();
 
 // ---------------------------------------------------------------- helpers
-
-// Hand-written: it attaches a value computed outside autograd to a carrier's gradient path
-// (Note [gradient carriers]); no communication of its own.
-// `inexact` (empty: exact) names the op whose carrier has the right gradient
-// but not the right second derivative: double backward then throws.
-struct CarryGrad : public torch::autograd::Function<CarryGrad> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& value,
-                            const at::Tensor& carrier, std::string inexact) {
-    ctx->saved_data["inexact"] = std::move(inexact);
-    return value.clone();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const std::string inexact = ctx->saved_data.at("inexact").toStringRef();
-    // The same graph, hence the same verdict, on every rank.
-    TORCH_CHECK(inexact.empty() || !at::GradMode::is_enabled(),
-                "double backward (create_graph=true) through a sharded ", inexact,
-                " is not supported: its gradient is attached as a constant-weight carrier "
-                "(Note [gradient carriers]), whose second derivative would be silently wrong");
-    return {at::Tensor(), grads[0], at::Tensor()};
-  }
-};
-
-// Some rules skip a collective (a tie count) when no gradient is needed; grad
-// mode and requires_grad are the same on every rank for the same program.
-bool needs_grad(const at::Tensor& t) { return at::GradMode::is_enabled() && t.requires_grad(); }
-
-// Note [gradient carriers]. `make_carrier` is only evaluated when a gradient is needed.
-template <class F>
-at::Tensor carry_grad(const at::Tensor& value, const at::Tensor& local, F make_carrier,
-                      std::string inexact = {}) {
-  if (!needs_grad(local)) return value;
-  return CarryGrad::apply(value, make_carrier(), std::move(inexact));
-}
 
 // sqrt(s) for s >= 0 as a carrier (Note [gradient carriers]): its gradient is
 // 1 / (2 sqrt(s)), and 0 where s == 0 (libtorch's std and norm backward), to
