@@ -51,10 +51,11 @@
 //               (Replicate, other shard dims, Partial) with explicit uneven
 //               or empty sizes (identity in the reference run)
 //   fallback    ops with no rule (the generic gather fallback: glu, logaddexp,
-//               sinc, logit, rad2deg, i0, renorm, sort, kthvalue, median,
-//               unfold, rot90), repeat (a rule since Note [index disguises])
-//               and composite ones that decompose (diff, cosine_similarity,
-//               cumulative_trapezoid, nanmean, tile, movedim)
+//               sinc, logit, rad2deg, i0, renorm, rot90), ops that gained
+//               rules since (sort, kthvalue, median: Note [distributed
+//               selection]; unfold: Note [unfold windows]; repeat: Note
+//               [index disguises]) and composite ones that decompose (diff,
+//               cosine_similarity, cumulative_trapezoid, nanmean, tile, movedim)
 // Every op is first applied to the plain tensor while the program is built:
 // an op libtorch rejects, one giving an empty, non-finite, too large (numel,
 // rank, magnitude) result, or one at a kink (var/std or a normalization of a
@@ -793,7 +794,7 @@ const std::vector<TableOp> kReduce{
     {"max.dim", [](T x, const Args& a, T) { return std::get<0>(x.max(a.dims[0], a.flag)); }},
     {"min.dim", [](T x, const Args& a, T) { return std::get<0>(x.min(a.dims[0], a.flag)); }},
     {"nanmean (decomposes)", [](T x, const Args& a, T) { return at::nanmean(x, a.dims, a.flag); }},
-    {"median.dim (falls back)",
+    {"median.dim (radix select rule)",
      [](T x, const Args& a, T) { return std::get<0>(x.median(a.dims[0], a.flag)); }},
 };
 
@@ -839,9 +840,9 @@ const std::vector<TableOp> kAlong{
     {"cummin", [](T x, const Args& a, T) { return std::get<0>(at::cummin(x, a.dims[0])); }},
     {"topk",
      [](T x, const Args& a, T) { return std::get<0>(at::topk(x, a.k, a.dims[0], a.flag)); }},
-    {"sort (falls back)",
+    {"sort (rule; gathers a sharded dim)",
      [](T x, const Args& a, T) { return std::get<0>(x.sort(a.dims[0], a.flag)); }},
-    {"kthvalue (falls back)",
+    {"kthvalue (radix select rule)",
      [](T x, const Args& a, T) { return std::get<0>(x.kthvalue(a.k, a.dims[0])); }},
     {"cumulative_trapezoid (decomposes)",
      [](T x, const Args& a, T) { return at::cumulative_trapezoid(x, 1.0, a.dims[0]); }},
