@@ -269,9 +269,11 @@ TEST(Views, InPlaceOpsOnFunctionOutputs) {
 // Every path that returns a copy where libtorch returns a view marks its
 // result, so in-place ops on it raise on every rank, naming the op, and the
 // source is left unchanged: view ops through the generic fallback whose
-// result cannot be re-sharded (unfold, view_as_real, view_as_complex: they
-// used to come back plain and the writes were lost), views of a chained
-// refused result, and view ops of a Partial ShardTensor (summed first).
+// result cannot be re-sharded (view_as_real, view_as_complex: they used to
+// come back plain and the writes were lost), unfold along a sharded dim (a
+// rule that copies windows; along other dims it is a view and writes land),
+// views of a chained refused result, and view ops of a Partial ShardTensor
+// (summed first).
 TEST(Views, FallbackAndCopyingRulesRefuseInPlaceOps) {
   st::set_strict(false);
   auto mesh = test_mesh();
@@ -283,11 +285,24 @@ TEST(Views, FallbackAndCopyingRulesRefuseInPlaceOps) {
     for (int64_t dim : {0, 1}) {
       auto win = u.unfold(dim, 2, 1);
       EXPECT_TRUE(all_close(gathered(win), x.unfold(dim, 2, 1), 0, 0)) << "unfold" << where;
-      EXPECT_TRUE(
-          throws_everywhere([&] { win.fill_(0.0); }, {"fill_", "unfold", "copy, not a view"}))
-          << "unfold(" << dim << ").fill_" << where;
-      EXPECT_TRUE(throws_everywhere([&] { win.select(0, 1).add_(1.0); }, {"add_", "unfold"}))
-          << "unfold(" << dim << ").select.add_" << where;
+      bool sharded = false;
+      for (const auto& pl : p) sharded = sharded || (st::is_shard(pl) && st::shard_dim(pl) == dim);
+      if (sharded) {
+        // Windows copied from several pieces (Note [unfold windows]).
+        EXPECT_TRUE(throws_everywhere([&] { win.fill_(0.0); }, {"fill_", "unfold", "not a view"}))
+            << "unfold(" << dim << ").fill_" << where;
+        EXPECT_TRUE(throws_everywhere([&] { win.select(0, 1).add_(1.0); }, {"add_", "unfold"}))
+            << "unfold(" << dim << ").select.add_" << where;
+      } else {
+        // Along an unsharded dim the windows are a view of the piece: writes
+        // land. (The first element of every window: no element written twice,
+        // as windows overlap.)
+        at::Tensor v = st::distribute_tensor(x, mesh, p);
+        v.unfold(dim, 2, 1).select(-1, 0).add_(1.0);
+        at::Tensor want = x.clone();
+        want.unfold(dim, 2, 1).select(-1, 0).add_(1.0);
+        EXPECT_TRUE(all_close(gathered(v), want, 0, 0)) << "unfold(" << dim << ") view" << where;
+      }
     }
     at::Tensor c = st::distribute_tensor(at::complex(x, x * 2.0), mesh, p);
     auto re = at::view_as_real(c);

@@ -63,15 +63,6 @@ std::string str(c10::IntArrayRef v) {
   return os.str();
 }
 
-// Marks a rule's result that is not a view of its source, for a view op.
-void refuse_inplace(const at::Tensor& result, const std::string& why) {
-  auto* impl = detail::shard_impl(result);
-  if (!impl) return;
-  auto wb = std::make_shared<detail::WriteBack>();
-  wb->refusal = why;
-  impl->set_write_back(std::move(wb));
-}
-
 // Number of mesh dims that shard tensor dim `d`.
 int64_t shard_count(const ShardSpec& s, int64_t d) {
   int64_t n = 0;
@@ -146,9 +137,9 @@ void unfold_rule(const c10::OperatorHandle& op, Stack* stack) {
   }
   at::Tensor result = wrap(out, spec);
   if (!copy) {
-    refuse_inplace(result,
-                   "unfold along a sharded dim returns windows copied from several pieces, not "
-                   "a view: in-place ops on it would be lost");
+    refuse_in_place(result,
+                    "unfold along a sharded dim returns windows copied from several pieces, not "
+                    "a view: in-place ops on it would be lost");
   }
   stack->push_back(result);
 }
