@@ -25,7 +25,6 @@ one validation sample.
 """
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -34,10 +33,9 @@ import torch
 import torch.nn.functional as F
 
 import shardtensor as st
-from shardtensor import ShardTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from unet_train import _sizes, make_batch, max_over_ranks, write_png  # noqa: E402
+from unet_train import make_batch, max_over_ranks, one_step_check, write_png  # noqa: E402
 
 
 # ---- model (examples/models/fno.h) ----------------------------------------------------------
@@ -94,45 +92,8 @@ def predict(net, x):
 # ---- the check ------------------------------------------------------------------------------
 def verify_small(args, mesh, world, root):
     """One sharded Adam step on 64x64 (float64) vs a single-process PyTorch step."""
-    n, batch = 64, max(2, mesh.size(0))
-    inp, tgt = make_batch(mesh, batch, n, 20, 424242)
-    inp = ShardTensor.from_local(inp.to_local().double(), mesh, inp.placements,
-                                 sharding_shapes=[[*s] for s in _sizes(inp)])
-    tgt = ShardTensor.from_local(tgt.to_local().double(), mesh, tgt.placements,
-                                 sharding_shapes=[[*s] for s in _sizes(tgt)])
-    x, y = inp.full_tensor(), tgt.full_tensor()
-    torch.manual_seed(99)
-    net = FNO2d(2, 1, args.width, min(args.modes, 8)).double()
-    st.distribute_module(net, mesh)
-    ref = copy.deepcopy(net)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=args.lr)
-    opt = torch.optim.Adam(net.parameters(), lr=args.lr)
-    ref_loss = (predict(ref, x) - y).pow(2).mean()
-    ref_loss.backward()
-    ref_opt.step()
-    loss = (predict(net, inp) - tgt).pow(2).mean()
-    loss.backward()
-    opt.step()
-    # float64: summation-order noise is ~1e-16 relative; Adam's first step divides
-    # by |g| + 1e-8, so a parameter compares to within rtol 1e-8 of lr-sized moves.
-    rtol, atol = 1e-8, 1e-10
-    worst = abs(loss.item() - ref_loss.item()) / (atol + rtol * abs(ref_loss.item()))
-    worst_name = "loss"
-    for (name, p), (_, r) in zip(net.named_parameters(), ref.named_parameters()):
-        if p.grad is None:
-            worst, worst_name = float("inf"), name + " (no gradient)"
-            continue
-        e = ((p - r).abs() / (atol + rtol * r.abs())).max().item()
-        if e > worst:
-            worst, worst_name = e, name
-    worst = max_over_ranks(worst, world)
-    ok = worst <= 1.0
-    if root:
-        print(f"check: one sharded Adam step on {n}x{n} (batch {batch}, float64) vs single-process: "
-              f"loss {loss.item():.12f} vs {ref_loss.item():.12f}; worst |diff|/(atol+rtol|ref|) = "
-              f"{worst:.3g} ({worst_name}; rtol {rtol:.0e}, atol {atol:.0e}) -> "
-              f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
-    return ok
+    return one_step_check(lambda: FNO2d(2, 1, args.width, min(args.modes, 8)), predict, mesh,
+                          world, root, args.lr)
 
 
 # ---- training -------------------------------------------------------------------------------

@@ -203,8 +203,10 @@ def max_over_ranks(v, mesh):
                                      (Shard(0),) * 1).full_tensor().max().item()
 
 
-def verify_small(args, mesh, world, root):
-    """One sharded Adam step on 64x64 (float64) vs a single-process step."""
+def one_step_check(make_net, predict_fn, mesh, world, root, lr):
+    """One sharded Adam step on 64x64 (float64) vs a single-process step of the same
+    network (``make_net()``, seeded), printing one MATCH/MISMATCH line; True on MATCH.
+    Shared by the examples (fno_train.py)."""
     n, batch = 64, max(2, mesh.size(0))
     inp, tgt = make_batch(mesh, batch, n, 20, 424242)
     inp = ShardTensor.from_local(inp.to_local().double(), mesh, inp.placements,
@@ -213,21 +215,26 @@ def verify_small(args, mesh, world, root):
                                  sharding_shapes=[[*s] for s in _sizes(tgt)])
     x, y = inp.full_tensor(), tgt.full_tensor()
     torch.manual_seed(99)
-    net = UNet2d(2, 1, args.base_channels, args.depth, args.norm).double()
+    net = make_net().double()
     st.distribute_module(net, mesh)
     ref = copy.deepcopy(net)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=args.lr)
-    opt = torch.optim.Adam(net.parameters(), lr=args.lr)
-    ref_loss = (predict(ref, x) - y).pow(2).mean()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    ref_loss = (predict_fn(ref, x) - y).pow(2).mean()
     ref_loss.backward()
     ref_opt.step()
-    loss = (predict(net, inp) - tgt).pow(2).mean()
+    loss = (predict_fn(net, inp) - tgt).pow(2).mean()
     loss.backward()
     opt.step()
+    # float64: summation-order noise is ~1e-16 relative; Adam's first step divides
+    # by |g| + 1e-8, so a parameter compares to within rtol 1e-8 of lr-sized moves.
     rtol, atol = 1e-8, 1e-10
     worst = abs(loss.item() - ref_loss.item()) / (atol + rtol * abs(ref_loss.item()))
     worst_name = "loss"
     for (name, p), (_, r) in zip(net.named_parameters(), ref.named_parameters()):
+        if p.grad is None:
+            worst, worst_name = float("inf"), name + " (no gradient)"
+            continue
         e = ((p - r).abs() / (atol + rtol * r.abs())).max().item()
         if e > worst:
             worst, worst_name = e, name
@@ -239,6 +246,12 @@ def verify_small(args, mesh, world, root):
               f"{worst:.3g} ({worst_name}; rtol {rtol:.0e}, atol {atol:.0e}) -> "
               f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
     return ok
+
+
+def verify_small(args, mesh, world, root):
+    """One sharded Adam step of the U-Net on 64x64 (float64) vs a single-process step."""
+    return one_step_check(lambda: UNet2d(2, 1, args.base_channels, args.depth, args.norm),
+                          predict, mesh, world, root, args.lr)
 
 
 def _sizes(t):
