@@ -28,6 +28,7 @@
 #include <CLI/CLI.hpp>
 
 #include "results.h"
+#include "tool.h"
 
 namespace st = shardtensor;
 
@@ -57,13 +58,6 @@ double time_it(int repeats, const std::function<void()>& fn) {
   return median(t);
 }
 
-std::string load_average() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -80,15 +74,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--file", file, "scratch HDF5 file (removed at the end)")->capture_default_str();
   app.add_option("--out", out, "append one JSON record to this JSON array file");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    if (st::world_rank() == 0) std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    if (st::world_rank() == 0) std::fprintf(stderr, "shardtensor_bench_io: %s\n", e.what());
-    return 2;
-  }
+  if (auto rc = bench::parse_command_line(app, argc, argv, "shardtensor_bench_io")) return *rc;
   std::vector<int64_t> shape;
   {
     std::stringstream ss(shape_arg);
@@ -108,7 +94,7 @@ int main(int argc, char** argv) {
     auto t = st::ShardTensor::from_local(local, mesh, {st::Shard{0}});
     st::io::write_hdf5(file, "field", t, st::io::WriteOptions().truncate(true));
   }
-  const std::string load_before = load_average();
+  const std::string load_before = bench::load_average();
 
   // Baseline: rank 0 alone reads the whole dataset.
   double seq_s = 0;
@@ -138,7 +124,7 @@ int main(int argc, char** argv) {
   auto [coll_s, coll_bytes] = sharded(st::io::Transfer::Collective);
   auto [ind_s, ind_bytes] = sharded(st::io::Transfer::Independent);
   const double coll_bytes_max = max_all(coll_bytes);
-  const std::string load_after = load_average();
+  const std::string load_after = bench::load_average();
 
   if (root) {
     std::string sh;

@@ -37,6 +37,7 @@
 #include <CLI/CLI.hpp>
 
 #include "results.h"
+#include "tool.h"
 
 namespace st = shardtensor;
 
@@ -53,13 +54,6 @@ std::vector<double> all_gather(double v) {
 double max_over_mean(const std::vector<double>& v) {
   const double mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
   return mean > 0 ? *std::max_element(v.begin(), v.end()) / mean : 1.0;
-}
-
-std::string load_average() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
 }
 
 struct Timing {
@@ -96,15 +90,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--out", out, "append the records to this JSON array file");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    if (st::world_rank() == 0) std::printf("%s", app.help().c_str());
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    if (st::world_rank() == 0) std::fprintf(stderr, "shardtensor_bench_rebalance: %s\n", e.what());
-    return 2;
-  }
+  if (auto rc = bench::parse_command_line(app, argc, argv, "shardtensor_bench_rebalance"))
+    return *rc;
   at::set_num_threads(1);
   auto mesh = st::DeviceMesh::create({-1}, {"domain"});
   const int P = static_cast<int>(mesh.size());
@@ -169,7 +156,7 @@ int main(int argc, char** argv) {
       std::printf("; compute s");
       for (double v : per_rank) std::printf(" %.4f", v);
       std::printf("; max/mean %.3f; step %.4f s; load %s\n", max_over_mean(per_rank), step_wall,
-                  load_average().c_str());
+                  bench::load_average().c_str());
       records.push_back(bench::Json{{"scenario", "rebalance"},
                                     {"ranks", P},
                                     {"points", n},
@@ -183,7 +170,7 @@ int main(int argc, char** argv) {
                                     {"compute_seconds", per_rank},
                                     {"compute_max_over_mean", max_over_mean(per_rank)},
                                     {"step_seconds", step_wall},
-                                    {"load_average", load_average()}});
+                                    {"load_average", bench::load_average()}});
     }
     if (round < rounds) {
       auto moved = st::rebalance({pts, f}, compute);
