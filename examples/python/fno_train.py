@@ -35,7 +35,8 @@ import torch.nn.functional as F
 import shardtensor as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from unet_train import make_batch, max_over_ranks, one_step_check, write_png  # noqa: E402
+from unet_train import (make_batch, max_over_ranks, one_step_check,  # noqa: E402
+                        validate_and_draw)
 
 
 # ---- model (examples/models/fno.h) ----------------------------------------------------------
@@ -163,22 +164,7 @@ def main():
         else:
             print(f"loss {first:.6f} -> {last:.6f} ({1 / ratio:.1f}x HIGHER: more steps or a lower --lr)")
 
-    with torch.no_grad():
-        vin, vtgt = make_batch(mesh, data, args.size, args.solver_steps, 999999)
-        pred = predict(net, vin)
-        vloss = (pred - vtgt).pow(2).mean().item()
-        x, p, y = vin.full_tensor()[0], pred.full_tensor()[0][0], vtgt.full_tensor()[0][0]
-        if root:
-            base_loss = (x[0] - y).pow(2).mean().item()
-            print(f"validation: mse {vloss:.6f} (predicting u0 unchanged: {base_loss:.6f})")
-            lo, hi = min(y.min().item(), x[0].min().item()), max(y.max().item(), x[0].max().item())
-            err = (p - y).abs()
-            emax = max(1e-6, err.max().item())
-            write_png(args.png, [x[0], x[1], p, y, err],
-                      [(lo, hi), (x[1].min().item(), x[1].max().item()), (lo, hi), (lo, hi),
-                       (0.0, emax)])
-            print(f"wrote {args.png}: u0 | log kappa | prediction | target | |error| (0..{emax:.3g})",
-                  flush=True)
+    validate_and_draw(net, predict, mesh, data, args, root)
     ok = verify_small(args, mesh, world, root)
     return 0 if ok else 1
 

@@ -203,6 +203,34 @@ def max_over_ranks(v, mesh):
                                      (Shard(0),) * 1).full_tensor().max().item()
 
 
+def validate_and_draw(net, predict_fn, mesh, data, args, root):
+    """Validation MSE on a fresh batch (against predicting u0 unchanged) and the PNG
+    u0 | log kappa | prediction | target | |error| (downsampled to at most ~512 px).
+    Shared by the examples (fno_train.py)."""
+    with torch.no_grad():
+        vin, vtgt = make_batch(mesh, data, args.size, args.solver_steps, 999999)
+        pred = predict_fn(net, vin)
+        vloss = (pred - vtgt).pow(2).mean().item()
+        x, p, y = vin.full_tensor()[0], pred.full_tensor()[0][0], vtgt.full_tensor()[0][0]
+        if not root:
+            return
+        base_loss = (x[0] - y).pow(2).mean().item()
+        print(f"validation: mse {vloss:.6f} (predicting u0 unchanged: {base_loss:.6f})")
+        lo, hi = min(y.min().item(), x[0].min().item()), max(y.max().item(), x[0].max().item())
+        err = (p - y).abs()
+        f = max(1, y.shape[0] // 512)
+
+        def shrink(t):
+            return t if f == 1 else F.avg_pool2d(t[None, None], f)[0, 0]
+
+        emax = max(1e-6, err.max().item())
+        write_png(args.png, [shrink(x[0]), shrink(x[1]), shrink(p), shrink(y), shrink(err)],
+                  [(lo, hi), (x[1].min().item(), x[1].max().item()), (lo, hi), (lo, hi),
+                   (0.0, emax)])
+        print(f"wrote {args.png}: u0 | log kappa | prediction | target | |error| (0..{emax:.3g})",
+              flush=True)
+
+
 def one_step_check(make_net, predict_fn, mesh, world, root, lr):
     """One sharded Adam step on 64x64 (float64) vs a single-process step of the same
     network (``make_net()``, seeded), printing one MATCH/MISMATCH line; True on MATCH.
@@ -322,27 +350,7 @@ def main():
     if root and args.steps > 0:
         print(f"loss {first:.6f} -> {last:.6f} ({first / max(1e-30, last):.1f}x lower)")
 
-    with torch.no_grad():
-        vin, vtgt = make_batch(mesh, data, args.size, args.solver_steps, 999999)
-        pred = predict(net, vin)
-        vloss = (pred - vtgt).pow(2).mean().item()
-        x, p, y = vin.full_tensor()[0], pred.full_tensor()[0][0], vtgt.full_tensor()[0][0]
-        if root:
-            base_loss = (x[0] - y).pow(2).mean().item()
-            print(f"validation: mse {vloss:.6f} (predicting u0 unchanged: {base_loss:.6f})")
-            lo, hi = min(y.min().item(), x[0].min().item()), max(y.max().item(), x[0].max().item())
-            err = (p - y).abs()
-            f = max(1, y.shape[0] // 512)
-
-            def shrink(t):
-                return t if f == 1 else F.avg_pool2d(t[None, None], f)[0, 0]
-
-            emax = max(1e-6, err.max().item())
-            write_png(args.png, [shrink(x[0]), shrink(x[1]), shrink(p), shrink(y), shrink(err)],
-                      [(lo, hi), (x[1].min().item(), x[1].max().item()), (lo, hi), (lo, hi),
-                       (0.0, emax)])
-            print(f"wrote {args.png}: u0 | log kappa | prediction | target | |error| (0..{emax:.3g})",
-                  flush=True)
+    validate_and_draw(net, predict, mesh, data, args, root)
     ok = verify_small(args, mesh, world, root)
     return 0 if ok else 1
 
