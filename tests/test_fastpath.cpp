@@ -284,7 +284,8 @@ TEST(FastPath, SizeOneMeshDimFirst) {
 TEST(FastPath, SizeOneMeshDimLast) {
   auto mesh = st::DeviceMesh::create({st::world_size(), 1});
   for (const auto& c : cases()) {
-    EXPECT_TRUE(check_plain(c, mesh, {st::Replicate{}, st::Shard{c.shape.size() - 1}}));
+    EXPECT_TRUE(check_plain(
+        c, mesh, {st::Replicate{}, st::Shard{static_cast<int64_t>(c.shape.size()) - 1}}));
   }
 }
 

@@ -105,7 +105,8 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
       params_.push_back(std::move(p));
     }
     for (auto& b : buckets_) {
-      b.flat = at::zeros({b.bytes / c10::elementSize(b.dtype)}, at::TensorOptions().dtype(b.dtype));
+      b.flat = at::zeros({static_cast<int64_t>(b.bytes / c10::elementSize(b.dtype))},
+                         at::TensorOptions().dtype(b.dtype));
       b.pending = b.params.size();
     }
   }

@@ -158,7 +158,8 @@ std::optional<EmbeddingLayout> embedding_layout(const std::vector<c10::IValue>& 
   if (ws && is && ws->mesh() != is->mesh()) return std::nullopt;
   const DeviceMesh mesh = ws ? ws->mesh() : is->mesh();
   EmbeddingLayout L{mesh, ws ? *ws : replicated_spec(mesh, w.sizes().vec()),
-                    is ? *is : replicated_spec(mesh, idx.sizes().vec())};
+                    is ? *is : replicated_spec(mesh, idx.sizes().vec()), std::nullopt,
+                    std::nullopt};
   L.m = L.ws.mesh_dim_of(0);
   Placements tp = L.is.placements();
   ShardSizes ts = L.is.all_shard_sizes();

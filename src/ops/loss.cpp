@@ -44,11 +44,6 @@ int64_t arg_index(const c10::OperatorHandle& op, const char* name) {
   return -1;
 }
 
-std::string spec_str(const ShardSpec& s) {
-  return "global=" + c10::str(c10::IntArrayRef(s.global_shape())) +
-         " placements=" + to_string(s.placements());
-}
-
 // A target laid out as `want`: a ShardTensor must already have that layout; a
 // plain tensor of the same global shape is sliced to it.
 at::Tensor target_local(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
