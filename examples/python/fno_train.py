@@ -35,8 +35,8 @@ import torch.nn.functional as F
 import shardtensor as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from unet_train import (make_batch, max_over_ranks, one_step_check,  # noqa: E402
-                        validate_and_draw)
+from unet_train import (make_batch, max_over_ranks, mesh_shape,  # noqa: E402
+                        one_step_check, validate_and_draw)
 
 
 # ---- model (examples/models/fno.h) ----------------------------------------------------------
@@ -112,13 +112,7 @@ def main():
     ap.add_argument("--log-every", type=int, default=5)
     args = ap.parse_args()
 
-    world = st.DeviceMesh((-1,))
-    P = world.size()
-    data, domain = (1, P) if args.mesh is None else map(int, args.mesh.split("x"))
-    if domain < 0:
-        domain = P // data
-    if data * domain != P:
-        raise SystemExit("--mesh DATAxDOMAIN must multiply to the number of ranks")
+    world, data, domain = mesh_shape(args.mesh)
     batch = max(2, data) if args.batch < 0 else args.batch
     if batch < data:
         raise SystemExit("--batch must be at least DATA")

@@ -203,6 +203,19 @@ def max_over_ranks(v, mesh):
                                      (Shard(0),) * 1).full_tensor().max().item()
 
 
+def mesh_shape(arg):
+    """The world mesh and (data, domain) from --mesh DATAxDOMAIN (default 1x<ranks>;
+    a negative DOMAIN takes the rest). Shared by the examples (fno_train.py)."""
+    world = st.DeviceMesh((-1,))
+    P = world.size()
+    data, domain = (1, P) if arg is None else map(int, arg.split("x"))
+    if domain < 0:
+        domain = P // data
+    if data * domain != P:
+        raise SystemExit("--mesh DATAxDOMAIN must multiply to the number of ranks")
+    return world, data, domain
+
+
 def validate_and_draw(net, predict_fn, mesh, data, args, root):
     """Validation MSE on a fresh batch (against predicting u0 unchanged) and the PNG
     u0 | log kappa | prediction | target | |error| (downsampled to at most ~512 px).
@@ -306,13 +319,7 @@ def main():
     ap.add_argument("--log-every", type=int, default=1)
     args = ap.parse_args()
 
-    world = st.DeviceMesh((-1,))
-    P = world.size()
-    data, domain = (1, P) if args.mesh is None else map(int, args.mesh.split("x"))
-    if domain < 0:
-        domain = P // data
-    if data * domain != P:
-        raise SystemExit("--mesh DATAxDOMAIN must multiply to the number of ranks")
+    world, data, domain = mesh_shape(args.mesh)
     batch = data if args.batch < 0 else args.batch
     if args.size % (1 << args.depth):
         raise SystemExit("--size must be divisible by 2^depth")
