@@ -347,6 +347,22 @@ TEST_F(DoubleBackward, RingAttention) {
   }
 }
 
+// Note [ring matmul]: softmax(q @ k^T) @ v with q, k, v sequence-sharded: both
+// rings (rows vs cols, rows vs k); double backward recomputes from gathered blocks.
+TEST_F(DoubleBackward, RingMatmul) {
+  for (bool empty : {false, true}) {
+    const at::Tensor q = seeded({2, 11, 4}, 23), k = seeded({2, 11, 4}, 24);
+    const at::Tensor v = seeded({2, 11, 3}, 25);
+    const P layout{S1, S0};
+    auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::matmul(at::softmax(at::matmul(in[0], in[1].transpose(-2, -1)), -1), in[2]);
+    };
+    EXPECT_TRUE(double_backward_check(
+        fn, {input(q, layout, empty), input(k, layout, empty), input(v, layout, empty)}, mesh))
+        << (empty ? "empty-first" : "balanced");
+  }
+}
+
 // Linear over a sharded feature dim: partial products all-reduced (all_reduce
 // / use_replicated in both backward passes).
 TEST_F(DoubleBackward, LinearContractingShardedFeatures) {

@@ -173,28 +173,39 @@ TEST(Fallback, StrictModeRefusesOnEveryRank) {
 TEST(VisibleGathers, MatmulReplicatingAnOperand) {
   auto mesh = test_mesh();
   if (mesh.size() == 1) GTEST_SKIP() << "needs two ranks";
-  // Q @ K^T with both sequence-sharded: K^T is sharded along its columns... the
-  // planner replicates one operand.
-  auto q = rnd({7, 3}, 6), k = rnd({9, 3}, 7);
-  auto p = fit_placements(mesh, {S0, R});
-  st::ShardTensor sq(st::distribute_tensor(q, mesh, p));
-  st::ShardTensor sk(st::distribute_tensor(k, mesh, p));
+  // a sharded along its rows, b along its batch dim, on the same mesh dim: no
+  // ring applies, the planner replicates the smaller operand (b).
+  auto a = rnd({5, 7, 4}, 6), b = rnd({5, 4, 3}, 7);
+  st::ShardTensor sa(st::distribute_tensor(a, mesh, fit_placements(mesh, {S1, R})));
+  st::ShardTensor sb(st::distribute_tensor(b, mesh, fit_placements(mesh, {S0, R})));
   {
     st::set_strict(false);
     st::reset_comm_stats();
-    auto y = at::matmul(sq, sk.t());
-    EXPECT_TRUE(all_close(gathered(y), at::matmul(q, k.t())));
+    auto y = at::matmul(sa, sb);
+    EXPECT_TRUE(all_close(gathered(y), at::matmul(a, b)));
     EXPECT_GT(st::comm_stats().gathered_bytes, 0);
   }
   {
     StrictGuard strict(true);
-    EXPECT_TRUE(throws_everywhere([&] { auto y = at::matmul(sq, sk.t()); },
+    EXPECT_TRUE(throws_everywhere([&] { auto y = at::matmul(sa, sb); },
                                   {"aten::matmul", "replicates", "strict"}));
   }
-  // No gather: row-sharded times a plain weight.
+  // No gather: Q @ K^T on sequence-sharded tokens is a ring (Note [ring matmul]),
+  // and row-sharded times a plain weight is local.
+  auto q = rnd({7, 3}, 8), k = rnd({9, 3}, 9);
+  auto p = fit_placements(mesh, {S0, R});
+  st::ShardTensor sq(st::distribute_tensor(q, mesh, p));
+  st::ShardTensor sk(st::distribute_tensor(k, mesh, p));
+  {
+    StrictGuard strict(true);
+    st::reset_comm_stats();
+    auto y = at::matmul(sq, sk.t());
+    EXPECT_TRUE(all_close(gathered(y), at::matmul(q, k.t())));
+    EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  }
   st::set_strict(false);
   st::reset_comm_stats();
-  auto w = rnd({3, 5}, 8);
+  auto w = rnd({3, 5}, 10);
   auto y = at::matmul(sq, w);
   EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
 }

@@ -277,6 +277,68 @@ TEST_F(LinAlg, MatmulMatrixMatrix) {
   }
 }
 
+// Note [ring matmul]: rows vs cols (Q @ K^T) and rows vs k (P @ V) on one mesh
+// dim keep both operands sharded; b's blocks circulate. Forward and gradients
+// against plain, batched and broadcast, uneven and empty pieces, the 2x2 mesh.
+TEST_F(LinAlg, RingMatmul) {
+  auto q = rnd({2, 11, 4}, 60), k = rnd({2, 11, 4}, 61), v = rnd({11, 3}, 62);
+  auto qk = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::matmul(in[0], in[1].transpose(-2, -1));
+  };
+  auto pv = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::matmul(at::matmul(in[0], in[1].transpose(-2, -1)), in[2]);
+  };
+  std::vector<std::vector<RefInput>> qk_cases = {
+      {sh(q, {S1}), sh(k, {S1})},
+      {sh(q, {S1, S0}), sh(k, {S1, S0})},  // 2x2: ring on mesh dim 0, batch on mesh dim 1
+      {sh(q, {S0, S1}), sh(k, {S0, S1})},  // 2x2: batch on mesh dim 0, ring on mesh dim 1
+      {empty(q, {S1}), sh(k, {S1})},
+      {sh(q, {S1}), empty(k, {S1})},
+      {empty(q, {R, S1}), empty(k, {R, S1})}};
+  for (const auto& c : qk_cases) {
+    EXPECT_TRUE(check(qk, c)) << "q @ k^T " << describe(c);
+  }
+  std::vector<std::vector<RefInput>> pv_cases = {
+      {sh(q, {S1}), sh(k, {S1}), sh(v, {S0})},          // b = v, 2-D: broadcast batch
+      {sh(q, {S1, S0}), sh(k, {S1, S0}), sh(v, {S0})},  // the 2x2 mesh
+      {empty(q, {S1}), sh(k, {S1}), empty(v, {S0})},
+      {sh(q, {S1}), empty(k, {S1}), sh(v, {S0})}};
+  for (const auto& c : pv_cases) {
+    EXPECT_TRUE(check(pv, c)) << "(q @ k^T) @ v " << describe(c);
+  }
+  // A vector contracted along the ring: rows vs k with a 1-D b.
+  auto a = rnd({9, 7}, 63), x = rnd({7}, 64);
+  EXPECT_TRUE(check(matmul_fn, {sh(a, {S0}), sh(x, {S0})}));
+  EXPECT_TRUE(check(matmul_fn, {empty(a, {S0}), sh(x, {S0})}));
+  // Float64.
+  auto q64 = rnd({13, 5}, 65).to(at::kDouble), k64 = rnd({13, 5}, 66).to(at::kDouble);
+  EXPECT_TRUE(check(qk, {sh(q64, {S0}), sh(k64, {S0})}));
+}
+
+// The ring replicates nothing (no gathered bytes, allowed in strict mode) and
+// sends exactly P - 1 blocks of k per rank: every block but the next
+// coordinate's (it is the last to arrive and is not sent on).
+TEST_F(LinAlg, RingMatmulTraffic) {
+  auto q = rnd({13, 8}, 67), k = rnd({13, 8}, 68);
+  const P layout = fit_placements(mesh, {S0});
+  auto sq = st::distribute_tensor(q, mesh, layout);
+  auto sk = st::distribute_tensor(k, mesh, layout);
+  const bool was_strict = st::strict();
+  st::set_strict(true);
+  st::reset_comm_stats();
+  at::Tensor y;
+  EXPECT_NO_THROW(y = at::matmul(sq, sk.t()));
+  const auto stats = st::comm_stats();
+  st::set_strict(was_strict);
+  EXPECT_EQ(stats.gathered_bytes, 0);
+  const int64_t P = mesh.size(0), me = mesh.coordinate()[0];
+  const auto sizes = st::ShardTensor(sk).spec().shard_sizes(0);
+  const int64_t expected = (13 - sizes[(me + 1) % P]) * 8 * 4;
+  EXPECT_EQ(stats.bytes_sent, P == 1 ? 0 : expected);
+  EXPECT_EQ(st::to_string(st::ShardTensor(y).placements()), st::to_string(layout));
+  EXPECT_TRUE(all_close(gathered(y), at::matmul(q, k.t())));
+}
+
 TEST_F(LinAlg, MatmulBatched) {
   auto a = rnd({5, 7, 4}, 38), b = rnd({5, 4, 3}, 39);
   std::vector<std::vector<RefInput>> cases = {

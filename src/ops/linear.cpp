@@ -22,7 +22,11 @@
 //                                       when the two splits are equal
 //   Shard(k)          Replicate         the replicated side is sliced along k to the same
 //                                       ranges (local), then as above (and the mirror image)
-//   anything else (row vs col, different batch dims, k vs row, unequal splits, a sharded
+//   Shard(row)        Shard(col)        Shard(row): a ring (Note [ring matmul]); b stays
+//                                       sharded and its blocks circulate (Q @ K^T)
+//   Shard(row)        Shard(k)          Shard(row): a ring, each step contracting a's columns
+//                                       of the visiting block of b (P @ V)
+//   anything else (different batch dims, k vs row, unequal splits, a sharded
 //   size-1 batch dim that broadcasts): the smaller operand (global numel) is redistributed
 //   -- to Replicate, or to its partner's split when only the splits differ -- and the
 //   table is consulted again.
@@ -50,11 +54,41 @@
 //    along mesh dim 1, b's col block along mesh dim 0, and their gradients are all-reduced
 //    over those dims); rows on mesh dim 0 and k on mesh dim 1 all-reduce only this rank's
 //    row block of the output, over mesh dim 1.
+//  - a ring (row vs col or row vs k on one mesh dim): P - 1 shifts of b's block, the
+//    traffic of an all-gather of b but never more than two of its blocks in memory, and
+//    no gathered bytes (Note [visible gathers]); backward circulates b again for a's
+//    gradient and an accumulator for b's.
+//
+// Note [ring matmul]
+// ~~~~~~~~~~~~~~~~~~
+// a's rows are split over mesh dim m (P coordinates) and so is b's column dim (Q @ K^T
+// on sequence-sharded tokens) or b's contraction dim (P @ V). Gathering b would hold all
+// of it on every rank (an S x D operand and, for Q @ K^T, nothing smaller to gather).
+// Instead b's blocks circulate: at step t coordinate c holds the block of coordinate
+// (c - t) mod P while the next one travels from (c - 1) (comm::RingShift, split-phase,
+// overlapped with the step's product). For columns, step t fills the output's columns
+// of that block, a @ b_src; for the contraction, it adds a[..., k_src] @ b_src, where
+// k_src are the block's global contraction indices (a holds all of them). The output
+// keeps a's rows split on m. Backward (RingMatmulFn::backward): a's gradient needs b
+// again, so b circulates once more (dA += dOut_src @ b_src^H, or dA[..., k_src] =
+// dOut @ b_src^H); b's gradient needs only a and dOut, and this rank's contribution
+// to block src is added to an accumulator that travels one step behind (as dK/dV in
+// Note [ring attention]): after P steps each accumulator is back at its owner,
+// complete. Batch dims broadcast as at::matmul does (contributions summed back to the
+// operand's shape with at::sum_to). Under create_graph (double backward) backward
+// recomputes this rank's output from the all-gathered b with differentiable ops, as
+// Note [ring attention double backward] does, trading the ring's memory bound for
+// exactness of higher derivatives.
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include <array>
 #include <sstream>
 
+#include "comm/function_output.h"
+#include "comm/ring.h"
 #include "ops/common.h"
 
 namespace shardtensor::ops {
@@ -167,6 +201,9 @@ struct Plan {
   std::vector<int64_t> out_shape;
   SpecPtr out, ta, tb;               // output layout, operand layouts for the local product
   std::vector<int64_t> reduce_dims;  // mesh dims whose partial sums are all-reduced
+  int64_t ring_dim = -1;             // Note [ring matmul]: the mesh dim b's blocks circulate on
+  bool ring_contracts = false;       // b's ring-sharded dim is the contraction (else its columns)
+  std::vector<int64_t> ring_sizes;   // b's extent of each ring coordinate
 };
 
 // The first (mesh dim, mesh dim) pair sharding one tensor dim twice, or (-1, -1).
@@ -228,6 +265,7 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
     Placements ta = A.place, tb = B.place, to(nm, Replicate{});
     ShardSizes sa = A.sizes, sb = B.sizes, so(nm);
     plan.reduce_dims.clear();
+    plan.ring_dim = -1;
     bool again = false;
     for (int64_t m = 0; m < nm && !again; ++m) {
       const int64_t da = A.dim_at(m), db = B.dim_at(m);
@@ -273,6 +311,13 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
       } else if (same) {
         small->sizes[m] = large->sizes[m];  // re-split the smaller one like the other
         again = true;
+      } else if (ra == Role::Row && (rb == Role::Col || rb == Role::K) && plan.ring_dim < 0) {
+        // Note [ring matmul]: b keeps its split and circulates; a's rows stay.
+        plan.ring_dim = m;
+        plan.ring_contracts = rb == Role::K;
+        plan.ring_sizes = B.sizes[m];
+        to[m] = Shard{oa};
+        so[m] = A.sizes[m];
       } else {
         small->replicate(m);
         again = true;
@@ -315,8 +360,156 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
                         describe_call(op, args));
 }
 
-// Collective (redistribution, all-reduce over plan.reduce_dims). The local
-// piece of a @ b in the layout plan.out.
+// ---- Note [ring matmul] ------------------------------------------------------------------
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct RingMatmulPlan : torch::CustomClassHolder {
+  DeviceMesh mesh;
+  int64_t dim = 0;                      // the ring's mesh dim
+  int64_t P = 1, me = 0;                // ring size, this coordinate
+  bool contracts = false;               // b's ring dim is its contraction dim (else columns)
+  std::vector<int64_t> sizes, offsets;  // b's extent and global offset per coordinate
+
+  // b's local dim that the ring splits (b is at least 2-D here).
+  int64_t b_dim(const at::Tensor& lb) const { return lb.dim() - (contracts ? 2 : 1); }
+  // The shape of coordinate c's block of b.
+  std::vector<int64_t> block_shape(const at::Tensor& lb, int64_t c) const {
+    std::vector<int64_t> s = lb.sizes().vec();
+    s[b_dim(lb)] = sizes[c];
+    return s;
+  }
+  int64_t src(int64_t t) const { return (me - t + 2 * P) % P; }
+};
+
+at::Tensor conj_t(const at::Tensor& t) { return t.transpose(-2, -1).conj(); }
+
+// Note [ring matmul], create_graph: this rank's output recomputed from the
+// all-gathered b with differentiable ops. Collective over the ring's mesh dim.
+variable_list ring_matmul_double_backward(const RingMatmulPlan& p, const at::Tensor& la,
+                                          const at::Tensor& lb, const at::Tensor& dout,
+                                          std::array<bool, 2> need) {
+  at::Tensor bf = comm::use_replicated(
+      comm::all_gather(lb.contiguous(), p.mesh, p.dim, p.b_dim(lb), p.sizes), p.mesh, {p.dim});
+  at::Tensor out = at::matmul(la, bf);
+  std::vector<at::Tensor> inputs;
+  if (need[0]) inputs.push_back(la);
+  if (need[1]) inputs.push_back(lb);
+  variable_list grads(3);
+  if (inputs.empty()) return grads;
+  auto r = torch::autograd::grad({out}, inputs, {dout}, /*retain_graph=*/true,
+                                 /*create_graph=*/true, /*allow_unused=*/true);
+  size_t j = 0;
+  for (int i = 0; i < 2; ++i) {
+    if (need[i]) grads[i] = r[j++];
+  }
+  return grads;
+}
+
+// Inputs are local pieces: a [*, n_c, k] (all of k), b [*, k, m_c] (columns) or
+// [*, k_c, m] (contraction); the result is this rank's rows of a @ b.
+// Hand-written: b's blocks circulate and are never all present, so backward
+// circulates b again and b's gradient itself (comm::RingShift), not through autograd.
+struct RingMatmulFn : torch::autograd::Function<RingMatmulFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& la, const at::Tensor& lb,
+                            c10::intrusive_ptr<RingMatmulPlan> plan) {
+    const RingMatmulPlan& p = *plan;
+    at::Tensor cur = lb.contiguous();
+    std::vector<at::Tensor> blocks(p.P);
+    at::Tensor acc;
+    for (int64_t t = 0; t < p.P; ++t) {
+      const int64_t src = p.src(t);
+      comm::RingShift next;
+      if (t + 1 < p.P) {
+        next = comm::RingShift::start(cur, p.block_shape(lb, p.src(t + 1)), p.mesh, p.dim,
+                                      comm::kRingTagBlocks);
+      }
+      if (p.contracts) {
+        at::Tensor part = at::matmul(la.narrow(-1, p.offsets[src], p.sizes[src]), cur);
+        acc = acc.defined() ? acc.add_(part) : part;
+      } else {
+        blocks[src] = at::matmul(la, cur);
+      }
+      if (t + 1 < p.P) cur = next.finish();
+    }
+    at::Tensor out = p.contracts ? acc : at::cat(blocks, -1);
+    out = comm::function_output(out, {la, lb});
+    ctx->save_for_backward({la, lb});
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
+    ctx->saved_data["out_shape"] = out.sizes().vec();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &la = saved[0], &lb = saved[1];
+    auto holder = ctx->saved_data.at("plan").toCapsule();
+    const RingMatmulPlan& p = *static_cast<RingMatmulPlan*>(holder.get());
+    const bool need_a = ctx->needs_input_grad(0), need_b = ctx->needs_input_grad(1);
+    at::Tensor dout = grads[0].defined()
+                          ? grads[0]
+                          : at::zeros(ctx->saved_data.at("out_shape").toIntVector(), la.options());
+    if (at::GradMode::is_enabled()) {
+      return ring_matmul_double_backward(p, la, lb, dout, {need_a, need_b});
+    }
+    at::NoGradGuard no_grad;
+    at::Tensor da = need_a ? at::zeros_like(la) : at::Tensor();
+    at::Tensor cur = lb.contiguous();
+    comm::RingShift acc_in;
+    for (int64_t t = 0; t < p.P; ++t) {
+      const int64_t src = p.src(t), nsrc = p.src(t + 1);
+      const int64_t off = p.offsets[src], len = p.sizes[src];
+      comm::RingShift next;
+      if (need_a && t + 1 < p.P) {
+        next = comm::RingShift::start(cur, p.block_shape(lb, nsrc), p.mesh, p.dim,
+                                      comm::kRingTagBlocks);
+      }
+      if (need_a) {
+        if (p.contracts) {
+          at::Tensor slot = da.narrow(-1, off, len);
+          slot.copy_(at::sum_to(at::matmul(dout, conj_t(cur)), slot.sizes()));
+        } else {
+          da.add_(at::sum_to(at::matmul(dout.narrow(-1, off, len), conj_t(cur)), da.sizes()));
+        }
+      }
+      if (need_b) {
+        // This rank's contribution to block src's gradient, added to the
+        // accumulator that arrived from (c - 1), sent on to (c + 1).
+        at::Tensor part = p.contracts ? at::matmul(conj_t(la.narrow(-1, off, len)), dout)
+                                      : at::matmul(conj_t(la), dout.narrow(-1, off, len));
+        at::Tensor db = at::sum_to(part, p.block_shape(lb, src)).contiguous();
+        if (t > 0) db = db.add(acc_in.finish());
+        acc_in = comm::RingShift::start(db, p.block_shape(lb, nsrc), p.mesh, p.dim,
+                                        comm::kRingTagAccumulators);
+      }
+      if (need_a && t + 1 < p.P) cur = next.finish();
+    }
+    at::Tensor db = need_b ? acc_in.finish() : at::Tensor();  // this rank's block, complete
+    return {da, db, at::Tensor()};
+  }
+};
+
+// Collective over the ring's mesh dim. The local rows of a @ b (Note [ring matmul]).
+at::Tensor ring_matmul(at::Tensor la, at::Tensor lb, const Plan& plan, const DeviceMesh& mesh) {
+  auto p = c10::make_intrusive<RingMatmulPlan>();
+  p->mesh = mesh;
+  p->dim = plan.ring_dim;
+  p->P = mesh.size(plan.ring_dim);
+  p->me = mesh.coordinate()[plan.ring_dim];
+  p->contracts = plan.ring_contracts;
+  p->sizes = plan.ring_sizes;
+  p->offsets = offsets_of(plan.ring_sizes);
+  const bool vector_b = lb.dim() == 1;  // b = [k_c]: a column [k_c, 1]
+  if (vector_b) lb = lb.unsqueeze(-1);
+  TORCH_INTERNAL_ASSERT(!p->contracts || la.size(-1) == p->offsets.back() + p->sizes.back(),
+                        "ring matmul: a does not hold the whole contraction dim");
+  at::Tensor out = RingMatmulFn::apply(la, lb, p);
+  return vector_b ? out.squeeze(-1) : out;
+}
+
+// Collective (redistribution, all-reduce over plan.reduce_dims, the ring). The
+// local piece of a @ b in the layout plan.out.
 at::Tensor run_product(const Operand& A, const Operand& B, const Plan& plan,
                        const DeviceMesh& mesh) {
   // Plain operands (weights) and operands replicated on mesh dims where the
@@ -324,7 +517,7 @@ at::Tensor run_product(const Operand& A, const Operand& B, const Plan& plan,
   // summed there (Note [replicated gradients]).
   at::Tensor la = to_layout(A.t, *plan.ta, *plan.out);
   at::Tensor lb = to_layout(B.t, *plan.tb, *plan.out);
-  at::Tensor prod = at::matmul(la, lb);
+  at::Tensor prod = plan.ring_dim >= 0 ? ring_matmul(la, lb, plan, mesh) : at::matmul(la, lb);
   if (!plan.reduce_dims.empty()) {
     prod = comm::all_reduce(prod, mesh, plan.reduce_dims);
   }
