@@ -113,6 +113,46 @@ TEST_F(Conv, Conv2dAsymmetricParams) {
   EXPECT_TRUE(check(fn, {empty(x, {S0, S3})}, {w, b}));
 }
 
+// Note [channel-sharded conv]: input channels split over a mesh dim (alone, or
+// with a spatial or batch dim on the other mesh dim) give partial sums that are
+// reduce-scattered onto the output channels: forward, input, weight and bias
+// gradients against plain; uneven and empty channel pieces; conv1d/2d/3d, the
+// overlap fast path (k3 p1) and the general path (stride, dilation), unbatched,
+// float64; the output is Shard(channel) on that mesh dim and nothing is gathered.
+TEST_F(Conv, ChannelShardedInputPartialSums) {
+  auto x2 = rnd({2, 5, 9, 7}, 40);
+  auto w2 = rnd({6, 5, 3, 3}, 41), b2 = rnd({6}, 42);
+  auto fast = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    return at::conv2d(in[0], p[0], p[1], 1, 1);
+  };
+  auto general = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+    using V = std::vector<int64_t>;
+    return at::conv2d(in[0], p[0], p[1], V{2, 1}, V{0, 2}, V{1, 2});
+  };
+  for (const P& p : {P{S1, R}, P{S1, S2}, P{S2, S1}, P{S0, S1}, P{S1, S3}}) {
+    EXPECT_TRUE(check(fast, {sh(x2, p)}, {w2, b2})) << "k3p1 " << st::to_string(p);
+    EXPECT_TRUE(check(general, {sh(x2, p)}, {w2, b2})) << "general " << st::to_string(p);
+    EXPECT_TRUE(check(fast, {empty(x2, p)}, {w2, b2})) << "k3p1 empty " << st::to_string(p);
+  }
+  // conv1d unbatched, conv3d, float64.
+  auto x1 = rnd({5, 11}, 43), w1 = rnd({4, 5, 3}, 44), b1 = rnd({4}, 45);
+  EXPECT_TRUE(
+      check([](const std::vector<at::Tensor>& in,
+               const std::vector<at::Tensor>& p) { return at::conv1d(in[0], p[0], p[1], 1, 1); },
+            {sh(x1, {S0, S1})}, {w1, b1}));
+  auto x3 = rnd({1, 3, 5, 6, 4}, 46).to(at::kDouble), w3 = rnd({2, 3, 3, 3, 3}, 47).to(at::kDouble);
+  EXPECT_TRUE(
+      check([](const std::vector<at::Tensor>& in,
+               const std::vector<at::Tensor>& p) { return at::conv3d(in[0], p[0], {}, 1, 1); },
+            {sh(x3, {S1, S3})}, {w3}));
+  // Placement and traffic.
+  auto sx = st::distribute_tensor(x2, mesh, fit_placements(mesh, {S1, S2}));
+  st::reset_comm_stats();
+  st::ShardTensor y(at::conv2d(sx, w2, b2, 1, 1));
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  EXPECT_EQ(st::to_string(y.placements()), st::to_string(fit_placements(mesh, {S1, S2})));
+}
+
 TEST_F(Conv, SameAndValidPadding) {
   auto x = rnd({2, 4, 10, 11}, 5);
   int i = 0;

@@ -193,7 +193,7 @@ TEST_F(DoubleBackward, Conv2dBothSpatialDims) {
         [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
           return F::conv2d(in[0], p[0], F::Conv2dFuncOptions().bias(p[1]).padding(1));
         },
-        x, {{S2, S3}}, {w, b});
+        x, {{S2, S3}, {S1, S2}}, {w, b});  // {S1, S2}: Note [channel-sharded conv]
   sweep("conv2d k3 stride 2 dilation (2, 1) p1",
         [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
           return F::conv2d(in[0], p[0],

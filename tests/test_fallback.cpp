@@ -214,18 +214,29 @@ TEST(VisibleGathers, ChannelShardedConvInput) {
   auto mesh = test_mesh();
   if (mesh.size() == 1) GTEST_SKIP() << "needs two ranks";
   auto x = rnd({1, 4, 6, 6}, 9);
-  auto w = rnd({2, 4, 3, 3}, 10);
   st::ShardTensor sx(st::distribute_tensor(x, mesh, fit_placements(mesh, {S1, S2})));
+  // Note [channel-sharded conv]: partial sums over the input channels and a
+  // reduce-scatter of the output; nothing is gathered, strict mode allows it.
+  auto w = rnd({2, 4, 3, 3}, 10);
   {
-    st::set_strict(false);
+    StrictGuard strict(true);
     st::reset_comm_stats();
     auto y = at::conv2d(sx, w, {}, 1, 1);
     EXPECT_TRUE(all_close(gathered(y), at::conv2d(x, w, {}, 1, 1), 1e-5, 1e-5));
+    EXPECT_EQ(st::comm_stats().gathered_bytes, 0);
+  }
+  // A grouped convolution still replicates the channels: a visible gather.
+  auto wg = rnd({2, 2, 3, 3}, 12);
+  {
+    st::set_strict(false);
+    st::reset_comm_stats();
+    auto y = at::conv2d(sx, wg, {}, 1, 1, 1, 2);
+    EXPECT_TRUE(all_close(gathered(y), at::conv2d(x, wg, {}, 1, 1, 1, 2), 1e-5, 1e-5));
     EXPECT_GT(st::comm_stats().gathered_bytes, 0);
   }
   {
     StrictGuard strict(true);
-    EXPECT_TRUE(throws_everywhere([&] { auto y = at::conv2d(sx, w, {}, 1, 1); },
+    EXPECT_TRUE(throws_everywhere([&] { auto y = at::conv2d(sx, wg, {}, 1, 1, 1, 2); },
                                   {"conv", "channel", "strict"}));
   }
 }

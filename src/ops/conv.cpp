@@ -4,8 +4,8 @@
 //
 // Note [conv layout]: the computation keeps the input's Shard placements on
 // the batch dim (data parallel, purely local) and on spatial dims (halo
-// exchange); Shard on the channel dim and Partial are resolved to Replicate
-// first (the weight contracts over all input channels). The output is
+// exchange); Partial is resolved to Replicate first. A channel-sharded input
+// is not gathered (Note [channel-sharded conv]). The output is
 // partitioned first (stencil::window_plans); each rank gathers exactly the
 // input range its output block reads, zero-filled past the global edges, so
 // the local convolution runs with padding 0 on sharded dims and the original
@@ -13,6 +13,18 @@
 // the right, as libtorch does). Weight and bias are replicated: to_layout
 // marks them with comm::use_replicated so that their gradients are summed over
 // every mesh dim on which the input is sharded (Note [replicated gradients]).
+//
+// Note [channel-sharded conv]: with the input channels split over mesh dim m
+// (groups == 1), each rank convolves its channels with the matching slice of
+// the weight's input channels (w[:, c0:c1], a local slice whose gradient is
+// all-gathered over m in backward). That is this rank's share of a sum over m
+// (a Partial output with every output channel), which comm::reduce_scatter
+// sums and splits along the output channels (balanced): the output is
+// Shard(channel) on m. The bias is added after the sum, to this rank's output
+// channels. Cost on m: a reduce-scatter of the (P-1)/P output volume instead
+// of an all-gather of the input, no operand replicated (no gathered bytes,
+// allowed in strict mode). Grouped convolutions over a channel-sharded input
+// still replicate the channels (a visible gather, Note [visible gathers]).
 //
 // Note [conv memory]: a rule built from gather + at::convolution would keep
 // the gathered (halo-extended) copy of the input alive for backward, on top of
@@ -843,9 +855,17 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   plan->out_local_shape = out_spec->local_shape();
   if (!batched) plan->out_local_shape.insert(plan->out_local_shape.begin(), 1);
 
-  // A channel-sharded input is replicated along channels: a visible gather
-  // (Note [visible gathers]).
-  {
+  // Note [channel-sharded conv]: the channel mesh dim, if the input channels
+  // are split over more than one rank and the convolution is not grouped.
+  int64_t ch_dim = -1;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const auto& pl = in_spec.placements()[m];
+    if (is_shard(pl) && shard_dim(pl) == cdim && mesh.size(m) > 1 && c.groups == 1) ch_dim = m;
+  }
+
+  // Otherwise a channel-sharded input is replicated along channels: a visible
+  // gather (Note [visible gathers]).
+  if (ch_dim < 0) {
     const ShardSpec own = without_partial(in_spec);
     if (gathers(own, compute)) {
       note_gather(op, args, mesh, gathered_bytes(own, compute, c.input.element_size()),
@@ -854,6 +874,40 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   }
 
   // Communication starts here (all validation above is metadata only).
+  if (ch_dim >= 0) {
+    Placements in_p = compute.placements(), w_p(mesh.ndim(), Replicate{});
+    ShardSizes in_s = compute.all_shard_sizes(), w_s(mesh.ndim());
+    in_p[ch_dim] = Shard{cdim};
+    in_s[ch_dim] = in_spec.shard_sizes(ch_dim);
+    w_p[ch_dim] = Shard{1};
+    w_s[ch_dim] = in_spec.shard_sizes(ch_dim);
+    const ShardSpec in_ch(mesh, in_p, c.input.sizes().vec(), in_s);
+    at::Tensor local = to_layout(c.input, in_ch, in_ch);
+    at::Tensor weight =
+        to_layout(c.weight, ShardSpec(mesh, w_p, c.weight.sizes().vec(), w_s), in_ch);
+    plan->has_bias = false;
+    at::Tensor partial = ConvFn::apply(local, weight, at::empty({0}, weight.options()),
+                                       std::shared_ptr<const ConvPlan>(plan));
+    Placements o_p = out_spec->placements();
+    ShardSizes o_s = out_spec->all_shard_sizes();
+    o_p[ch_dim] = Shard{cdim};
+    o_s[ch_dim] = balanced_sizes(ws[0], mesh.size(ch_dim));
+    SpecPtr final_spec = make_spec(mesh, o_p, out_shape, o_s);
+    at::Tensor out = comm::reduce_scatter(partial, mesh, ch_dim, cdim, o_s[ch_dim]);
+    if (c.bias.defined()) {
+      Placements b_p(mesh.ndim(), Replicate{});
+      ShardSizes b_s(mesh.ndim());
+      b_p[ch_dim] = Shard{0};
+      b_s[ch_dim] = o_s[ch_dim];
+      at::Tensor b =
+          to_layout(c.bias, ShardSpec(mesh, b_p, c.bias.sizes().vec(), b_s), *final_spec);
+      std::vector<int64_t> bshape(nsp + 1, 1);
+      bshape[0] = -1;
+      out = out + b.view(bshape);
+    }
+    stack->push_back(wrap(out, final_spec));
+    return;
+  }
   at::Tensor local = to_layout(c.input, compute, compute);
   at::Tensor weight = to_layout(c.weight, w_rep, compute);
   at::Tensor bias;
