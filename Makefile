@@ -39,12 +39,17 @@ BUILD_ABS    := $(if $(filter /%,$(BUILD_DIR)),$(BUILD_DIR),$(REPO_ROOT)/$(BUILD
 # Debian 12 packages. libtorch-dev pulls in what its CMake config
 # (/usr/lib/x86_64-linux-gnu/cmake/{Torch,Caffe2}) needs: libgflags-dev,
 # libgoogle-glog-dev, libprotobuf-dev; they are listed so a missing one is caught.
+# libopenblas0-openmp: Debian's libtorch is built against the generic
+# libblas.so.3, which is the unoptimized reference BLAS unless an optimized one
+# provides it; OpenBLAS (OpenMP flavour, so at::set_num_threads governs it too)
+# makes GEMMs about 10x faster and removes the 1-thread pathology of 1x1
+# convolutions (docs/benchmarks.md, Note [blas]).
 DEB_PACKAGES ?= libtorch-dev libgflags-dev libgoogle-glog-dev libprotobuf-dev \
                 libopenmpi-dev openmpi-bin libgtest-dev cmake make g++ ccache \
                 libpng-dev pkg-config clang-format \
                 python3-torch python3-dev pybind11-dev python3-mpi4py python3-pytest python3-numpy \
                 libhdf5-openmpi-dev python3-h5py-mpi python3-netcdf4 hdf5-tools \
-                nlohmann-json3-dev libcli11-dev jq
+                nlohmann-json3-dev libcli11-dev jq libopenblas0-openmp
 
 # ccache shared by every build dir of every checkout under one user.
 export CCACHE_DIR        ?= $(HOME)/.ccache

@@ -646,6 +646,27 @@ std::string env_or(const char* name, const char* fallback) {
   return v ? v : fallback;
 }
 
+/// The BLAS and LAPACK libraries mapped into this process (/proc/self/maps):
+/// Debian's libtorch calls whatever libblas.so.3 the alternatives system
+/// points to, the reference BLAS unless an optimized one is installed
+/// (Note [blas]).
+std::vector<std::string> blas_libraries() {
+  std::ifstream maps("/proc/self/maps");
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(maps, line)) {
+    const auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string path = line.substr(slash);
+    const std::string name = path.substr(path.rfind('/') + 1);
+    if ((name.find("blas") != std::string::npos || name.find("lapack") != std::string::npos) &&
+        std::find(out.begin(), out.end(), path) == out.end()) {
+      out.push_back(path);
+    }
+  }
+  return out;
+}
+
 /// Note [baseline honesty]: what the job actually ran on. The affinity masks
 /// are read back from the kernel (sched_getaffinity), not inferred from the
 /// launcher's flags, which are recorded next to them as given.
@@ -658,6 +679,7 @@ Json environment_fields(const std::vector<cpu_set_t>& affinity) {
   r["mpi_binding_policy"] = env_or("OMPI_MCA_hwloc_base_binding_policy", "default");
   r["omp_num_threads_env"] = env_or("OMP_NUM_THREADS", "unset");
   r["intra_op_threads"] = at::get_num_threads();
+  r["blas_libraries"] = blas_libraries();
   return r;
 }
 
