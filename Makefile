@@ -86,7 +86,7 @@ help:
 	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
 	@echo "make bench         every benchmark scenario -> bench/results/*.json"
 	@echo "make bench-fixed | bench-weak | bench-strong | bench-maxsize | bench-overhead | bench-attention"
-	@echo "make bench-scale | bench-profile | bench-io   scale model (P = 1..16), per-op profile, HDF5 reads"
+	@echo "make bench-scale | bench-profile | bench-io | bench-targets   scale model (P = 1..16), per-op profile, HDF5 reads, issue 13's targets"
 	@echo "make bench-report  docs/benchmarks.md + docs/img/bench_*.png from bench/results/*.json (gnuplot)"
 
 # Builds only the demo (and the library), not the tests.
@@ -216,7 +216,7 @@ clean:
 # ---- benchmarks (bench/run.sh: scenarios; bench/report.sh: docs/benchmarks.md) ----
 # Scenario knobs pass through the environment, e.g. make bench CAP_MIB=512 NPS="1 2 4".
 BENCH_ENV := BENCH_BIN=$(BUILD_ABS)/bench/shardtensor_bench MPIRUN=$(MPIRUN) MPIRUN_FLAGS="$(MPIRUN_FLAGS)"
-BENCH_SCENARIOS := fixed weak strong maxsize overhead attention scale profile io
+BENCH_SCENARIOS := fixed weak strong maxsize overhead attention scale profile io targets
 
 bench-build: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_bench shardtensor_bench_io

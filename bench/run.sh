@@ -8,6 +8,7 @@
 #   bench/run.sh scale                     # `make bench-scale`: weak scaling with tiny pieces, P = 1..SCALE_NPS
 #   bench/run.sh profile                   # per-op profile, unet2d PROFILE_SHAPE at P = 1, 2
 #   bench/run.sh io                        # parallel HDF5 reads (bench/run_io.sh): bench/results/io.json
+#   bench/run.sh targets                   # `make bench-targets`: issue 13's targets, bench/results/targets.json
 #   bench/run.sh all                       # `make bench`: every scenario above but quick and scale
 #
 # Environment (defaults in brackets):
@@ -236,10 +237,35 @@ scenario_quick() {
   done
 }
 
+# Issue 13's targets (docs/benchmarks.md, "Issue 13's targets"): U-Net 512x512 train and
+# infer at P = 1, 2, 4 against plain libtorch with 1 thread (and, at P = 2 train, with
+# matched threads on the same cores), and ring attention at S = 4096, P = 1.
+scenario_targets() {
+  fresh targets
+  local np mode steps
+  for np in 1 2 4; do
+    steps=3
+    [ "$np" -le 2 ] || steps=2
+    for mode in train infer; do
+      base=1
+      [ "$np" != 2 ] || [ "$mode" != train ] || base=1,match
+      bench "$np" targets run --scenario targets --workload unet2d --norm "$NORM" --mode $mode \
+        --shape 512,512 --steps $steps --warmup 1 --baseline-threads $base
+    done
+  done
+  if "$BENCH_BIN" list 2>/dev/null | grep -q '^attention'; then
+    for mode in train infer; do
+      bench 1 targets run --scenario targets --workload attention --mode $mode --shape 4096 \
+        --heads 4 --head-dim 32 \
+        --steps 3 --warmup 1 --baseline-threads 1
+    done
+  fi
+}
+
 [ $# -ge 1 ] || set -- quick
 for s in "$@"; do
   case $s in
-    quick | fixed | weak | strong | maxsize | overhead | attention | scale | profile | io)
+    quick | fixed | weak | strong | maxsize | overhead | attention | scale | profile | io | targets)
       echo "run.sh: $s: load before: $(uptime)"
       "scenario_$s"
       echo "run.sh: $s: load after: $(uptime)"
@@ -252,7 +278,7 @@ for s in "$@"; do
       done
       ;;
     *)
-      echo "run.sh: unknown scenario '$s' (quick fixed weak strong maxsize overhead attention scale profile io all)" >&2
+      echo "run.sh: unknown scenario '$s' (quick fixed weak strong maxsize overhead attention scale profile io targets all)" >&2
       exit 2
       ;;
   esac
