@@ -247,6 +247,57 @@ TEST(ShardTensorRedistribute, ShardDimSwapIsExactAndDifferentiable) {
   }
 }
 
+// Cycles on 3-D meshes (4 ranks as 2x1x2, 1x2x2, 2x2x1): two- and three-way
+// cycles, with the other mesh dim sharding, replicating or Partial, and
+// valid steps before (a slice) or after (a gather) the exchange.
+TEST(ShardTensorRedistribute, ShardDimCyclesOnThreeDimMeshes) {
+  if (st::world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const st::Placement Pa = st::Partial{};
+  struct Case {
+    std::vector<int64_t> mesh_shape, shape;
+    st::Placements from, to;
+  };
+  const std::vector<Case> cases = {
+      {{2, 1, 2}, {5, 3, 4}, {S0, S1, S2}, {S1, S0, S2}},
+      {{2, 1, 2}, {3, 5, 2}, {S0, S1, R}, {S1, S0, R}},
+      {{2, 1, 2}, {3, 5}, {S0, S1, Pa}, {S1, S0, Pa}},
+      {{2, 1, 2}, {4, 4, 4}, {S0, S1, S2}, {S1, S0, R}},
+      {{2, 1, 2}, {3, 4, 5}, {S0, S1, S2}, {S1, S2, S0}},
+      {{2, 1, 2}, {3, 4, 5}, {S0, S1, S2}, {S2, S0, S1}},
+      {{1, 2, 2}, {3, 4, 5}, {R, S0, S1}, {S2, S1, S0}},
+      {{2, 2, 1}, {5, 3, 2}, {S0, S1, R}, {S1, S0, S2}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE("mesh " + c10::str(c10::IntArrayRef(c.mesh_shape)) + " " + st::to_string(c.from) +
+                 " -> " + st::to_string(c.to));
+    auto mesh = st::DeviceMesh::create(c.mesh_shape);
+    at::Tensor x = seeded_randn(c.shape, 21);
+    bool zero_gathered = true;
+    auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      if (!st::ShardTensor::is_shard_tensor(in[0])) return in[0] * 1.0;
+      StrictGuard strict(true);
+      st::reset_comm_stats();
+      st::ShardTensor y(st::ShardTensor(in[0]).redistribute(c.to));
+      zero_gathered = st::comm_stats().gathered_bytes == 0;
+      return at::Tensor(y);
+    };
+    EXPECT_TRUE(reference_check(fn, {{x, c.from}}, mesh));
+    EXPECT_TRUE(all_ranks(zero_gathered));
+    EXPECT_TRUE(reference_check(
+        fn, {{x, c.from, true, sizes_with_empty_first(mesh, c.from, x.sizes())}}, mesh));
+  }
+  // [S0, S1, S2] -> [S1, S0, R] on 2x1x2 with [4, 4, 4]: the exchange sends 8
+  // of the 16 elements of the piece (8 stay), then the gather of dim 2 sends
+  // the new 16-element piece to the one peer: 24 elements on every rank.
+  auto mesh = st::DeviceMesh::create({2, 1, 2});
+  st::ShardTensor sx(st::distribute_tensor(seeded_randn({4, 4, 4}, 22), mesh, {S0, S1, S2}));
+  st::reset_comm_stats();
+  st::ShardTensor y(sx.redistribute({S1, S0, R}));
+  const st::CommStats s = st::comm_stats();
+  EXPECT_TRUE(all_ranks(s.bytes_sent == 24 * 4 && s.gathered_bytes == 0))
+      << "sent " << s.bytes_sent;
+}
+
 // The swap's bytes: each rank sends at most its piece (what it keeps stays),
 // and the piece to exactly one peer on the 2x2 mesh for [S0, S1] -> [S1, S0].
 TEST(ShardTensorRedistribute, ShardDimSwapSendsAtMostThePiece) {

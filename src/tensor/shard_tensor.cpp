@@ -157,7 +157,10 @@ at::Tensor transition(const at::Tensor& local, const DeviceMesh& mesh, int64_t m
 // followed by an all-to-all. Not a gather: nothing is counted in
 // gathered_bytes, and strict mode allows it. Backward: the inverse exchange.
 // Transitions that are valid on their own (e.g. a Replicate -> Shard slice)
-// run first, one mesh dim at a time, as before; the cycle comes last.
+// run first, one mesh dim at a time, as before, except gathers (Shard ->
+// Replicate) that no later step waits for: they run after the exchange, so
+// that it moves pieces rather than gathered blocks (on a 3-D mesh,
+// [S0, S1, S2] -> [S1, S0, R] swaps, then gathers dim 2).
 at::Tensor swap_shard_dims(const at::Tensor& local, const DeviceMesh& mesh,
                            const std::vector<int64_t>& cycle, Placements& cur,
                            ShardSizes& cur_sizes, const ShardSpec& dst) {
@@ -267,12 +270,33 @@ at::Tensor redistribute_local(const at::Tensor& local, const ShardSpec& src, con
       }
     }
   }
+  // With a cycle, a gather (Shard(d) -> Replicate; each mesh dim steps at
+  // most once) that no later step needs (none shards d) runs after the
+  // exchange, so that the exchange moves pieces, not gathered blocks.
+  std::vector<Step> after;
+  if (!cycle.empty()) {
+    std::vector<Step> before;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const Placement& from = src.placements()[steps[i].m];
+      bool deferred = false;
+      if (is_shard(from) && is_replicate(steps[i].to)) {
+        deferred = std::none_of(steps.begin() + i + 1, steps.end(), [&](const Step& later) {
+          return is_shard(later.to) && shard_dim(later.to) == shard_dim(from);
+        });
+      }
+      (deferred ? after : before).push_back(steps[i]);
+    }
+    steps = std::move(before);
+  }
   at::Tensor out = local;
   for (const auto& st : steps) {
     out = transition(out, mesh, st.m, cur, cur_sizes, st.to, st.sizes);
   }
   if (!cycle.empty()) {
     out = swap_shard_dims(out, mesh, cycle, cur, cur_sizes, dst);
+  }
+  for (const auto& st : after) {
+    out = transition(out, mesh, st.m, cur, cur_sizes, st.to, st.sizes);
   }
   return out;
 }
