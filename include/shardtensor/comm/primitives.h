@@ -121,11 +121,11 @@ using Box = std::vector<Segment>;
 /// all_to_all(). Backward: the inverse exchange (dst -> src), itself
 /// differentiable (Note [differentiable adjoints]). Plans are cached (Note
 /// [box exchange plan cache]). Throws c10::Error on every rank, before any
-/// communication, when the mesh or mesh_dims are invalid, a list does not
-/// have one box per coordinate, a box does not have one run per tensor dim of
-/// `local`, a run is negative, boxes overlap or the lists do not cover the
-/// same indices; and (carried to the other ranks, Note [collective
-/// discipline]) when `local`'s shape is not its source box's.
+/// communication, when the mesh or mesh_dims are invalid or empty, a list
+/// does not have one box per coordinate, a box does not have one run per
+/// tensor dim of `local`, a run is negative, boxes overlap or the lists do
+/// not cover the same indices; and (carried to the other ranks, Note
+/// [collective discipline]) when `local`'s shape is not its source box's.
 at::Tensor box_exchange(const at::Tensor& local, const DeviceMesh& mesh,
                         const std::vector<int64_t>& mesh_dims, const std::vector<Box>& src_boxes,
                         const std::vector<Box>& dst_boxes);
