@@ -18,6 +18,7 @@
 #include <string>
 
 #include "comm/agree.h"
+#include "comm/repartition.h"
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -690,6 +691,250 @@ TEST(CommRepartition, SeveralRunsPerRankForwardAndAdjoint) {
                                    balanced(n + 1, P)),
                  c10::Error);
   }
+}
+
+// ---- box_exchange ------------------------------------------------------------------
+
+namespace {
+
+using Box = st::comm::Box;
+
+/// Boxes that split tensor dim `dim` of `shape` by `sizes` (coordinate c gets
+/// run order[c] of the split; order empty: c), the full extent elsewhere.
+std::vector<Box> slab_boxes(const std::vector<int64_t>& shape, int64_t dim,
+                            const std::vector<int64_t>& sizes,
+                            const std::vector<int64_t>& order = {}) {
+  auto off = offsets(sizes);
+  std::vector<Box> out;
+  for (size_t c = 0; c < sizes.size(); ++c) {
+    const size_t k = order.empty() ? c : static_cast<size_t>(order[c]);
+    Box b;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      b.push_back(static_cast<int64_t>(d) == dim ? st::comm::Segment{off[k], sizes[k]}
+                                                 : st::comm::Segment{0, shape[d]});
+    }
+    out.push_back(b);
+  }
+  return out;
+}
+
+at::Tensor take_box(const at::Tensor& full, const Box& b) {
+  at::Tensor v = full;
+  for (size_t d = 0; d < b.size(); ++d) {
+    v = v.narrow(static_cast<int64_t>(d), b[d].start, b[d].length);
+  }
+  return v;
+}
+
+int64_t box_numel(const Box& b) {
+  int64_t n = 1;
+  for (const auto& r : b) n *= r.length;
+  return n;
+}
+
+/// This rank's row-major coordinate over all mesh dims (the group of box_exchange over them).
+int64_t all_dims_coordinate(const st::DeviceMesh& mesh) {
+  int64_t me = 0;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) me = me * mesh.size(m) + mesh.coordinate()[m];
+  return me;
+}
+
+std::vector<int64_t> all_mesh_dims(const st::DeviceMesh& mesh) {
+  std::vector<int64_t> dims(mesh.ndim());
+  std::iota(dims.begin(), dims.end(), 0);
+  return dims;
+}
+
+/// Boxes over P coordinates of a [n0, n1, 2] tensor that cut dims 0 and 1 in
+/// a grid of q0 x q1 blocks with the splits s0, s1 (coordinate c: block
+/// (c / q1, c % q1)), or, read in `reversed` order, block P - 1 - c.
+std::vector<Box> grid_boxes(const std::vector<int64_t>& s0, const std::vector<int64_t>& s1,
+                            int64_t last, bool reversed) {
+  auto o0 = offsets(s0), o1 = offsets(s1);
+  const int64_t q0 = static_cast<int64_t>(s0.size()), q1 = static_cast<int64_t>(s1.size());
+  std::vector<Box> out;
+  for (int64_t c = 0; c < q0 * q1; ++c) {
+    const int64_t k = reversed ? q0 * q1 - 1 - c : c;
+    const int64_t i = k / q1, j = k % q1;
+    out.push_back({{o0[i], s0[i]}, {o1[j], s1[j]}, {0, last}});
+  }
+  return out;
+}
+
+}  // namespace
+
+// With one mesh dim and slab boxes, box_exchange is all_to_all (and rebalancing).
+TEST(CommBoxExchange, OneMeshDimEqualsAllToAll) {
+  auto mesh = test_mesh();
+  for (const Axis& a : axes(mesh)) {
+    auto parts = partitions(a.P);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const auto& src_sizes = parts[i];
+      const auto& dst_sizes = parts[(i + 1) % parts.size()];
+      for (auto dims : {std::pair<int64_t, int64_t>{0, 1}, {1, 0}, {2, 0}}) {
+        const int64_t sd = dims.first, dd = dims.second;
+        SCOPED_TRACE("mesh dim " + std::to_string(a.mesh_dim) + " src " + str(src_sizes) + " dst " +
+                     str(dst_sizes) + " dims " + std::to_string(sd) + "->" + std::to_string(dd));
+        std::vector<int64_t> shape = {2, 3, 2};
+        shape[sd] = total(src_sizes);
+        shape[dd] = total(dst_sizes);
+        auto src = slab_boxes(shape, sd, src_sizes), dst = slab_boxes(shape, dd, dst_sizes);
+        for (auto dtype : {at::kDouble, at::kFloat}) {
+          at::Tensor full = seeded_randn(shape, 1100, dtype);
+          at::Tensor local = take_box(full, src[a.me]);
+          at::Tensor out = comm::box_exchange(local, mesh, {a.mesh_dim}, src, dst);
+          at::Tensor ref = comm::all_to_all(local, mesh, a.mesh_dim, sd, src_sizes, dd, dst_sizes);
+          EXPECT_TRUE(all_ranks(out.scalar_type() == dtype && at::equal(out, ref)));
+          EXPECT_TRUE(all_close(out, take_box(full, dst[a.me])));
+        }
+        at::Tensor full = seeded_randn(shape, 1100);
+        at::Tensor local = take_box(full, src[a.me]);
+        EXPECT_TRUE(adjoint(
+            [&](const at::Tensor& t) {
+              return comm::box_exchange(t, mesh, {a.mesh_dim}, src, dst);
+            },
+            local, seeded_randn(take_box(full, dst[a.me]).sizes(), 1110 + a.me),
+            Pairing::SumOverRanks, Pairing::SumOverRanks, a.comm));
+      }
+    }
+    // Same dim: a rebalancing.
+    const int64_t n = 3 * a.P + 2;
+    std::vector<int64_t> shape = {3, n};
+    auto src = slab_boxes(shape, 1, balanced(n, a.P));
+    auto rebal = partitions(a.P)[1];  // with an empty piece
+    rebal[a.P - 1] += n - total(rebal);
+    auto dst = slab_boxes(shape, 1, rebal);
+    at::Tensor full = seeded_randn(shape, 1120);
+    at::Tensor local = take_box(full, src[a.me]);
+    EXPECT_TRUE(all_close(comm::box_exchange(local, mesh, {a.mesh_dim}, src, dst),
+                          take_box(full, dst[a.me])));
+  }
+}
+
+// Several mesh dims at once (the whole mesh: 1-D, or both dims of 2x2):
+// slabs to grid blocks, grid blocks to reversed grid blocks, with empty
+// blocks; forward, adjoint, bytes (at most the piece, what stays is not sent)
+// and the gradient through ordinary backward.
+TEST(CommBoxExchange, AllMeshDimsSlabsAndGridsWithEmptyBlocks) {
+  auto mesh = test_mesh();
+  const int64_t P = mesh.size(), me = all_dims_coordinate(mesh);
+  const auto dims = all_mesh_dims(mesh);
+  MPI_Comm world = mesh.comm();
+  // A grid of q0 x q1 blocks with q0 * q1 = P.
+  const int64_t q0 = P % 2 == 0 ? 2 : 1, q1 = P / q0;
+  std::vector<int64_t> s0 = q0 == 2 ? std::vector<int64_t>{0, 3} : std::vector<int64_t>{3};
+  std::vector<int64_t> s1 = balanced(2 * q1 + 1, q1);
+  const int64_t n0 = total(s0), n1 = total(s1);
+  std::vector<int64_t> shape = {n0, n1, 2};
+  std::vector<int64_t> slab_sizes = partitions(P)[1];
+  slab_sizes[P - 1] += n1 - total(slab_sizes);
+  if (slab_sizes[P - 1] < 0) slab_sizes = balanced(n1, P);
+  const std::vector<std::pair<std::vector<Box>, std::vector<Box>>> layouts = {
+      {slab_boxes(shape, 1, slab_sizes), grid_boxes(s0, s1, 2, false)},
+      {grid_boxes(s0, s1, 2, false), grid_boxes(s0, s1, 2, true)},
+      {grid_boxes(s0, s1, 2, true), slab_boxes(shape, 0, balanced(n0, P))},
+  };
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    SCOPED_TRACE("layout " + std::to_string(l));
+    const auto& [src, dst] = layouts[l];
+    at::Tensor full = seeded_randn(shape, 1200);
+    at::Tensor local = take_box(full, src[me]);
+    st::reset_comm_stats();
+    at::Tensor out = comm::box_exchange(local, mesh, dims, src, dst);
+    const st::CommStats s = st::comm_stats();
+    EXPECT_TRUE(all_close(out, take_box(full, dst[me])));
+    // What stays: src[me] & dst[me].
+    Box keep;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      const int64_t lo = std::max(src[me][d].start, dst[me][d].start);
+      const int64_t hi =
+          std::min(src[me][d].start + src[me][d].length, dst[me][d].start + dst[me][d].length);
+      keep.push_back({lo, std::max<int64_t>(0, hi - lo)});
+    }
+    const int64_t kept = box_numel(keep) * 8;
+    const bool ok = s.bytes_sent == local.numel() * 8 - kept &&
+                    s.bytes_received == out.numel() * 8 - kept && s.gathered_bytes == 0;
+    EXPECT_TRUE(all_ranks(ok)) << "sent " << s.bytes_sent << " received " << s.bytes_received
+                               << " kept " << kept;
+    EXPECT_TRUE(adjoint(
+        [&](const at::Tensor& t) { return comm::box_exchange(t, mesh, dims, src, dst); }, local,
+        seeded_randn(out.sizes(), 1210 + me), Pairing::SumOverRanks, Pairing::SumOverRanks, world));
+    // The gradient of sum(w * out) is w's piece in the source layout.
+    at::Tensor w = seeded_randn(shape, 1220);
+    at::Tensor x = local.detach().clone().requires_grad_(true);
+    (comm::box_exchange(x, mesh, dims, src, dst) * take_box(w, dst[me])).sum().backward();
+    EXPECT_TRUE(all_close(x.grad(), take_box(w, src[me])));
+  }
+  // The mesh dims in any order name the same group.
+  if (mesh.ndim() == 2) {
+    const auto& [src, dst] = layouts[1];
+    at::Tensor full = seeded_randn(shape, 1230);
+    EXPECT_TRUE(all_close(comm::box_exchange(take_box(full, src[me]), mesh, {1, 0}, src, dst),
+                          take_box(full, dst[me])));
+  }
+}
+
+// A plan is built once per layout and reused (Note [box exchange plan cache]).
+TEST(CommBoxExchange, PlansAreCached) {
+  auto mesh = test_mesh();
+  const int64_t P = mesh.size(), me = all_dims_coordinate(mesh);
+  const auto dims = all_mesh_dims(mesh);
+  std::vector<int64_t> shape = {P + 3, 2 * P + 1};
+  auto src = slab_boxes(shape, 0, balanced(P + 3, P));
+  auto dst = slab_boxes(shape, 1, balanced(2 * P + 1, P));
+  at::Tensor full = seeded_randn(shape, 1300);
+  comm::box_exchange(take_box(full, src[me]), mesh, dims, src, dst);
+  const size_t before = comm::box_plan_cache_size();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(all_close(comm::box_exchange(take_box(full, src[me]), mesh, dims, src, dst),
+                          take_box(full, dst[me])));
+  }
+  EXPECT_TRUE(all_ranks(comm::box_plan_cache_size() == before));
+  // Another layout (another shape): one more plan.
+  std::vector<int64_t> shape2 = {P + 4, 2 * P + 1};
+  auto src2 = slab_boxes(shape2, 0, balanced(P + 4, P));
+  at::Tensor full2 = seeded_randn(shape2, 1310);
+  comm::box_exchange(take_box(full2, src2[me]), mesh, dims, src2,
+                     slab_boxes(shape2, 1, balanced(2 * P + 1, P)));
+  const size_t after = comm::box_plan_cache_size();
+  EXPECT_TRUE(all_ranks(after == before + 1 || after == 1));  // 1: the bounded cache was cleared
+}
+
+// Bad boxes throw on every rank before communicating.
+TEST(CommBoxExchange, BadBoxesThrowOnEveryRank) {
+  auto mesh = test_mesh();
+  const int64_t P = mesh.size(), me = all_dims_coordinate(mesh);
+  const auto dims = all_mesh_dims(mesh);
+  std::vector<int64_t> shape = {P + 2, 3};
+  auto src = slab_boxes(shape, 0, balanced(P + 2, P));
+  auto dst = slab_boxes(shape, 1, balanced(3, P));
+  at::Tensor full = seeded_randn(shape, 1400);
+  at::Tensor local = take_box(full, src[me]);
+  auto expect_throw = [&](const std::vector<Box>& s, const std::vector<Box>& d, const at::Tensor& t,
+                          const std::string& needle) {
+    EXPECT_TRUE(all_ranks(
+        static_cast<bool>(throws_with([&] { comm::box_exchange(t, mesh, dims, s, d); }, needle))))
+        << needle;
+  };
+  auto too_few = dst;
+  too_few.pop_back();
+  expect_throw(src, too_few, local, "boxes but the mesh dims have");
+  auto short_box = dst;
+  short_box[0].pop_back();
+  expect_throw(src, short_box, local, "runs but the local tensor has");
+  auto negative = dst;
+  negative[0][1] = {-1, 1};
+  expect_throw(src, negative, local, "negative");
+  auto grown = dst;  // dst[0] grows over its neighbour (or past the source boxes when P == 1)
+  grown[0][1].length += 1;
+  expect_throw(src, grown, local, P == 1 ? "not covered" : "overlap");
+  auto shrunk = dst;  // a gap
+  shrunk[0][0].length -= 1;
+  expect_throw(src, shrunk, local, "not covered");
+  at::Tensor wrong = at::zeros({local.size(0) + 1, 3}, local.options());
+  expect_throw(src, dst, wrong, "the local tensor has shape");
+  EXPECT_TRUE(all_ranks(static_cast<bool>(throws_with(
+      [&] { comm::box_exchange(local, mesh, {}, src, dst); }, "at least one mesh dim"))));
 }
 
 // ---- gather_range / halo_exchange ---------------------------------------------

@@ -32,6 +32,13 @@ std::vector<st::Placements> layouts(const st::DeviceMesh& mesh) {
           fit_placements(mesh, {st::Replicate{}, st::Replicate{}})};
 }
 
+// Restores the strict flag on scope exit.
+struct StrictGuard {
+  bool prev;
+  explicit StrictGuard(bool on) : prev(st::strict()) { st::set_strict(on); }
+  ~StrictGuard() { st::set_strict(prev); }
+};
+
 }  // namespace
 
 TEST(ShardTensorBasics, WrapperReportsGlobalShape) {
@@ -189,6 +196,155 @@ TEST(ShardTensorRedistribute, RebalancesToExplicitSizesIncludingEmpty) {
   };
   EXPECT_TRUE(reference_check(fn, {{x, p}}, mesh));
   EXPECT_TRUE(reference_check(fn, {{x, p, true, sizes}}, mesh));
+}
+
+// Note [shard-dim swap]: a cycle of Shard -> Shard transitions is one box
+// exchange, exact with its gradient, uneven and empty pieces included, in
+// every dtype, never a gather (allowed in strict mode).
+TEST(ShardTensorRedistribute, ShardDimSwapIsExactAndDifferentiable) {
+  auto mesh = test_mesh();
+  if (mesh.ndim() < 2) GTEST_SKIP() << "a cycle needs two mesh dims (the 2x2 mesh)";
+  struct Case {
+    std::vector<int64_t> shape;
+    st::Placements from, to;
+  };
+  const std::vector<Case> cases = {
+      {{3, 5}, {S0, S1}, {S1, S0}},    {{5, 3}, {S0, S1}, {S1, S0}},
+      {{1, 7}, {S0, S1}, {S1, S0}},    {{1, 7}, {S1, S0}, {S0, S1}},
+      {{6, 4}, {S1, S0}, {S0, S1}},    {{4, 3, 5}, {S0, S2}, {S2, S0}},
+      {{2, 3, 5}, {S2, S1}, {S1, S2}},
+  };
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    for (const auto& c : cases) {
+      SCOPED_TRACE(st::to_string(c.from) + " -> " + st::to_string(c.to) + " " +
+                   c10::toString(dtype));
+      at::Tensor x = seeded_randn(c.shape, 7).to(dtype);
+      bool zero_gathered = true;
+      auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+        if (!st::ShardTensor::is_shard_tensor(in[0])) return in[0] * 1.0;
+        StrictGuard strict(true);
+        st::reset_comm_stats();
+        st::ShardTensor y(st::ShardTensor(in[0]).redistribute(c.to));
+        zero_gathered = st::comm_stats().gathered_bytes == 0;
+        EXPECT_EQ(y.placements(), c.to);
+        EXPECT_EQ(y.local().sizes().vec(), y.spec().local_shape());
+        return at::Tensor(y);
+      };
+      EXPECT_TRUE(reference_check(fn, {{x, c.from}}, mesh));
+      EXPECT_TRUE(all_ranks(zero_gathered));
+      // Empty first pieces on both mesh dims, and to explicit uneven sizes.
+      EXPECT_TRUE(reference_check(fn, {empty_first_input(mesh, x, c.from)}, mesh));
+      auto to_sizes = sizes_with_empty_first(mesh, c.to, x.sizes());
+      auto fn_sized = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+        if (!st::ShardTensor::is_shard_tensor(in[0])) return in[0] * 1.0;
+        StrictGuard strict(true);
+        st::ShardTensor y(st::ShardTensor(in[0]).redistribute(c.to, to_sizes));
+        EXPECT_EQ(y.spec().all_shard_sizes(), to_sizes);
+        return at::Tensor(y);
+      };
+      EXPECT_TRUE(reference_check(fn_sized, {{x, c.from}}, mesh));
+    }
+  }
+}
+
+// Cycles on 3-D meshes (4 ranks as 2x1x2, 1x2x2, 2x2x1): two- and three-way
+// cycles, with the other mesh dim sharding, replicating or Partial, and
+// valid steps before (a slice) or after (a gather) the exchange.
+TEST(ShardTensorRedistribute, ShardDimCyclesOnThreeDimMeshes) {
+  if (st::world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const st::Placement Pa = st::Partial{};
+  struct Case {
+    std::vector<int64_t> mesh_shape, shape;
+    st::Placements from, to;
+  };
+  const std::vector<Case> cases = {
+      {{2, 1, 2}, {5, 3, 4}, {S0, S1, S2}, {S1, S0, S2}},
+      {{2, 1, 2}, {3, 5, 2}, {S0, S1, R}, {S1, S0, R}},
+      {{2, 1, 2}, {3, 5}, {S0, S1, Pa}, {S1, S0, Pa}},
+      {{2, 1, 2}, {4, 4, 4}, {S0, S1, S2}, {S1, S0, R}},
+      {{2, 1, 2}, {3, 4, 5}, {S0, S1, S2}, {S1, S2, S0}},
+      {{2, 1, 2}, {3, 4, 5}, {S0, S1, S2}, {S2, S0, S1}},
+      {{1, 2, 2}, {3, 4, 5}, {R, S0, S1}, {S2, S1, S0}},
+      {{2, 2, 1}, {5, 3, 2}, {S0, S1, R}, {S1, S0, S2}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE("mesh " + c10::str(c10::IntArrayRef(c.mesh_shape)) + " " + st::to_string(c.from) +
+                 " -> " + st::to_string(c.to));
+    auto mesh = st::DeviceMesh::create(c.mesh_shape);
+    at::Tensor x = seeded_randn(c.shape, 21);
+    bool zero_gathered = true;
+    auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      if (!st::ShardTensor::is_shard_tensor(in[0])) return in[0] * 1.0;
+      StrictGuard strict(true);
+      st::reset_comm_stats();
+      st::ShardTensor y(st::ShardTensor(in[0]).redistribute(c.to));
+      zero_gathered = st::comm_stats().gathered_bytes == 0;
+      return at::Tensor(y);
+    };
+    EXPECT_TRUE(reference_check(fn, {{x, c.from}}, mesh));
+    EXPECT_TRUE(all_ranks(zero_gathered));
+    EXPECT_TRUE(reference_check(
+        fn, {{x, c.from, true, sizes_with_empty_first(mesh, c.from, x.sizes())}}, mesh));
+  }
+  // [S0, S1, S2] -> [S1, S0, R] on 2x1x2 with [4, 4, 4]: the exchange sends 8
+  // of the 16 elements of the piece (8 stay), then the gather of dim 2 sends
+  // the new 16-element piece to the one peer: 24 elements on every rank.
+  auto mesh = st::DeviceMesh::create({2, 1, 2});
+  st::ShardTensor sx(st::distribute_tensor(seeded_randn({4, 4, 4}, 22), mesh, {S0, S1, S2}));
+  st::reset_comm_stats();
+  st::ShardTensor y(sx.redistribute({S1, S0, R}));
+  const st::CommStats s = st::comm_stats();
+  EXPECT_TRUE(all_ranks(s.bytes_sent == 24 * 4 && s.gathered_bytes == 0))
+      << "sent " << s.bytes_sent;
+}
+
+// The swap's bytes: each rank sends at most its piece (what it keeps stays),
+// and the piece to exactly one peer on the 2x2 mesh for [S0, S1] -> [S1, S0].
+TEST(ShardTensorRedistribute, ShardDimSwapSendsAtMostThePiece) {
+  auto mesh = test_mesh();
+  if (mesh.ndim() < 2) GTEST_SKIP() << "a cycle needs two mesh dims (the 2x2 mesh)";
+  for (const std::vector<int64_t>& shape :
+       {std::vector<int64_t>{8, 6}, {3, 5}, {7, 2, 5}, {64, 64, 64}}) {
+    at::Tensor x = seeded_randn(shape, 3);
+    st::ShardTensor sx(st::distribute_tensor(x, mesh, {S0, S1}));
+    st::reset_comm_stats();
+    st::ShardTensor y(sx.redistribute({S1, S0}));
+    const st::CommStats s = st::comm_stats();
+    const int64_t piece = sx.local().numel() * 4;
+    const auto coord = mesh.coordinate();
+    // The part this rank keeps: rows of its mesh-dim-1 range, cols of its mesh-dim-0 range.
+    const auto& from = sx.spec();
+    const auto& to = y.spec();
+    auto overlap = [](int64_t a, int64_t an, int64_t b, int64_t bn) {
+      return std::max<int64_t>(0, std::min(a + an, b + bn) - std::max(a, b));
+    };
+    int64_t kept = 4;
+    for (int64_t d = 0; d < static_cast<int64_t>(shape.size()); ++d) {
+      kept *= overlap(from.local_offsets()[d], from.local_shape()[d], to.local_offsets()[d],
+                      to.local_shape()[d]);
+    }
+    const bool ok = s.bytes_sent == piece - kept && s.gathered_bytes == 0 &&
+                    s.bytes_received == y.local().numel() * 4 - kept;
+    EXPECT_TRUE(all_ranks(ok)) << "shape " << c10::IntArrayRef(shape) << " coordinate "
+                               << c10::IntArrayRef(coord) << ": sent " << s.bytes_sent
+                               << " received " << s.bytes_received << " piece " << piece << " kept "
+                               << kept;
+    // The same moves as the old plan: all-gather on mesh dim 0, all-to-all on
+    // mesh dim 1, slice on mesh dim 0 (Note [shard-dim swap]).
+    st::reset_comm_stats();
+    st::ShardTensor old(
+        st::ShardTensor(st::ShardTensor(sx.redistribute({R, S1})).redistribute({R, S0}))
+            .redistribute({S1, S0}));
+    const int64_t old_sent = st::comm_stats().bytes_sent;
+    EXPECT_TRUE(all_ranks(s.bytes_sent <= old_sent && s.bytes_sent <= piece));
+    if (shape[0] == 64) {
+      std::cout << "[ swap bytes ] [64,64,64] f32 [S0,S1]->[S1,S0] on 2x2, coordinate "
+                << c10::IntArrayRef(coord) << ": piece " << piece << " B, direct sends "
+                << s.bytes_sent << " B, through Replicate sent " << old_sent << " B\n";
+    }
+    EXPECT_TRUE(all_close(old.full_tensor(), x));
+    EXPECT_TRUE(all_close(y.full_tensor(), x));
+  }
 }
 
 TEST(ShardTensorRedistribute, ShardToPartialIsRejectedOnEveryRank) {

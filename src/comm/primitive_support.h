@@ -78,6 +78,7 @@ enum class Prim : int64_t {
   GatherRange,
   HaloExchange,
   AccumulateRange,
+  BoxExchange,
 };
 
 inline const char* prim_name(Prim p) {
@@ -106,6 +107,8 @@ inline const char* prim_name(Prim p) {
       return "halo_exchange";
     case Prim::AccumulateRange:
       return "accumulate_range";
+    case Prim::BoxExchange:
+      return "box_exchange";
   }
   return "?";
 }

@@ -1,7 +1,8 @@
-// Repartition and all-to-all (shardtensor/comm/primitives.h): the plans
-// (comm/repartition.h: RepartitionPlan, AllToAllPlan, built once from metadata,
-// run many times, inverted for the adjoint) and the differentiable primitives
-// comm::repartition and comm::all_to_all on them. Data moves through the
+// Repartition, all-to-all and box exchange (shardtensor/comm/primitives.h):
+// the plans (comm/repartition.h: RepartitionPlan, AllToAllPlan,
+// BoxExchangePlan, built once from metadata, run many times, inverted for the
+// adjoint) and the differentiable primitives comm::repartition,
+// comm::all_to_all and comm::box_exchange on them. Data moves through the
 // transport's all-to-allv.
 #include "comm/repartition.h"
 #include "comm/function_output.h"
@@ -9,7 +10,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "comm/transport.h"
@@ -198,6 +202,175 @@ at::Tensor AllToAllPlan::run(const at::Tensor& input) const {
   return out;
 }
 
+// ---- BoxExchangePlan ----------------------------------------------------------------
+
+// Note [box exchange]
+// ~~~~~~~~~~~~~~~~~~~
+// comm::box_exchange moves N-d boxes among the ranks that share this rank's
+// coordinates on the mesh dims that are not involved (the sub-communicator of
+// the involved mesh dims). Coordinate c holds the box src[c] and wants dst[c]
+// (per tensor dim a global run [start, start + length)). The message from c
+// to k is the box src[c] & dst[k] (the per-dim intersection of the runs), so
+// every element moves once, straight from where it is to where it goes: the
+// rank sends sum_{k != me} |src[me] & dst[k]| <= |src[me]| elements (its
+// piece, less what stays) and receives at most |dst[me]|. Both sides compute
+// the same intersection box and copy it in the same (row-major) order, so
+// the payload needs no headers; the part that stays (src[me] & dst[me]) is a
+// local copy. One all-to-allv over the group carries all messages. The
+// adjoint is the same exchange with src and dst swapped (the inverse plan),
+// run as the same Function under create_graph (Note [differentiable
+// adjoints]). A one-mesh-dim exchange whose boxes shard src_dim and dst_dim
+// is all_to_all(); several mesh dims at once is what a cycle of Shard ->
+// Shard transitions needs (Note [shard-dim swap] in tensor/shard_tensor.cpp).
+
+namespace {
+
+int64_t box_volume(const Box& b) {
+  int64_t n = 1;
+  for (const auto& r : b) {
+    n *= r.length;
+  }
+  return n;
+}
+
+/// The per-dim intersection of two boxes of the same rank (a run of length 0
+/// where they do not meet).
+Box box_and(const Box& a, const Box& b) {
+  Box out(a.size());
+  for (size_t d = 0; d < a.size(); ++d) {
+    const int64_t lo = std::max(a[d].start, b[d].start);
+    const int64_t hi = std::min(a[d].start + a[d].length, b[d].start + b[d].length);
+    out[d] = Segment{lo, std::max<int64_t>(hi - lo, 0)};
+  }
+  return out;
+}
+
+/// The view of `t` (which holds the box `own`) at the global box `part` (inside `own`).
+at::Tensor box_view(const at::Tensor& t, const Box& own, const Box& part) {
+  at::Tensor v = t;
+  for (size_t d = 0; d < part.size(); ++d) {
+    v = v.narrow(static_cast<int64_t>(d), part[d].start - own[d].start, part[d].length);
+  }
+  return v;
+}
+
+std::vector<int64_t> box_shape(const Box& b) {
+  std::vector<int64_t> out;
+  for (const auto& r : b) {
+    out.push_back(r.length);
+  }
+  return out;
+}
+
+}  // namespace
+
+BoxExchangePlan::BoxExchangePlan(BoxGroup group, std::vector<Box> src, std::vector<Box> dst)
+    : group_(group), src_(std::move(src)), dst_(std::move(dst)) {
+  const int64_t P = group_.size, me = group_.me;
+  sends_.resize(P);
+  recvs_.resize(P);
+  send_numel_.assign(P, 0);
+  recv_numel_.assign(P, 0);
+  for (int64_t c = 0; c < P; ++c) {
+    sends_[c] = box_and(src_[me], dst_[c]);
+    recvs_[c] = box_and(src_[c], dst_[me]);
+    if (c != me) {
+      send_numel_[c] = box_volume(sends_[c]);
+      recv_numel_[c] = box_volume(recvs_[c]);
+    }
+  }
+  send_displ_ = exclusive_offsets(send_numel_);
+  recv_displ_ = exclusive_offsets(recv_numel_);
+}
+
+at::Tensor BoxExchangePlan::run(const at::Tensor& local) const {
+  const int64_t P = group_.size, me = group_.me;
+  const Box& mine = src_[me];
+  const Box& want = dst_[me];
+  at::Tensor out = at::empty(box_shape(want), local.options());
+  at::Tensor send = at::empty({sum_of(send_numel_)}, local.options());
+  at::Tensor recv = at::empty({sum_of(recv_numel_)}, local.options());
+  for (int64_t c = 0; c < P; ++c) {
+    if (c == me || send_numel_[c] == 0) {
+      continue;
+    }
+    send.narrow(0, send_displ_[c], send_numel_[c])
+        .view(box_shape(sends_[c]))
+        .copy_(box_view(local, mine, sends_[c]));
+  }
+  if (box_volume(sends_[me]) > 0) {
+    box_view(out, want, sends_[me]).copy_(box_view(local, mine, sends_[me]));
+  }
+  all_to_all_units(send, send_numel_, send_displ_, recv, recv_numel_, recv_displ_,
+                   local.element_size(), group_.comm);
+  for (int64_t c = 0; c < P; ++c) {
+    if (c == me || recv_numel_[c] == 0) {
+      continue;
+    }
+    box_view(out, want, recvs_[c])
+        .copy_(recv.narrow(0, recv_displ_[c], recv_numel_[c]).view(box_shape(recvs_[c])));
+  }
+  return out;
+}
+
+// Note [box exchange plan cache]: a BoxExchangePlan depends only on metadata
+// (the group's communicator, this coordinate and the boxes), and validating
+// the boxes is O(P^2) in the number of coordinates. Plans are cached by that
+// key as halo plans are (Note [halo plan cache] in halo.cpp): a call that
+// finds its plan skips the box validation (it passed when the plan was made,
+// for the same boxes) and checks only the local tensor. At most
+// kMaxBoxPlans plans; the cache is cleared when full. The key holds the
+// MPI_Comm handle's bits, so a plan is never reused on another communicator.
+namespace {
+
+constexpr size_t kMaxBoxPlans = 512;
+
+struct BoxKeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const {
+    return static_cast<size_t>(Fingerprint().add(k).value());
+  }
+};
+
+struct BoxPlanCache {
+  std::mutex mu;
+  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const BoxExchangePlan>, BoxKeyHash>
+      plans;
+};
+
+BoxPlanCache& box_plan_cache() {
+  static auto* c = new BoxPlanCache();  // never destroyed (plans may be used at exit)
+  return *c;
+}
+
+std::vector<int64_t> box_plan_key(const BoxGroup& g, const std::vector<Box>& src,
+                                  const std::vector<Box>& dst) {
+  std::vector<int64_t> key;
+  int64_t comm_bits = 0;
+  std::memcpy(&comm_bits, &g.comm, std::min(sizeof(g.comm), sizeof(comm_bits)));
+  key.push_back(comm_bits);
+  key.push_back(g.size);
+  key.push_back(g.me);
+  for (const auto* boxes : {&src, &dst}) {
+    key.push_back(static_cast<int64_t>(boxes->size()));
+    for (const Box& b : *boxes) {
+      key.push_back(static_cast<int64_t>(b.size()));
+      for (const auto& r : b) {
+        key.push_back(r.start);
+        key.push_back(r.length);
+      }
+    }
+  }
+  return key;
+}
+
+}  // namespace
+
+size_t box_plan_cache_size() {
+  auto& c = box_plan_cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.plans.size();
+}
+
 namespace {
 
 // ---- autograd functions ------------------------------------------------------------
@@ -225,6 +398,7 @@ struct PlanFn : torch::autograd::Function<PlanFn<Plan>> {
 };
 using RemapFn = PlanFn<RepartitionPlan>;
 using AllToAllFn = PlanFn<AllToAllPlan>;
+using BoxExchangeFn = PlanFn<BoxExchangePlan>;
 
 /// Records an error unless the runs of all coordinates tile [0, n) exactly.
 bool check_tiling(Checks& checks, const Layout& layout, int64_t n, const char* what) {
@@ -253,6 +427,56 @@ bool check_tiling(Checks& checks, const Layout& layout, int64_t n, const char* w
   }
   return checks.require(next == n, what, " cover [0, ", next, ") but the destination sizes sum to ",
                         n);
+}
+
+/// Records an error unless `boxes` has one box of `ndim` non-negative runs per
+/// coordinate and the boxes are pairwise disjoint.
+bool check_boxes(Checks& checks, const std::vector<Box>& boxes, int64_t P, int64_t ndim,
+                 const char* what) {
+  if (!checks.require(static_cast<int64_t>(boxes.size()) == P, what, " has ", boxes.size(),
+                      " boxes but the mesh dims have ", P, " coordinates")) {
+    return false;
+  }
+  for (int64_t c = 0; c < P; ++c) {
+    if (!checks.require(static_cast<int64_t>(boxes[c].size()) == ndim, what, "[", c, "] has ",
+                        boxes[c].size(), " runs but the local tensor has ", ndim, " dims")) {
+      return false;
+    }
+    for (int64_t d = 0; d < ndim; ++d) {
+      if (!checks.require(boxes[c][d].start >= 0 && boxes[c][d].length >= 0, what, "[", c,
+                          "] has the run [", boxes[c][d].start, ", +", boxes[c][d].length,
+                          ") with a negative start or length along dim ", d)) {
+        return false;
+      }
+    }
+  }
+  for (int64_t c = 0; c < P; ++c) {
+    for (int64_t k = c + 1; k < P; ++k) {
+      if (!checks.require(box_volume(box_and(boxes[c], boxes[k])) == 0, what, "[", c, "] and ",
+                          what, "[", k, "] overlap")) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+/// Records an error unless every box of `a` is covered by the boxes of `b`
+/// (with disjoint boxes: |a[c]| = sum_k |a[c] & b[k]|).
+bool check_covered(Checks& checks, const std::vector<Box>& a, const std::vector<Box>& b,
+                   const char* a_what, const char* b_what) {
+  for (size_t c = 0; c < a.size(); ++c) {
+    int64_t covered = 0;
+    for (const Box& other : b) {
+      covered += box_volume(box_and(a[c], other));
+    }
+    if (!checks.require(covered == box_volume(a[c]), a_what, "[", c, "] is not covered by the ",
+                        b_what, " (", covered, " of its ", box_volume(a[c]),
+                        " elements are): the boxes do not cover the same indices")) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
@@ -339,6 +563,68 @@ at::Tensor all_to_all(const at::Tensor& local, const DeviceMesh& mesh, int64_t m
   }
   return AllToAllFn::apply(local.contiguous(),
                            std::make_shared<const AllToAllPlan>(a, sd, src_sizes, dd, dst_sizes));
+}
+
+at::Tensor box_exchange(const at::Tensor& local, const DeviceMesh& mesh,
+                        const std::vector<int64_t>& mesh_dims, const std::vector<Box>& src_boxes,
+                        const std::vector<Box>& dst_boxes) {
+  const Prim p = Prim::BoxExchange;
+  const Group g = group(p, mesh, mesh_dims);
+  TORCH_CHECK(!g.dims.empty(), prefix(p), "needs at least one mesh dim");
+  TORCH_CHECK(local.defined(), prefix(p), "the local tensor is undefined");
+  BoxGroup bg;
+  bg.comm = g.comm;
+  bg.size = 1;
+  bg.me = 0;
+  const auto coord = mesh.coordinate();
+  for (int64_t d : g.dims) {  // row-major over the sorted dims: MPI_Cart_sub's rank order
+    bg.me = bg.me * mesh.size(d) + coord[d];
+    bg.size *= mesh.size(d);
+  }
+  Checks checks(p);
+  auto key = box_plan_key(bg, src_boxes, dst_boxes);
+  auto& cache = box_plan_cache();
+  std::shared_ptr<const BoxExchangePlan> plan;
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.plans.find(key);
+    if (it != cache.plans.end()) {
+      plan = it->second;
+    }
+  }
+  const int64_t nd = local.dim();
+  if (plan == nullptr) {
+    if (check_boxes(checks, src_boxes, bg.size, nd, "src_boxes") &&
+        check_boxes(checks, dst_boxes, bg.size, nd, "dst_boxes") &&
+        check_covered(checks, src_boxes, dst_boxes, "src_boxes", "dst_boxes")) {
+      check_covered(checks, dst_boxes, src_boxes, "dst_boxes", "src_boxes");
+    }
+  }
+  if (checks.ok()) {
+    checks.require(local.sizes().vec() == box_shape(src_boxes[bg.me]),
+                   "the local tensor has shape ", local.sizes(), " but src_boxes[", bg.me,
+                   "] has extents ", c10::IntArrayRef(box_shape(src_boxes[bg.me])));
+  }
+  Fingerprint fp;
+  fp.add(g.dims).add(static_cast<int64_t>(local.scalar_type())).add(nd);
+  for (size_t i = 1; i < key.size(); ++i) {
+    if (i != 2) {
+      fp.add(key[i]);  // the boxes (not the handle's bits, nor this rank's coordinate)
+    }
+  }
+  agree_or_throw(p, g.comm, fp, checks);
+  if (plan == nullptr) {
+    TORCH_INTERNAL_ASSERT(transport::comm_rank(bg.comm) == bg.me, "box_exchange: rank ",
+                          transport::comm_rank(bg.comm), " in the sub-communicator is not the ",
+                          "row-major coordinate ", bg.me);
+    plan = std::make_shared<const BoxExchangePlan>(bg, src_boxes, dst_boxes);
+    std::lock_guard<std::mutex> lock(cache.mu);
+    if (cache.plans.size() >= kMaxBoxPlans) {
+      cache.plans.clear();
+    }
+    cache.plans.emplace(std::move(key), plan);
+  }
+  return BoxExchangeFn::apply(local, plan);
 }
 
 }  // namespace shardtensor::comm

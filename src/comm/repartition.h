@@ -1,6 +1,7 @@
 #pragma once
-/// \file Repartition and all-to-all plans (private to comm/): who sends which
-/// rows to whom when a tensor dim changes owners along one mesh dim. Built
+/// \file Repartition, all-to-all and box exchange plans (private to comm/):
+/// who sends which rows (or N-d boxes) to whom when tensor dims change owners
+/// along one mesh dim (or, for boxes, several mesh dims at once). Built
 /// once from metadata that is identical on every rank (no communication),
 /// run as many times as needed (each run is one all-to-allv over the mesh
 /// dim), and inverted for the adjoint. The differentiable primitives
@@ -10,6 +11,9 @@
 #include <ATen/core/Tensor.h>
 #include <shardtensor/comm/primitives.h>
 
+#include <mpi.h>
+
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -68,5 +72,38 @@ class AllToAllPlan {
   int64_t src_dim_ = 0, dst_dim_ = 0;
   std::vector<int64_t> src_sizes_, dst_sizes_, src_off_, dst_off_;
 };
+
+/// The mesh dims of a box exchange as seen from this rank.
+struct BoxGroup {
+  MPI_Comm comm = MPI_COMM_NULL;  // the sub-communicator of the involved mesh dims
+  int64_t size = 1;               // coordinates of the involved mesh dims together
+  int64_t me = 0;                 // this rank's row-major coordinate among them (its rank in comm)
+};
+
+/// N-d boxes to N-d boxes over the ranks of a BoxGroup (Note [box exchange]):
+/// coordinate c holds src[c] and gets dst[c].
+class BoxExchangePlan {
+ public:
+  /// Local (metadata only). `src` and `dst` have one box per coordinate and
+  /// cover the same indices (validated by comm::box_exchange, not here).
+  BoxExchangePlan(BoxGroup group, std::vector<Box> src, std::vector<Box> dst);
+  /// Collective over the group: `local` holds src[me]; returns dst[me]. Not
+  /// differentiable.
+  at::Tensor run(const at::Tensor& local) const;
+  /// Local. The plan of the inverse exchange (the adjoint of run()).
+  BoxExchangePlan inverse() const { return BoxExchangePlan(group_, dst_, src_); }
+
+ private:
+  BoxGroup group_;
+  std::vector<Box> src_, dst_;
+  // Per peer coordinate, the global box sent (src[me] & dst[c]) and received
+  // (src[c] & dst[me]); sends_[me] is the local copy. Empty boxes: nothing.
+  std::vector<Box> sends_, recvs_;
+  std::vector<int64_t> send_numel_, recv_numel_, send_displ_, recv_displ_;
+};
+
+/// Local. Number of box exchange plans cached (bounded, Note [box exchange
+/// plan cache] in repartition.cpp); for tests.
+size_t box_plan_cache_size();
 
 }  // namespace shardtensor::comm

@@ -100,6 +100,36 @@ at::Tensor repartition(const at::Tensor& local, const DeviceMesh& mesh, int64_t 
                        int64_t dim, const std::vector<std::vector<Segment>>& segments,
                        const std::vector<int64_t>& dst_sizes);
 
+/// An N-d box of a tensor: per tensor dim, the global index run
+/// [start, start + length) (box[d] for tensor dim d).
+using Box = std::vector<Segment>;
+
+/// Collective over `mesh_dims` (the sub-communicator of those mesh dims; the
+/// first call for a new set of several mesh dims creates it, which is
+/// collective over the whole mesh). Moves N-d boxes between the ranks that
+/// share this rank's coordinates on the other mesh dims (Note [box exchange]).
+/// Coordinates of the involved mesh dims are numbered row-major over
+/// `mesh_dims` sorted ascending (mesh dim sizes multiplied out: c = sum_i
+/// coord[dims[i]] * stride_i); `src_boxes[c]` is the box coordinate c holds,
+/// `dst_boxes[c]` the box it gets. `local` holds this coordinate's source box
+/// (its extents are the box's lengths); the result holds its destination box.
+/// Every rank sends the intersection of its source box with each peer's
+/// destination box, so it sends at most its local piece. Within each list the
+/// boxes must be pairwise disjoint and both lists must cover the same
+/// indices (every source box is covered by destination boxes and the other
+/// way round). With one mesh dim and boxes that shard src_dim / dst_dim it is
+/// all_to_all(). Backward: the inverse exchange (dst -> src), itself
+/// differentiable (Note [differentiable adjoints]). Plans are cached (Note
+/// [box exchange plan cache]). Throws c10::Error on every rank, before any
+/// communication, when the mesh or mesh_dims are invalid or empty, a list
+/// does not have one box per coordinate, a box does not have one run per
+/// tensor dim of `local`, a run is negative, boxes overlap or the lists do
+/// not cover the same indices; and (carried to the other ranks, Note
+/// [collective discipline]) when `local`'s shape is not its source box's.
+at::Tensor box_exchange(const at::Tensor& local, const DeviceMesh& mesh,
+                        const std::vector<int64_t>& mesh_dims, const std::vector<Box>& src_boxes,
+                        const std::vector<Box>& dst_boxes);
+
 /// Collective over `mesh_dim`: the general halo exchange. `sizes` is the
 /// partition of tensor dim `dim` (global extent n = sum(sizes)); `ranges[c]`
 /// is the half-open global index range [lo, hi) that coordinate c wants, which

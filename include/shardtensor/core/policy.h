@@ -7,8 +7,9 @@
 /// ShardTensor inputs are all-gathered, the op runs on full tensors and the
 /// results are re-sharded. Some rules also replicate more than a rank's piece
 /// (matmul replicating an operand where no ring applies, Note [ring matmul];
-/// a channel-sharded input of a grouped conv, Note [channel-sharded conv]; a
-/// shard-dim swap that goes through Replicate). Every such gather is counted in
+/// a channel-sharded input of a grouped conv, Note [channel-sharded conv]). A
+/// shard-dim swap in redistribute is not one: it is a direct exchange (Note
+/// [shard-dim swap] in src/tensor/shard_tensor.cpp). Every such gather is counted in
 /// CommStats::gathered_bytes and announced by a one-line warning, once per op
 /// name, on mesh rank 0. In strict mode (SHARDTENSOR_STRICT=1 in the
 /// environment, or set_strict(true)) they are refused instead: a c10::Error
