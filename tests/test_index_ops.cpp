@@ -1,9 +1,9 @@
 // Index ops along any dim of an N-d ShardTensor (Note [index ops along any
 // dim], src/ops/graph_ops.cpp): index_select, gather, index_add, scatter_add,
-// scatter_reduce, index_copy, index_fill along the sharded dim H of a
-// [B, C, H, W] field (with a replicated index and with an index sharded along
-// the result's dim) and along the unsharded dim C (local, no communication),
-// against single-process libtorch on the gathered tensors, forward and
+// scatter_reduce, index_copy, index_fill, index_reduce and scatter(...,
+// reduce=) along the sharded dim H of a [B, C, H, W] field (with a
+// replicated index and with an index sharded along the result's dim) and along the unsharded dim C
+// (local, no communication), against single-process libtorch on the gathered tensors, forward and
 // backward; the traffic (only the rows a rank lacks move; nothing along C);
 // bad input.
 //
@@ -211,6 +211,112 @@ TEST(IndexOps, ReductionsAlongTheShardedDimEqualSingleProcess) {
             tol(dt));
     }
   }
+}
+
+// ---- legacy scatter reductions, index_reduce ------------------------------------------
+
+/// Values only (libtorch 1.13 has no derivative for scatter(..., reduce)):
+/// strict, nothing falls back.
+void check_values(const std::string& what, const Fn& fn, const std::vector<RefInput>& in,
+                  const st::DeviceMesh& mesh, double t) {
+  auto fb = fallbacks_of([&] {
+    StrictOn strict;
+    EXPECT_TRUE(reference_check(fn, in, mesh, {}, t, t, /*check_backward=*/false)) << what;
+  });
+  EXPECT_EQ(fb.first, 0) << what;
+  EXPECT_EQ(fb.second, 0) << what;
+}
+
+TEST(IndexOps, LegacyScatterReductionsAndIndexReduceEqualSingleProcess) {
+  auto mesh = test_mesh();
+  const int64_t E = 13;
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({B, C, H, W}, 60, 0.2, 1.0).to(dt);  // near 1: products stay tame
+    at::Tensor idx = randint(H, {E}, 61);                   // duplicates
+    at::Tensor idx4 = randint(H, {B, C, E, W}, 62);
+    at::Tensor src = rnd({B, C, E, W}, 63, 0.2, 1.0).to(dt);
+    at::Tensor cidx = randint(C, {5}, 64);
+    at::Tensor csrc = rnd({B, 5, H, W}, 65, 0.2, 1.0).to(dt);
+    for (bool empty : {false, true}) {
+      const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
+      for (const char* reduce : {"add", "multiply"}) {
+        const std::string r = std::string(" ") + reduce + tag;
+        auto sred = op([reduce](auto& in) { return in[0].scatter(2, in[1], in[2], reduce); });
+        check_values("scatter.reduce, sharded index and src" + r, sred,
+                     {field(mesh, x, empty, false), field(mesh, idx4, !empty, false),
+                      field(mesh, src, !empty, false)},
+                     mesh, tol(dt));
+        check_values("scatter.reduce, replicated index and src" + r, sred,
+                     {field(mesh, x, empty, false), plain(idx4), plain(src)}, mesh, tol(dt));
+        auto vred = op([reduce](auto& in) { return in[0].scatter(-2, in[1], 1.25, reduce); });
+        check_values("scatter.value_reduce, sharded index" + r, vred,
+                     {field(mesh, x, empty, false), field(mesh, idx4, empty, false)}, mesh,
+                     tol(dt));
+        check_values("scatter.value_reduce, replicated index" + r, vred,
+                     {field(mesh, x, empty, false), plain(idx4)}, mesh, tol(dt));
+        check_values("scatter_.reduce and scatter_.value_reduce (in place)" + r,
+                     op([reduce](auto& in) {
+                       at::Tensor y = in[0] * 1.5;
+                       y.scatter_(2, in[1], in[2], reduce);
+                       return y.scatter_(2, in[1], 0.75, reduce);
+                     }),
+                     {field(mesh, x, empty, false), field(mesh, idx4, empty, false),
+                      field(mesh, src, empty, false)},
+                     mesh, tol(dt));
+        check_values(
+            "scatter.reduce along the unsharded dim" + r,
+            op([reduce](auto& in) { return in[0].scatter(1, in[1], in[2], reduce); }),
+            {field(mesh, x, empty, false), field(mesh, randint(C, {B, 2, H, W}, 66), empty, false),
+             field(mesh, rnd({B, 2, H, W}, 67, 0.2, 1.0).to(dt), empty, false)},
+            mesh, tol(dt));
+      }
+      for (const char* reduce : {"prod", "mean", "amax", "amin"}) {
+        for (bool include_self : {true, false}) {
+          const std::string r =
+              std::string(" ") + reduce + " include_self=" + std::to_string(include_self) + tag;
+          auto ired = op([reduce, include_self](auto& in) {
+            return in[0].index_reduce(2, in[1], in[2], reduce, include_self);
+          });
+          check("index_reduce, replicated index and src" + r, ired,
+                {field(mesh, x, empty), plain(idx), plain(src, true)}, mesh, tol(dt));
+          check("index_reduce, sharded index and src" + r, ired,
+                {field(mesh, x, empty), entries(mesh, idx, !empty), field(mesh, src, !empty)}, mesh,
+                tol(dt));
+          check("index_reduce_ (in place)" + r, op([reduce, include_self](auto& in) {
+                  at::Tensor y = in[0] * 0.5;
+                  return y.index_reduce_(2, in[1], in[2], reduce, include_self);
+                }),
+                {field(mesh, x, empty), plain(idx), field(mesh, src, empty)}, mesh, tol(dt));
+          check("index_reduce along the unsharded dim" + r, op([reduce, include_self](auto& in) {
+                  return in[0].index_reduce(1, in[1], in[2], reduce, include_self);
+                }),
+                {field(mesh, x, empty), plain(cidx), field(mesh, csrc, empty)}, mesh, tol(dt));
+        }
+      }
+    }
+  }
+  // Ties for amax: equal entries and self split the gradient evenly, as in libtorch.
+  at::Tensor xt = at::zeros({B, C, H, W});
+  at::Tensor st_ = at::zeros({B, C, E, W});
+  at::Tensor tidx = randint(H, {E}, 70);  // duplicates
+  check("index_reduce amax with ties",
+        op([](auto& in) { return in[0].index_reduce(2, in[1], in[2], "amax", true); }),
+        {field(mesh, xt, false), entries(mesh, tidx, false), field(mesh, st_, false)}, mesh, 1e-6);
+  // Integer mean: floor division, as libtorch.
+  at::Tensor xi = randint(100, {B, C, H, W}, 68), si = randint(100, {B, C, E, W}, 69);
+  check_values("index_reduce mean on int64",
+               op([](auto& in) { return in[0].index_reduce(2, in[1], in[2], "mean", true); }),
+               {field(mesh, xi, true, false), plain(tidx), field(mesh, si, false, false)}, mesh, 0);
+  // Bad reductions raise on every rank, naming the op.
+  at::Tensor x = rnd({B, C, H, W}, 71), src = rnd({B, C, E, W}, 72);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, fit_placements(mesh, kField)));
+  EXPECT_TRUE(throws_everywhere([&] { (void)sx.index_reduce(2, tidx, src, "sum"); },
+                                {"aten::index_reduce", "prod, mean, amax or amin"}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        (void)sx.scatter(2, randint(H, {B, C, E, W}, 73), src, "max");
+      },
+      {"aten::scatter.reduce", "add or multiply"}));
 }
 
 // ---- along an unsharded dim ---------------------------------------------------------
