@@ -1,7 +1,8 @@
 // Index ops along any dim of an N-d ShardTensor (Note [index ops along any
 // dim], src/ops/graph_ops.cpp): index_select, gather, index_add, scatter_add,
 // scatter_reduce, index_copy, index_fill, index_reduce and scatter(...,
-// reduce=) along the sharded dim H of a [B, C, H, W] field (with a
+// reduce=), and x[i, j] / index_put_ with several indices (Note [several
+// indices], src/ops/index_ops.cpp) along the sharded dim H of a [B, C, H, W] field (with a
 // replicated index and with an index sharded along the result's dim) and along the unsharded dim C
 // (local, no communication), against single-process libtorch on the gathered tensors, forward and
 // backward; the traffic (only the rows a rank lacks move; nothing along C);
@@ -317,6 +318,83 @@ TEST(IndexOps, LegacyScatterReductionsAndIndexReduceEqualSingleProcess) {
         (void)sx.scatter(2, randint(H, {B, C, E, W}, 73), src, "max");
       },
       {"aten::scatter.reduce", "add or multiply"}));
+}
+
+// ---- several indices (Note [several indices], src/ops/index_ops.cpp) -------------------
+
+at::Tensor index_at(const at::Tensor& x, int64_t first, const std::vector<at::Tensor>& ids) {
+  c10::List<c10::optional<at::Tensor>> l;
+  for (int64_t i = 0; i < first; ++i) l.push_back(c10::nullopt);
+  for (const auto& t : ids) l.push_back(t);
+  return at::index(x, l);
+}
+
+c10::List<c10::optional<at::Tensor>> list_at(int64_t first, const std::vector<at::Tensor>& ids) {
+  c10::List<c10::optional<at::Tensor>> l;
+  for (int64_t i = 0; i < first; ++i) l.push_back(c10::nullopt);
+  for (const auto& t : ids) l.push_back(t);
+  return l;
+}
+
+TEST(IndexOps, SeveralIndicesEqualSingleProcess) {
+  auto mesh = test_mesh();
+  const int64_t E = 9;
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({B, C, H, W}, 80).to(dt);
+    at::Tensor i = randint(H, {E}, 81) - 3;  // duplicates and negative ids
+    at::Tensor j = randint(W, {E}, 82);
+    at::Tensor c = randint(C, {E}, 83);
+    at::Tensor ic = randint(H, {4, 1}, 84), jr = randint(W, {1, 3}, 85);  // broadcast to [4, 3]
+    at::Tensor v = rnd({B, C, E}, 86).to(dt), v1 = rnd({E}, 87).to(dt);
+    at::Tensor ci = rnd({B, E, W}, 88).to(dt);
+    at::Tensor di = distinct(H, E, 89);  // distinct (i, j) pairs
+    for (bool empty : {false, true}) {
+      const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
+      check("x[:, :, i, j]" + tag, op([](auto& in) {
+              return index_at(in[0], 2, {in[1], in[2]});
+            }),
+            {field(mesh, x, empty), plain(i), plain(j)}, mesh, tol(dt));
+      check("x[:, :, i, j], broadcast indices" + tag, op([](auto& in) {
+              return index_at(in[0], 2, {in[1], in[2]});
+            }),
+            {field(mesh, x, empty), plain(ic), plain(jr)}, mesh, tol(dt));
+      check("x[:, c, i] (an unsharded and a sharded dim)" + tag, op([](auto& in) {
+              return index_at(in[0], 1, {in[1], in[2]}) * 2.0;
+            }),
+            {field(mesh, x, empty), plain(c), plain(i)}, mesh, tol(dt));
+      check("x[:, c, i, j]" + tag, op([](auto& in) {
+              return index_at(in[0], 1, {in[1], in[2], in[3]});
+            }),
+            {field(mesh, x, empty), plain(c), plain(i), plain(j)}, mesh, tol(dt));
+      for (bool acc : {true, false}) {
+        const at::Tensor& ii = acc ? i : di;
+        const std::string a = std::string(acc ? " accumulate" : "") + tag;
+        check("index_put(x, [:, :, i, j], v)" + a, op([acc](auto& in) {
+                return at::index_put(in[0], list_at(2, {in[1], in[2]}), in[3], acc);
+              }),
+              {field(mesh, x, empty), plain(ii), plain(j), plain(v, true)}, mesh, tol(dt));
+        check("index_put_ (in place), broadcast values" + a, op([acc](auto& in) {
+                at::Tensor y = in[0] * 1.5;
+                return y.index_put_(list_at(2, {in[1], in[2]}), in[3], acc);
+              }),
+              {field(mesh, x, empty), plain(ii), plain(j), plain(v1, true)}, mesh, tol(dt));
+        check("index_put(x, [:, c, i], v)" + a, op([acc](auto& in) {
+                return at::index_put(in[0], list_at(1, {in[1], in[2]}), in[3], acc);
+              }),
+              {field(mesh, x, empty), plain(acc ? c : distinct(C, 2, 90)),
+               plain(acc ? ii : di.narrow(0, 0, 2)), plain(acc ? ci : ci.narrow(1, 0, 2), true)},
+              mesh, tol(dt));
+      }
+    }
+  }
+  // An id out of range raises on every rank, naming the op.
+  st::ShardTensor sx(
+      st::distribute_tensor(rnd({B, C, H, W}, 91), mesh, fit_placements(mesh, kField)));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        (void)index_at(sx, 2, {at::full({2}, H, at::kLong), at::zeros({2}, at::kLong)});
+      },
+      {"aten::index.Tensor", "out of bounds"}));
 }
 
 // ---- along an unsharded dim ---------------------------------------------------------
