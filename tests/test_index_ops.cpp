@@ -2,9 +2,10 @@
 // dim], src/ops/graph_ops.cpp): index_select, gather, index_add, scatter_add,
 // scatter_reduce, index_copy, index_fill, index_reduce and scatter(...,
 // reduce=), and x[i, j] / index_put_ with several indices (Note [several
-// indices], src/ops/index_ops.cpp) along the sharded dim H of a [B, C, H, W] field (with a
-// replicated index and with an index sharded along the result's dim) and along the unsharded dim C
-// (local, no communication), against single-process libtorch on the gathered tensors, forward and
+// indices], src/ops/index_ops.cpp), along the sharded dim H of a [B, C, H, W]
+// field (with a replicated index and with an index sharded along the
+// result's dim) and along the unsharded dim C (local, no communication),
+// against single-process libtorch on the gathered tensors, forward and
 // backward; the traffic (only the rows a rank lacks move; nothing along C);
 // bad input.
 //
