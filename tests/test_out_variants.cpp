@@ -112,6 +112,9 @@ TEST(OutVariants, SumOut) {
           {sh(mesh, x, {S1, S0}, empty), sh(mesh, at::zeros({5, 4}), {S0, S1})}, mesh);
     check("sum_out into an empty out=" + tag, fn, {sh(mesh, x, {S1, S2}, empty), empty_out(mesh)},
           mesh);
+    // An out= of another shape that holds elements is resized too (libtorch warns).
+    check("sum_out into a non-empty out= of another shape" + tag, fn,
+          {sh(mesh, x, {S1, S0}, empty), sh(mesh, at::zeros({3, 2}), {S1, S0})}, mesh);
     check("sum_out keepdim" + tag, fk,
           {sh(mesh, x, {S1, S0}, empty), sh(mesh, at::zeros({1, 9, 1}), {S1, R})}, mesh);
   }
