@@ -115,6 +115,9 @@ TEST(OutVariants, SumOut) {
     // An out= of another shape that holds elements is resized too (libtorch warns).
     check("sum_out into a non-empty out= of another shape" + tag, fn,
           {sh(mesh, x, {S1, S0}, empty), sh(mesh, at::zeros({3, 2}), {S1, S0})}, mesh);
+    // No dtype given: computed in the out= tensor's dtype (here from int64).
+    check("sum_out of int64 into a float out=" + tag, fn,
+          {sh(mesh, at::round(x * 10).to(at::kLong), {S1, S0}, empty), empty_out(mesh)}, mesh);
     check("sum_out keepdim" + tag, fk,
           {sh(mesh, x, {S1, S0}, empty), sh(mesh, at::zeros({1, 9, 1}), {S1, R})}, mesh);
   }

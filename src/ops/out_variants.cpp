@@ -13,7 +13,9 @@
 //  - with the result's global shape it keeps its own layout: the result is
 //    redistributed into it (local when the layouts agree; a gather is
 //    visible, Note [visible gathers]) and cast to its dtype, which must be one
-//    the result's dtype can be cast to (libtorch's rule for out=);
+//    the result's dtype can be cast to (libtorch's rule for out=); a
+//    functional overload with a `dtype` argument left unset (sum, cumsum,
+//    softmax, ...) computes in the out= tensor's dtype, as libtorch does;
 //  - with another shape it is resized as libtorch's resize_output does (with
 //    its warning when it held elements): it takes the result's layout
 //    (Partial summed), holds a fresh piece, and keeps its dtype. A view that
@@ -218,6 +220,17 @@ void run_adapter(const Target& t, const c10::OperatorHandle& op, Stack* stack) {
     if (s->has_partial()) fail(op, args, "the out= tensor must not be Partial");
   }
   Stack f = functional_args(t.shape, args);
+  if (t.shape.outs.size() == 1) {
+    // libtorch computes in the out= tensor's dtype when `dtype` is not given
+    // (sum_out, cumsum_out, ...).
+    const auto& fa = t.functional.schema().arguments();
+    for (size_t k = 0; k < fa.size(); ++k) {
+      if (fa[k].name() == "dtype" && f[k].isNone() &&
+          fa[k].type()->kind() == c10::TypeKind::OptionalType) {
+        f[k] = args[t.shape.outs[0]].toTensor().scalar_type();
+      }
+    }
+  }
   (*t.rule)(t.functional, &f);
   TORCH_INTERNAL_ASSERT(f.size() == t.shape.outs.size(), "unexpected number of results of ",
                         t.functional.operator_name());
