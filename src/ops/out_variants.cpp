@@ -33,7 +33,9 @@
 // on the out-variants, which therefore behave alike: a result in any layout
 // lands in the out= tensor's layout. Every decision depends on metadata only,
 // so every rank takes the same path. op_coverage() reports these ops as
-// "out-adapter".
+// "out-adapter". Cost: the functional result is a temporary, so an out=
+// call holds one more result-sized piece than libtorch's in-place kernel
+// would, and with equal layouts the copy is a local memcpy.
 #include "ops/out_variants.h"
 
 #include <ATen/ATen.h>
@@ -52,14 +54,14 @@
 namespace shardtensor::ops {
 namespace {
 
-struct Shape {
+struct OutArgs {
   std::vector<size_t> outs;   // indices of the out= arguments, in the order of the returns
   std::vector<size_t> plain;  // indices of the other arguments
 };
 
 /// The out= arguments of `s` when it is an out-variant, else nullopt.
-std::optional<Shape> out_shape(const c10::FunctionSchema& s) {
-  Shape r;
+std::optional<OutArgs> out_shape(const c10::FunctionSchema& s) {
+  OutArgs r;
   const auto& args = s.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
     const auto* a = args[i].alias_info();
@@ -92,7 +94,7 @@ std::optional<Shape> out_shape(const c10::FunctionSchema& s) {
 /// Whether `f` is the functional form of the out-variant `s` (whose other
 /// arguments are `plain`).
 bool is_functional_of(const c10::FunctionSchema& f, const c10::FunctionSchema& s,
-                      const Shape& shape) {
+                      const OutArgs& shape) {
   const auto& fa = f.arguments();
   if (fa.size() != shape.plain.size() || f.returns().size() != shape.outs.size()) return false;
   for (size_t k = 0; k < fa.size(); ++k) {
@@ -125,10 +127,11 @@ struct Target {
   const Accepts* accepts;    // the functional rule's predicate, or nullptr
   const Rule* own;           // the out-variant's rule for every overload, or nullptr
   const Accepts* own_takes;  // its predicate, or nullptr
-  Shape shape;
+  OutArgs shape;
 };
 
-std::vector<c10::IValue> functional_args(const Shape& shape, const std::vector<c10::IValue>& args) {
+std::vector<c10::IValue> functional_args(const OutArgs& shape,
+                                         const std::vector<c10::IValue>& args) {
   std::vector<c10::IValue> f;
   f.reserve(shape.plain.size());
   for (size_t i : shape.plain) f.push_back(args[i]);
