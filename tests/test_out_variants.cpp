@@ -1,6 +1,7 @@
 // The generic adapter of out= overloads (Note [out variants],
 // src/ops/out_variants.cpp): add_out, sum_out, cumsum_out, matmul_out and
-// sort_out (values and indices) on sharded inputs, balanced and with empty
+// sort_out (values and indices), and cat_out, kthvalue_out, max_out,
+// index_select_out, var_out, clone_out on sharded inputs, balanced and with empty
 // pieces, into out= tensors laid out like the result, laid out otherwise, and
 // empty ones that are resized, against single-process libtorch on the
 // gathered tensors; strict mode takes them (no fallback, no gather); the
@@ -194,6 +195,57 @@ TEST(OutVariants, SortOutValuesAndIndices) {
     // Along the sharded dim the sort rule gathers it (Note [sort gather]).
     check("sort_out (stable) along the sharded dim" + tag, fs,
           {sh(mesh, x, {S0, S1}, empty), empty_out(mesh), empty_out(mesh, at::kLong)}, mesh, false);
+  }
+}
+
+TEST(OutVariants, MoreOverloadsThroughTheirFunctionalRules) {
+  auto mesh = test_mesh();
+  const auto x = rnd({9, 6}, 20), y = rnd({4, 6}, 21);
+  const auto idx = at::tensor({8, 0, 3, 3, 5}, at::kLong);
+  auto cat = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    at::Tensor out = in[2];
+    at::cat_out(out, {in[0], in[1]}, 0);  // a tensor-list argument
+    return out;
+  };
+  auto kth = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    at::Tensor v = in[1], i = in[2];
+    at::kthvalue_out(v, i, in[0], 3, 0);  // two out= tensors, a sharded dim
+    return at::cat({v, i.to(at::kFloat)});
+  };
+  auto max = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    at::Tensor v = in[1], i = in[2];
+    at::max_out(v, i, in[0], 1, /*keepdim=*/true);
+    return at::cat({v, i.to(at::kFloat)}, 1);
+  };
+  auto sel = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    at::Tensor out = in[2];
+    at::index_select_out(out, in[0], 0, in[1]);
+    return out;
+  };
+  auto var = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    at::Tensor out = in[1];
+    at::var_out(out, in[0], at::IntArrayRef{0}, /*correction=*/1, /*keepdim=*/false);
+    return out;
+  };
+  auto clone = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    at::Tensor out = in[1];
+    at::clone_out(out, in[0]);
+    return out;
+  };
+  for (bool empty : {false, true}) {
+    const std::string tag = empty ? " (empty pieces)" : "";
+    check("cat_out" + tag, cat,
+          {sh(mesh, x, {S1, S0}, empty), sh(mesh, y, {S1, S0}), empty_out(mesh)}, mesh);
+    check("kthvalue_out along the sharded dim" + tag, kth,
+          {sh(mesh, x, {S0, S1}, empty), empty_out(mesh), empty_out(mesh, at::kLong)}, mesh);
+    check("max_out (values, indices)" + tag, max,
+          {sh(mesh, x, {S0}, empty), empty_out(mesh), empty_out(mesh, at::kLong)}, mesh);
+    check("index_select_out along the sharded dim" + tag, sel,
+          {sh(mesh, x, {S0, S1}, empty), plain(idx), empty_out(mesh)}, mesh);
+    check("var_out along the sharded dim" + tag, var,
+          {sh(mesh, x, {S0, S1}, empty), empty_out(mesh)}, mesh);
+    check("clone_out into another split" + tag, clone,
+          {sh(mesh, x, {S0, S1}, empty), sh(mesh, at::zeros({9, 6}), {S0, S1}, !empty)}, mesh);
   }
 }
 
