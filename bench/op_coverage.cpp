@@ -19,6 +19,9 @@ int main() {
                "(it may still refuse some arguments with a clear error, or pass layouts it "
                "does not cover on to the decomposition or the generic fallback: Note [partial "
                "rules] in src/ops/registry.h).\n"
+            << "- **out-adapter**: an out= overload whose functional overload has a rule: that "
+               "rule runs, and its results are copied (resized if need be) into the out= "
+               "tensors (Note [out variants] in src/ops/out_variants.cpp).\n"
             << "- **decomposes**: no rule; libtorch's CompositeImplicitAutograd "
                "decomposition runs and its pieces are dispatched one by one.\n"
             << "- **falls back**: no rule and no decomposition; the generic fallback gathers "
@@ -26,8 +29,8 @@ int main() {
                "(a warning once per op; `SHARDTENSOR_STRICT=1` refuses it). "
                "See Note [generic fallback] in src/dispatch/fallback.cpp.\n\n"
             << "| handling | ops |\n|---|---|\n";
-  for (auto h : {shardtensor::OpHandling::Rule, shardtensor::OpHandling::Decomposes,
-                 shardtensor::OpHandling::Fallback}) {
+  for (auto h : {shardtensor::OpHandling::Rule, shardtensor::OpHandling::OutAdapter,
+                 shardtensor::OpHandling::Decomposes, shardtensor::OpHandling::Fallback}) {
     std::cout << "| " << shardtensor::to_string(h) << " | " << count[h] << " |\n";
   }
   std::cout << "\n| op | handling |\n|---|---|\n";

@@ -1,8 +1,10 @@
 // Index ops along any dim of an N-d ShardTensor (Note [index ops along any
 // dim], src/ops/graph_ops.cpp): index_select, gather, index_add, scatter_add,
-// scatter_reduce, index_copy, index_fill along the sharded dim H of a
-// [B, C, H, W] field (with a replicated index and with an index sharded along
-// the result's dim) and along the unsharded dim C (local, no communication),
+// scatter_reduce, index_copy, index_fill, index_reduce and scatter(...,
+// reduce=), and x[i, j] / index_put_ with several indices (Note [several
+// indices], src/ops/index_ops.cpp), along the sharded dim H of a [B, C, H, W]
+// field (with a replicated index and with an index sharded along the
+// result's dim) and along the unsharded dim C (local, no communication),
 // against single-process libtorch on the gathered tensors, forward and
 // backward; the traffic (only the rows a rank lacks move; nothing along C);
 // bad input.
@@ -211,6 +213,189 @@ TEST(IndexOps, ReductionsAlongTheShardedDimEqualSingleProcess) {
             tol(dt));
     }
   }
+}
+
+// ---- legacy scatter reductions, index_reduce ------------------------------------------
+
+/// Values only (libtorch 1.13 has no derivative for scatter(..., reduce)):
+/// strict, nothing falls back.
+void check_values(const std::string& what, const Fn& fn, const std::vector<RefInput>& in,
+                  const st::DeviceMesh& mesh, double t) {
+  auto fb = fallbacks_of([&] {
+    StrictOn strict;
+    EXPECT_TRUE(reference_check(fn, in, mesh, {}, t, t, /*check_backward=*/false)) << what;
+  });
+  EXPECT_EQ(fb.first, 0) << what;
+  EXPECT_EQ(fb.second, 0) << what;
+}
+
+TEST(IndexOps, LegacyScatterReductionsAndIndexReduceEqualSingleProcess) {
+  auto mesh = test_mesh();
+  const int64_t E = 13;
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({B, C, H, W}, 60, 0.2, 1.0).to(dt);  // near 1: products stay tame
+    at::Tensor idx = randint(H, {E}, 61);                   // duplicates
+    at::Tensor idx4 = randint(H, {B, C, E, W}, 62);
+    at::Tensor src = rnd({B, C, E, W}, 63, 0.2, 1.0).to(dt);
+    at::Tensor cidx = randint(C, {5}, 64);
+    at::Tensor csrc = rnd({B, 5, H, W}, 65, 0.2, 1.0).to(dt);
+    for (bool empty : {false, true}) {
+      const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
+      for (const char* reduce : {"add", "multiply"}) {
+        const std::string r = std::string(" ") + reduce + tag;
+        auto sred = op([reduce](auto& in) { return in[0].scatter(2, in[1], in[2], reduce); });
+        check_values("scatter.reduce, sharded index and src" + r, sred,
+                     {field(mesh, x, empty, false), field(mesh, idx4, !empty, false),
+                      field(mesh, src, !empty, false)},
+                     mesh, tol(dt));
+        check_values("scatter.reduce, replicated index and src" + r, sred,
+                     {field(mesh, x, empty, false), plain(idx4), plain(src)}, mesh, tol(dt));
+        auto vred = op([reduce](auto& in) { return in[0].scatter(-2, in[1], 1.25, reduce); });
+        check_values("scatter.value_reduce, sharded index" + r, vred,
+                     {field(mesh, x, empty, false), field(mesh, idx4, empty, false)}, mesh,
+                     tol(dt));
+        check_values("scatter.value_reduce, replicated index" + r, vred,
+                     {field(mesh, x, empty, false), plain(idx4)}, mesh, tol(dt));
+        check_values("scatter_.reduce and scatter_.value_reduce (in place)" + r,
+                     op([reduce](auto& in) {
+                       at::Tensor y = in[0] * 1.5;
+                       y.scatter_(2, in[1], in[2], reduce);
+                       return y.scatter_(2, in[1], 0.75, reduce);
+                     }),
+                     {field(mesh, x, empty, false), field(mesh, idx4, empty, false),
+                      field(mesh, src, empty, false)},
+                     mesh, tol(dt));
+        check_values(
+            "scatter.reduce along the unsharded dim" + r,
+            op([reduce](auto& in) { return in[0].scatter(1, in[1], in[2], reduce); }),
+            {field(mesh, x, empty, false), field(mesh, randint(C, {B, 2, H, W}, 66), empty, false),
+             field(mesh, rnd({B, 2, H, W}, 67, 0.2, 1.0).to(dt), empty, false)},
+            mesh, tol(dt));
+      }
+      for (const char* reduce : {"prod", "mean", "amax", "amin"}) {
+        for (bool include_self : {true, false}) {
+          const std::string r =
+              std::string(" ") + reduce + " include_self=" + std::to_string(include_self) + tag;
+          auto ired = op([reduce, include_self](auto& in) {
+            return in[0].index_reduce(2, in[1], in[2], reduce, include_self);
+          });
+          check("index_reduce, replicated index and src" + r, ired,
+                {field(mesh, x, empty), plain(idx), plain(src, true)}, mesh, tol(dt));
+          check("index_reduce, sharded index and src" + r, ired,
+                {field(mesh, x, empty), entries(mesh, idx, !empty), field(mesh, src, !empty)}, mesh,
+                tol(dt));
+          check("index_reduce_ (in place)" + r, op([reduce, include_self](auto& in) {
+                  at::Tensor y = in[0] * 0.5;
+                  return y.index_reduce_(2, in[1], in[2], reduce, include_self);
+                }),
+                {field(mesh, x, empty), plain(idx), field(mesh, src, empty)}, mesh, tol(dt));
+          check("index_reduce along the unsharded dim" + r, op([reduce, include_self](auto& in) {
+                  return in[0].index_reduce(1, in[1], in[2], reduce, include_self);
+                }),
+                {field(mesh, x, empty), plain(cidx), field(mesh, csrc, empty)}, mesh, tol(dt));
+        }
+      }
+    }
+  }
+  // Ties for amax: equal entries and self split the gradient evenly, as in libtorch.
+  at::Tensor xt = at::zeros({B, C, H, W});
+  at::Tensor st_ = at::zeros({B, C, E, W});
+  at::Tensor tidx = randint(H, {E}, 70);  // duplicates
+  check("index_reduce amax with ties",
+        op([](auto& in) { return in[0].index_reduce(2, in[1], in[2], "amax", true); }),
+        {field(mesh, xt, false), entries(mesh, tidx, false), field(mesh, st_, false)}, mesh, 1e-6);
+  // Integer mean: floor division, as libtorch.
+  at::Tensor xi = randint(100, {B, C, H, W}, 68), si = randint(100, {B, C, E, W}, 69);
+  check_values("index_reduce mean on int64",
+               op([](auto& in) { return in[0].index_reduce(2, in[1], in[2], "mean", true); }),
+               {field(mesh, xi, true, false), plain(tidx), field(mesh, si, false, false)}, mesh, 0);
+  // Bad reductions raise on every rank, naming the op.
+  at::Tensor x = rnd({B, C, H, W}, 71), src = rnd({B, C, E, W}, 72);
+  st::ShardTensor sx(st::distribute_tensor(x, mesh, fit_placements(mesh, kField)));
+  EXPECT_TRUE(throws_everywhere([&] { (void)sx.index_reduce(2, tidx, src, "sum"); },
+                                {"aten::index_reduce", "prod, mean, amax or amin"}));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        (void)sx.scatter(2, randint(H, {B, C, E, W}, 73), src, "max");
+      },
+      {"aten::scatter.reduce", "add or multiply"}));
+}
+
+// ---- several indices (Note [several indices], src/ops/index_ops.cpp) -------------------
+
+at::Tensor index_at(const at::Tensor& x, int64_t first, const std::vector<at::Tensor>& ids) {
+  c10::List<c10::optional<at::Tensor>> l;
+  for (int64_t i = 0; i < first; ++i) l.push_back(c10::nullopt);
+  for (const auto& t : ids) l.push_back(t);
+  return at::index(x, l);
+}
+
+c10::List<c10::optional<at::Tensor>> list_at(int64_t first, const std::vector<at::Tensor>& ids) {
+  c10::List<c10::optional<at::Tensor>> l;
+  for (int64_t i = 0; i < first; ++i) l.push_back(c10::nullopt);
+  for (const auto& t : ids) l.push_back(t);
+  return l;
+}
+
+TEST(IndexOps, SeveralIndicesEqualSingleProcess) {
+  auto mesh = test_mesh();
+  const int64_t E = 9;
+  for (auto dt : kDtypes) {
+    at::Tensor x = rnd({B, C, H, W}, 80).to(dt);
+    at::Tensor i = randint(H, {E}, 81) - 3;  // duplicates and negative ids
+    at::Tensor j = randint(W, {E}, 82);
+    at::Tensor c = randint(C, {E}, 83);
+    at::Tensor ic = randint(H, {4, 1}, 84), jr = randint(W, {1, 3}, 85);  // broadcast to [4, 3]
+    at::Tensor v = rnd({B, C, E}, 86).to(dt), v1 = rnd({E}, 87).to(dt);
+    at::Tensor ci = rnd({B, E, W}, 88).to(dt);
+    at::Tensor di = distinct(H, E, 89);  // distinct (i, j) pairs
+    for (bool empty : {false, true}) {
+      const std::string tag = std::string(" ") + c10::toString(dt) + (empty ? " empty" : "");
+      check("x[:, :, i, j]" + tag, op([](auto& in) {
+              return index_at(in[0], 2, {in[1], in[2]});
+            }),
+            {field(mesh, x, empty), plain(i), plain(j)}, mesh, tol(dt));
+      check("x[:, :, i, j], broadcast indices" + tag, op([](auto& in) {
+              return index_at(in[0], 2, {in[1], in[2]});
+            }),
+            {field(mesh, x, empty), plain(ic), plain(jr)}, mesh, tol(dt));
+      check("x[:, c, i] (an unsharded and a sharded dim)" + tag, op([](auto& in) {
+              return index_at(in[0], 1, {in[1], in[2]}) * 2.0;
+            }),
+            {field(mesh, x, empty), plain(c), plain(i)}, mesh, tol(dt));
+      check("x[:, c, i, j]" + tag, op([](auto& in) {
+              return index_at(in[0], 1, {in[1], in[2], in[3]});
+            }),
+            {field(mesh, x, empty), plain(c), plain(i), plain(j)}, mesh, tol(dt));
+      for (bool acc : {true, false}) {
+        const at::Tensor& ii = acc ? i : di;
+        const std::string a = std::string(acc ? " accumulate" : "") + tag;
+        check("index_put(x, [:, :, i, j], v)" + a, op([acc](auto& in) {
+                return at::index_put(in[0], list_at(2, {in[1], in[2]}), in[3], acc);
+              }),
+              {field(mesh, x, empty), plain(ii), plain(j), plain(v, true)}, mesh, tol(dt));
+        check("index_put_ (in place), broadcast values" + a, op([acc](auto& in) {
+                at::Tensor y = in[0] * 1.5;
+                return y.index_put_(list_at(2, {in[1], in[2]}), in[3], acc);
+              }),
+              {field(mesh, x, empty), plain(ii), plain(j), plain(v1, true)}, mesh, tol(dt));
+        check("index_put(x, [:, c, i], v)" + a, op([acc](auto& in) {
+                return at::index_put(in[0], list_at(1, {in[1], in[2]}), in[3], acc);
+              }),
+              {field(mesh, x, empty), plain(acc ? c : distinct(C, 2, 90)),
+               plain(acc ? ii : di.narrow(0, 0, 2)), plain(acc ? ci : ci.narrow(1, 0, 2), true)},
+              mesh, tol(dt));
+      }
+    }
+  }
+  // An id out of range raises on every rank, naming the op.
+  st::ShardTensor sx(
+      st::distribute_tensor(rnd({B, C, H, W}, 91), mesh, fit_placements(mesh, kField)));
+  EXPECT_TRUE(throws_everywhere(
+      [&] {
+        (void)index_at(sx, 2, {at::full({2}, H, at::kLong), at::zeros({2}, at::kLong)});
+      },
+      {"aten::index.Tensor", "out of bounds"}));
 }
 
 // ---- along an unsharded dim ---------------------------------------------------------

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "ops/out_variants.h"
 #include "ops/registry.h"
 
 namespace shardtensor {
@@ -11,6 +12,8 @@ std::string to_string(OpHandling h) {
   switch (h) {
     case OpHandling::Rule:
       return "rule";
+    case OpHandling::OutAdapter:
+      return "out-adapter";
     case OpHandling::Decomposes:
       return "decomposes";
     case OpHandling::Fallback:
@@ -28,7 +31,9 @@ std::vector<OpCoverage> op_coverage() {
     c.name = name.name;
     if (!name.overload_name.empty()) c.name += "." + name.overload_name;
     auto op = dispatcher.findOp(name);
-    if (ops::find_rule(name)) {
+    if (op && ops::find_out_adapter(*op)) {
+      c.handling = OpHandling::OutAdapter;
+    } else if (ops::find_rule(name)) {
       c.handling = OpHandling::Rule;
     } else if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
       c.handling = OpHandling::Decomposes;

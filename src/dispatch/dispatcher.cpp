@@ -7,7 +7,8 @@
 // register one boxed kernel per op for AutogradPrivateUse1 on a library that
 // lives for the whole process. Composite ops (conv2d, layer_norm, matmul...)
 // therefore arrive before their decomposition. The kernel looks up the rule
-// table (ops/registry.h); without a rule, an op that has a
+// table (ops/registry.h; an out-variant runs through its functional
+// overload's rule, Note [out variants]); without a rule, an op that has a
 // CompositeImplicitAutograd kernel is re-dispatched below the autograd key into
 // its decomposition, whose pieces come back here one by one; any other op
 // runs through the generic fallback on gathered tensors (Note [generic
@@ -32,6 +33,7 @@
 #include "core/fingerprint.h"
 #include "dispatch/fallback.h"
 #include "ops/common.h"
+#include "ops/out_variants.h"
 
 namespace shardtensor::dispatch {
 namespace {
@@ -193,8 +195,13 @@ class CachedKernel final : public c10::OperatorKernel {
     Counters& c = counters();
     c.calls.fetch_add(1, std::memory_order_relaxed);
     std::call_once(resolved_, [&] {
-      handler_.rule = ops::find_rule(op.operator_name());
-      handler_.accepts = ops::find_accepts(op.operator_name());
+      if (const ops::OutAdapter* a = ops::find_out_adapter(op)) {  // Note [out variants]
+        handler_.rule = &a->rule;
+        handler_.accepts = &a->accepts;
+      } else {
+        handler_.rule = ops::find_rule(op.operator_name());
+        handler_.accepts = ops::find_accepts(op.operator_name());
+      }
       handler_.decomposes = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
     });
     c.lookup_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);

@@ -3,7 +3,8 @@
 // nodes, on row-sharded nodes and edges, through GhostPlans
 // (Note [graph op rules], Note [index plan cache]); and the same ops, with
 // index_copy and index_fill, along any dim of an N-d ShardTensor (Note
-// [index ops along any dim]).
+// [index ops along any dim]), with index_reduce and the reduce= overloads of
+// scatter (Note [legacy scatter reductions and index_reduce]).
 //
 // Note [graph op rules]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -388,8 +389,9 @@ enum class Kind {
   ScatterReduce,
   IndexCopy,
   IndexFill,
-  Scatter,      // scatter.src
-  ScatterValue  // scatter.value
+  Scatter,       // scatter.src
+  ScatterValue,  // scatter.value
+  IndexReduce    // index_reduce (Note [legacy scatter reductions and index_reduce])
 };
 
 const char* kind_name(Kind k) {
@@ -411,6 +413,8 @@ const char* kind_name(Kind k) {
     case Kind::Scatter:
     case Kind::ScatterValue:
       return "scatter";
+    case Kind::IndexReduce:
+      return "index_reduce";
   }
   return "";
 }
@@ -418,7 +422,7 @@ const char* kind_name(Kind k) {
 /// Ops with a src tensor.
 bool has_src(Kind k) {
   return k == Kind::IndexAdd || k == Kind::ScatterAdd || k == Kind::ScatterReduce ||
-         k == Kind::IndexCopy || k == Kind::Scatter;
+         k == Kind::IndexCopy || k == Kind::Scatter || k == Kind::IndexReduce;
 }
 /// Ops whose result is laid out like self.
 bool writes_self(Kind k) { return has_src(k) || k == Kind::IndexFill || k == Kind::ScatterValue; }
@@ -426,7 +430,7 @@ bool writes_self(Kind k) { return has_src(k) || k == Kind::IndexFill || k == Kin
 /// index with self's number of dims).
 bool one_d(Kind k) {
   return k == Kind::IndexSelect || k == Kind::IndexAdd || k == Kind::IndexCopy ||
-         k == Kind::IndexFill;
+         k == Kind::IndexFill || k == Kind::IndexReduce;
 }
 
 std::vector<c10::IValue> peek_args(const c10::OperatorHandle& op, const Stack& stack) {
@@ -448,7 +452,7 @@ Call parse(Kind kind, const std::vector<c10::IValue>& a) {
   if (has_src(kind)) c.src = a[3].toTensor();
   if (kind == Kind::IndexAdd) c.alpha = a[4].toScalar();
   if (kind == Kind::IndexFill || kind == Kind::ScatterValue) c.alpha = a[3].toScalar();
-  if (kind == Kind::ScatterReduce) {
+  if (kind == Kind::ScatterReduce || kind == Kind::IndexReduce) {
     c.reduce = a[4].toStringRef();
     c.include_self = a[5].toBool();
   }
@@ -705,7 +709,7 @@ void check_call(Kind kind, const c10::OperatorHandle& op, const std::vector<c10:
   const auto ishape = c.index.sizes().vec();
   const at::ScalarType it = c.index.scalar_type();
   const std::string dims = std::to_string(nd);
-  if (kind == Kind::IndexSelect || kind == Kind::IndexAdd) {
+  if (kind == Kind::IndexSelect || kind == Kind::IndexAdd || kind == Kind::IndexReduce) {
     if (it != at::kLong && it != at::kInt) {
       fail(op, args,
            std::string("index must be an int64 or int32 tensor, got ") + c10::toString(it));
@@ -743,6 +747,12 @@ void check_call(Kind kind, const c10::OperatorHandle& op, const std::vector<c10:
   if (kind == Kind::ScatterReduce && c.reduce != "sum" && c.reduce != "mean" &&
       c.reduce != "amax" && c.reduce != "amin" && c.reduce != "prod") {
     fail(op, args, "reduce must be one of sum, prod, mean, amax, amin, got '" + c.reduce + "'");
+  }
+  if (kind == Kind::IndexReduce && c.reduce != "prod" && c.reduce != "mean" && c.reduce != "amax" &&
+      c.reduce != "amin") {
+    fail(op, args,
+         "index_reduce(): expected reduce to be one of prod, mean, amax or amin, got '" + c.reduce +
+             "'");
   }
   const at::Tensor xl = local_of(c.self);
   if (is_written(op.schema().arguments()[0]) && at::GradMode::is_enabled() && xl.is_leaf() &&
@@ -821,6 +831,15 @@ at::Tensor ghost_path(Kind kind, const c10::OperatorHandle& op,
     return xm.masked_fill(hit_elements(xm, ip), c.alpha).movedim(0, d);
   }
   const at::Tensor sm = to_layout(c.src, *L.src_spec, *L.out_spec).movedim(d, 0);
+  if (kind == Kind::IndexReduce) {
+    // Each entry's row of src reduces into its row: scatter_reduce with the
+    // row ids broadcast over the rest of the row (Note [legacy scatter
+    // reductions and index_reduce]).
+    std::vector<int64_t> view(sm.dim(), 1);
+    view[0] = -1;
+    const IndexPlan rows{ip.plan, ip.rows.view(view).expand(sm.sizes()).contiguous()};
+    return reduce_rows(Kind::ScatterReduce, c, xm, sm, rows).movedim(0, d);
+  }
   if (kind == Kind::IndexCopy) {
     at::Tensor ext =
         at::zeros(extended_shape(xm, ip.plan), xm.options()).index_copy(0, ip.rows, sm);
@@ -865,16 +884,20 @@ at::Tensor local_path(Kind kind, const c10::OperatorHandle& op,
       return xl.scatter(d, il, sl);
     case Kind::ScatterValue:
       return xl.scatter(d, il, c.alpha);
+    case Kind::IndexReduce:
+      return xl.index_reduce(d, il, sl, c.reduce, c.include_self);
   }
   return {};
 }
 
-void index_rule(Kind kind, const c10::OperatorHandle& op, Stack* stack) {
-  auto args = pop_args(op, stack);
-  const std::optional<Layout> L = analyse(kind, args);
+/// The rules of Note [index ops along any dim] on the arguments `as` of
+/// `kind` in schema order; `args` are the call's own (messages, results).
+void index_run(Kind kind, const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+               const std::vector<c10::IValue>& as, Stack* stack) {
+  const std::optional<Layout> L = analyse(kind, as);
   TORCH_INTERNAL_ASSERT(L.has_value(), "shardtensor: ", kind_name(kind),
                         " rule called for a call it does not take");
-  const Call c = parse(kind, args);
+  const Call c = parse(kind, as);
   check_call(kind, op, args, c, *L);
   // Self's piece; where the result is sharded along a mesh dim on which self
   // is Replicate, self's gradient is summed over it (to_layout).
@@ -884,6 +907,76 @@ void index_rule(Kind kind, const c10::OperatorHandle& op, Stack* stack) {
   if (is_written(op.schema().arguments()[0])) xl.copy_(out);
   Stack results{out};
   push_results(op, args, &results, L->out_spec, stack);
+}
+
+void index_rule(Kind kind, const c10::OperatorHandle& op, Stack* stack) {
+  const auto args = pop_args(op, stack);
+  index_run(kind, op, args, args, stack);
+}
+
+// Note [legacy scatter reductions and index_reduce]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// scatter(self, dim, index, src, reduce) and scatter(self, dim, index,
+// value, reduce) (and scatter_) take reduce "add" or "multiply": they are
+// scatter_add(self, dim, index, src) and scatter_reduce(self, dim, index,
+// src, "prod", include_self=true), the value form with src a tensor shaped
+// and laid out like the index, filled with the value in self's dtype. They
+// run as those rules (Note [index ops along any dim]), in the same layouts,
+// and take the calls those rules take. libtorch 1.13 defines no derivative
+// for these two overloads (a backward through them raises there); here the
+// gradients are those of scatter_add and scatter_reduce.
+// index_reduce(self, dim, index, source, reduce, include_self) ("prod",
+// "mean", "amax", "amin") is a 1-D index of entries along dim, like
+// index_add: along an unsharded dim it is libtorch's op on the local pieces;
+// along a sharded dim each entry's row of source goes to the row's owner as
+// in index_add, and the reduction is scatter_reduce's (Note [graph op
+// rules]) with the entry's row id broadcast over the rest of its row. That
+// is index_reduce's value, and libtorch's index_reduce backward formula is
+// scatter_reduce's with the same broadcast index (ties split evenly among
+// self and the maximal entries for amax/amin; zeros masked for prod), so
+// gradients equal libtorch's.
+
+/// The scatter_add / scatter_reduce.two arguments of a legacy scatter
+/// reduction (value: the value overload), or nullopt when `a` are not
+/// tensors where they must be. With `fill` the value form's src is built
+/// (a local op); without it the index stands in for it (its shape and layout
+/// are src's: enough for analyse()).
+std::optional<std::pair<Kind, std::vector<c10::IValue>>> legacy_args(
+    const std::vector<c10::IValue>& a, bool value, bool fill) {
+  if (!a[0].isTensor() || !a[2].isTensor() || !a[4].isString()) return std::nullopt;
+  if (value ? !a[3].isScalar() : !a[3].isTensor()) return std::nullopt;
+  at::Tensor src;
+  if (!value) {
+    src = a[3].toTensor();
+  } else if (!fill) {
+    src = a[2].toTensor();
+  } else {
+    const at::Tensor self = a[0].toTensor(), index = a[2].toTensor();
+    const auto opts = at::TensorOptions().dtype(self.scalar_type());
+    src = spec_of(index) != nullptr ? at::full_like(index, a[3].toScalar(), opts)
+                                    : at::full(index.sizes(), a[3].toScalar(), opts);
+  }
+  const std::string& reduce = a[4].toStringRef();
+  if (reduce == "multiply") {
+    return std::make_pair(Kind::ScatterReduce,
+                          std::vector<c10::IValue>{a[0], a[1], a[2], src, "prod", true});
+  }
+  return std::make_pair(Kind::ScatterAdd, std::vector<c10::IValue>{a[0], a[1], a[2], src});
+}
+
+bool legacy_takes(bool value, const c10::OperatorHandle& op, const Stack& stack) {
+  const auto t = legacy_args(peek_args(op, stack), value, false);
+  return t && analyse(t->first, t->second).has_value();
+}
+
+void legacy_rule(bool value, const c10::OperatorHandle& op, Stack* stack) {
+  const auto args = pop_args(op, stack);
+  const std::string& reduce = args[4].toStringRef();
+  if (reduce != "add" && reduce != "multiply") {
+    fail(op, args, "reduce argument must be either add or multiply, got '" + reduce + "'");
+  }
+  const auto t = legacy_args(args, value, true);
+  index_run(t->first, op, args, t->second, stack);
 }
 
 Rule rule_for(Kind k) {
@@ -912,6 +1005,20 @@ const RuleRegistrar r_scatter_value({"scatter.value", "scatter_.value"},
                                     rule_for(Kind::ScatterValue), takes_for(Kind::ScatterValue));
 const RuleRegistrar r_index_fill({"index_fill.int_Scalar", "index_fill_.int_Scalar"},
                                  rule_for(Kind::IndexFill), takes_for(Kind::IndexFill));
+const RuleRegistrar r_index_reduce({"index_reduce.", "index_reduce_."}, rule_for(Kind::IndexReduce),
+                                   takes_for(Kind::IndexReduce));
+const RuleRegistrar r_scatter_legacy(
+    {"scatter.reduce", "scatter_.reduce"},
+    [](const c10::OperatorHandle& op, Stack* stack) { legacy_rule(false, op, stack); },
+    [](const c10::OperatorHandle& op, const Stack& stack) {
+      return legacy_takes(false, op, stack);
+    });
+const RuleRegistrar r_scatter_value_legacy(
+    {"scatter.value_reduce", "scatter_.value_reduce"},
+    [](const c10::OperatorHandle& op, Stack* stack) { legacy_rule(true, op, stack); },
+    [](const c10::OperatorHandle& op, const Stack& stack) {
+      return legacy_takes(true, op, stack);
+    });
 
 }  // namespace
 

@@ -36,6 +36,35 @@
 //    run as those ops' rules; v is broadcast to the indexed shape (a plain v;
 //    a ShardTensor v must have that shape). Calls those rules do not take
 //    keep the generic fallback.
+//  - x.index({..., i, j, ...}) and x.index_put_({..., i, j, ...}, v,
+//    accumulate) with two or more int64 indices on adjacent dims: Note
+//    [several indices].
+//
+// Note [several indices]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Indices i_1..i_k (k >= 2) on the adjacent dims [a, a+k) of a ShardTensor x
+// (no Partial), each plain or replicated, int64, broadcast together to a
+// shape S (negative ids wrap; an id out of range raises on every rank, which
+// all hold the same indices). The result has shape x[:a] + S + x[a+k:]. Every
+// rank knows every entry's position, so each rank picks the entries whose
+// element lies in its piece (its range on every indexed dim: a mask over S)
+// and nothing moves:
+//  - x[i_1, ..., i_k]: the plain index on the local piece, with ids made
+//    local and the entries outside the piece zeroed (where). Each entry is
+//    owned by exactly one coordinate of the mesh dims that shard the indexed
+//    dims, so the result is Partial on those mesh dims (summing exactly: one
+//    nonzero term, NaN and Inf kept), Shard on the mesh dims that shard the
+//    other dims (shifted past S), Replicate elsewhere. The gradient flows to
+//    the owners only, through libtorch's index backward on the pieces.
+//  - x.index_put_(indices, v, accumulate): v plain or replicated, broadcast
+//    to the result's shape; each rank writes the entries it owns (v sliced
+//    along the other sharded dims) with libtorch's index_put_ on its piece,
+//    in the entries' order (accumulate sums duplicates, as libtorch; without
+//    it libtorch leaves duplicates undefined). v's gradient sums the owners'
+//    contributions over the mesh dims that shard x (Note [replicated
+//    gradients]). Out of place, the result is laid out like x.
+// Indices on dims that are not adjacent (libtorch then moves S to the front),
+// bool or sharded indices, and a sharded v keep the generic fallback.
 #include <ATen/ATen.h>
 #include <shardtensor/comm/ghost.h>
 
@@ -289,10 +318,206 @@ at::Tensor ids_of(const OneIndex& r, int64_t n, const DeviceMesh& mesh) {
   return wrap(l + l.lt(0) * n, spec_ptr_of(r.index));
 }
 
+// ---- several indices (Note [several indices]) -------------------------------------------
+
+struct MultiIndex {
+  int64_t first = -1;               // the indexed dims are [first, first + indices.size())
+  std::vector<at::Tensor> indices;  // as given
+  std::vector<int64_t> shape;       // their broadcast shape S
+};
+
+/// Two or more int64 indices, plain or replicated, on adjacent dims of a
+/// ShardTensor without Partial; nullopt otherwise. Metadata only.
+std::optional<MultiIndex> multi_index(const at::Tensor& self, const c10::IValue& list) {
+  const ShardSpec* xs = spec_of(self);
+  if (xs == nullptr || xs->has_partial() || !list.isList()) return std::nullopt;
+  MultiIndex r;
+  int64_t pos = 0;
+  bool ended = false;
+  for (const c10::IValue& v : list.toListRef()) {
+    if (v.isTensor() && v.toTensor().defined()) {
+      if (ended) return std::nullopt;  // not adjacent
+      if (r.first < 0) r.first = pos;
+      r.indices.push_back(v.toTensor());
+    } else if (v.isNone() || v.isTensor()) {
+      if (r.first >= 0) ended = true;
+    } else {
+      return std::nullopt;
+    }
+    ++pos;
+  }
+  const int64_t k = static_cast<int64_t>(r.indices.size());
+  if (k < 2 || r.first + k > self.dim()) return std::nullopt;
+  for (const at::Tensor& t : r.indices) {
+    if (t.scalar_type() != at::kLong) return std::nullopt;
+    const ShardSpec* s = spec_of(t);
+    if (s != nullptr && (!s->is_replicated() || s->mesh() != xs->mesh())) return std::nullopt;
+    const auto bs = at::infer_size(r.shape, t.sizes());  // throws if not broadcastable
+    r.shape.assign(bs.begin(), bs.end());
+  }
+  return r;
+}
+
+std::optional<MultiIndex> multi_index_or_none(const at::Tensor& self, const c10::IValue& list) {
+  try {
+    return multi_index(self, list);
+  } catch (const c10::Error&) {
+    return std::nullopt;  // indices that do not broadcast: libtorch's error, via the fallback
+  }
+}
+
+/// The global shape of x[indices].
+std::vector<int64_t> indexed_shape(const ShardSpec& xs, const MultiIndex& r) {
+  const auto& g = xs.global_shape();
+  const int64_t k = static_cast<int64_t>(r.indices.size());
+  std::vector<int64_t> shape(g.begin(), g.begin() + r.first);
+  shape.insert(shape.end(), r.shape.begin(), r.shape.end());
+  shape.insert(shape.end(), g.begin() + r.first + k, g.end());
+  return shape;
+}
+
+/// This rank's share of the entries: per indexed dim the ids local to the
+/// piece (0 where the entry is not here), and the mask of the entries here.
+struct LocalEntries {
+  std::vector<at::Tensor> ids;  // int64, shape S
+  at::Tensor here;              // bool, shape S
+  bool empty_piece = false;     // an indexed dim's piece is empty here
+};
+
+/// Local (the indices are the same on every rank, so an id out of range
+/// raises on every rank).
+LocalEntries local_entries(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                           const ShardSpec& xs, const MultiIndex& r) {
+  std::vector<at::Tensor> locals;
+  for (const at::Tensor& t : r.indices) locals.push_back(local_of(t));
+  const std::vector<at::Tensor> full = at::broadcast_tensors(locals);
+  const auto off = xs.local_offsets();
+  const auto len = xs.local_shape();
+  LocalEntries e;
+  e.here = at::ones(r.shape, at::kBool);
+  for (size_t j = 0; j < full.size(); ++j) {
+    const int64_t d = r.first + static_cast<int64_t>(j);
+    const int64_t n = xs.global_shape()[d];
+    at::Tensor t = full[j];
+    if (t.numel() > 0) {
+      const int64_t lo = t.min().item<int64_t>(), hi = t.max().item<int64_t>();
+      const int64_t bad = lo < -n ? lo : hi >= n ? hi : 0;
+      if (lo < -n || hi >= n) {
+        fail(op, args,
+             "index " + std::to_string(bad) + " is out of bounds for dimension " +
+                 std::to_string(d) + " with size " + std::to_string(n));
+      }
+    }
+    t = at::where(t.lt(0), t + n, t) - off[d];
+    e.here = e.here.logical_and(t.ge(0)).logical_and(t.lt(len[d]));
+    e.ids.push_back(t);
+    e.empty_piece = e.empty_piece || len[d] == 0;
+  }
+  for (at::Tensor& t : e.ids) t = at::where(e.here, t, at::zeros({}, t.options()));
+  return e;
+}
+
+/// The index list for a piece: `first` slices, then `ids`.
+c10::List<c10::optional<at::Tensor>> index_list(int64_t first, const std::vector<at::Tensor>& ids) {
+  c10::List<c10::optional<at::Tensor>> l;
+  for (int64_t i = 0; i < first; ++i) l.push_back(c10::nullopt);
+  for (const at::Tensor& t : ids) l.push_back(t);
+  return l;
+}
+
+void multi_index_rule(const c10::OperatorHandle& op, std::vector<c10::IValue> args, Stack* stack) {
+  const at::Tensor self = args[0].toTensor();
+  const ShardSpec& xs = *spec_of(self);
+  const MultiIndex r = *multi_index(self, args[1]);
+  const int64_t k = static_cast<int64_t>(r.indices.size());
+  const int64_t ns = static_cast<int64_t>(r.shape.size());
+  const LocalEntries e = local_entries(op, args, xs, r);
+  const at::Tensor xl = local_of(self);
+  // The result's layout: Partial where an indexed dim is sharded.
+  Placements p = xs.placements();
+  ShardSizes sizes = xs.all_shard_sizes();
+  for (size_t m = 0; m < p.size(); ++m) {
+    const int64_t d = shard_dim(p[m]);
+    if (d < r.first) continue;  // Replicate (-1) or before the indexed dims
+    if (d < r.first + k) {
+      p[m] = Partial{};
+      sizes[m] = {};
+    } else {
+      p[m] = Shard{d - k + ns};
+    }
+  }
+  const SpecPtr spec = make_spec(xs.mesh(), p, indexed_shape(xs, r), sizes);
+  at::Tensor out;
+  if (e.empty_piece) {
+    // No entry here; stays connected to the (empty) piece so that every rank's
+    // result requires grad alike.
+    out = at::zeros(spec->local_shape(), xl.options());
+    if (xl.requires_grad()) out = out + at::sum(xl, xl.scalar_type());
+  } else {
+    const at::Tensor sel = at::index(xl, index_list(r.first, e.ids));
+    std::vector<int64_t> mask_shape(r.first, 1);
+    mask_shape.insert(mask_shape.end(), r.shape.begin(), r.shape.end());
+    mask_shape.resize(sel.dim(), 1);
+    out = at::where(e.here.view(mask_shape), sel, at::zeros({}, sel.options()));
+  }
+  stack->push_back(wrap(out, spec));
+}
+
+/// index_put's values as given, when they fit Note [several indices].
+bool multi_values_fit(const at::Tensor& self, const MultiIndex& r, const at::Tensor& v) {
+  const ShardSpec* vs = spec_of(v);
+  if (vs != nullptr && (!vs->is_replicated() || vs->mesh() != spec_of(self)->mesh())) return false;
+  return at::is_expandable_to(v.sizes(), indexed_shape(*spec_of(self), r));
+}
+
+void multi_index_put_rule(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                          Stack* stack) {
+  at::Tensor self = args[0].toTensor();
+  const ShardSpec& xs = *spec_of(self);
+  const MultiIndex r = *multi_index(self, args[1]);
+  const bool accumulate = args[3].toBool();
+  const bool in_place = is_written(op.schema().arguments()[0]);
+  const int64_t k = static_cast<int64_t>(r.indices.size());
+  const int64_t ns = static_cast<int64_t>(r.shape.size());
+  const LocalEntries e = local_entries(op, args, xs, r);
+  at::Tensor xl = local_of(self);
+  at::Tensor v = local_of(args[2].toTensor());
+  const std::vector<int64_t> sharded = sharded_mesh_dims(xs);
+  if (v.requires_grad() && at::GradMode::is_enabled() && !sharded.empty()) {
+    v = comm::use_replicated(v, xs.mesh(), sharded);
+  }
+  // v over the result's shape, sliced to this rank's piece of the other dims.
+  v = v.expand(indexed_shape(xs, r));
+  const auto off = xs.local_offsets();
+  const auto len = xs.local_shape();
+  for (int64_t d = 0; d < xs.ndim(); ++d) {
+    if (d >= r.first && d < r.first + k) continue;
+    const int64_t rd = d < r.first ? d : d - k + ns;
+    if (len[d] != xs.global_shape()[d]) v = v.narrow(rd, off[d], len[d]);
+  }
+  // The entries here, in their order.
+  std::vector<int64_t> flat(v.sizes().begin(), v.sizes().begin() + r.first);
+  flat.push_back(c10::multiply_integers(r.shape));  // not -1: another dim may be empty
+  flat.insert(flat.end(), v.sizes().begin() + r.first + ns, v.sizes().end());
+  const at::Tensor sel = e.here.reshape({-1}).nonzero().squeeze(1);
+  std::vector<at::Tensor> ids;
+  for (const at::Tensor& t : e.ids) ids.push_back(t.reshape({-1}).index_select(0, sel));
+  const at::Tensor vs = v.reshape(flat).index_select(r.first, sel);
+  const auto list = index_list(r.first, ids);
+  at::Tensor out =
+      in_place ? xl.index_put_(list, vs, accumulate) : xl.index_put(list, vs, accumulate);
+  if (in_place) {
+    stack->push_back(self);
+  } else {
+    stack->push_back(wrap(out, spec_ptr_of(self)));
+  }
+}
+
 bool index_takes(const c10::OperatorHandle& op, const Stack& stack) {
   const auto a = peek(op, stack);
   if (!a[0].isTensor()) return false;
   const at::Tensor self = a[0].toTensor();
+  if (multi_index_or_none(self, a[1])) return true;
   const auto r = one_index(self, a[1]);
   if (!r) return false;
   at::Tensor meta = r->index;
@@ -318,6 +543,7 @@ auto naming(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
 void index_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   const at::Tensor self = args[0].toTensor();
+  if (multi_index_or_none(self, args[1])) return multi_index_rule(op, std::move(args), stack);
   const OneIndex r = *one_index(self, args[1]);
   const DeviceMesh mesh = common_mesh(op, args);
   at::Tensor out =
@@ -346,6 +572,9 @@ bool index_put_takes(const c10::OperatorHandle& op, const Stack& stack) {
   if (!a[0].isTensor() || !a[2].isTensor()) return false;
   const at::Tensor self = a[0].toTensor();
   if (spec_of(self) == nullptr) return false;
+  if (const auto mr = multi_index_or_none(self, a[1])) {
+    return multi_values_fit(self, *mr, a[2].toTensor());
+  }
   const auto r = one_index(self, a[1]);
   if (!r) return false;
   const at::Tensor v = values_for(self, r->dim, entries_of(*r), a[2].toTensor());
@@ -359,6 +588,7 @@ bool index_put_takes(const c10::OperatorHandle& op, const Stack& stack) {
 void index_put_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   at::Tensor self = args[0].toTensor();
+  if (multi_index_or_none(self, args[1])) return multi_index_put_rule(op, std::move(args), stack);
   const OneIndex r = *one_index(self, args[1]);
   const bool accumulate = args[3].toBool();
   const bool in_place = is_written(op.schema().arguments()[0]);

@@ -44,6 +44,13 @@ const Rule* find_rule(const c10::OperatorName& op) {
   return e ? &e->rule : nullptr;
 }
 
+const Rule* find_exact_rule(const c10::OperatorName& op) {
+  auto& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  auto it = t.rules.find(op.name + "." + op.overload_name);
+  return it == t.rules.end() ? nullptr : &it->second.rule;
+}
+
 const Accepts* find_accepts(const c10::OperatorName& op) {
   const Entry* e = find_entry(op);
   return e && e->accepts ? &e->accepts : nullptr;

@@ -32,6 +32,11 @@ void register_rule(const std::string& name, Rule rule, Accepts accepts = {});
 /// The rule for `op`, or nullptr.
 const Rule* find_rule(const c10::OperatorName& op);
 
+/// The rule registered for exactly `op`'s overload ("name.overload", or
+/// "name." for the unnamed one), ignoring a rule registered for every
+/// overload of the name; nullptr when there is none.
+const Rule* find_exact_rule(const c10::OperatorName& op);
+
 /// The predicate of `op`'s rule (Note [partial rules]), or nullptr when the
 /// op has no rule or its rule takes every call.
 const Accepts* find_accepts(const c10::OperatorName& op);

@@ -10,11 +10,13 @@ namespace shardtensor {
 /// How the dispatcher handles an aten op called with a ShardTensor argument.
 enum class OpHandling {
   Rule,        ///< a sharding rule (src/ops/) runs it on the local pieces
+  OutAdapter,  ///< an out= overload: its functional overload's rule, then a copy into out=
+               ///< (Note [out variants], src/ops/out_variants.cpp)
   Decomposes,  ///< no rule; its CompositeImplicitAutograd decomposition runs, piece by piece
   Fallback,    ///< no rule, no decomposition: the generic fallback gathers (Note [visible gathers])
 };
 
-/// Local. "rule", "decomposes" or "falls back".
+/// Local. "rule", "out-adapter", "decomposes" or "falls back".
 std::string to_string(OpHandling h);
 
 struct OpCoverage {
