@@ -755,15 +755,19 @@ void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
   }
   if (out_numel > 0 && !is_max) {
     if (!divisor_override) {
-      at::Tensor div = at::ones({}, at::kDouble);
+      // One spatial plane of divisors, in the output's dtype (integer products,
+      // exact in float below 2^24 as in double), divided in place: the window
+      // sums are not kept (an input-sized tensor at stride 1).
+      at::Tensor div = at::ones({}, out.options());
       for (int64_t i = 0; i < nd; ++i) {
         std::vector<int64_t> shape(nd, 1);
         shape[i] = ocnt[i];
         div = div * divisor_1d(o0[i], ocnt[i], st.in_ext[i], kernel[i], stride[i], pad[i],
                                count_include_pad)
+                        .to(out.scalar_type())
                         .reshape(shape);
       }
-      out = out / div.to(out.scalar_type());
+      out.div_(div);
     }
   }
   stack->push_back(wrap(out, out_spec));
