@@ -146,6 +146,169 @@ TEST_F(Pool, ConvTransposeSavesNoHaloExtendedCopy) {
   EXPECT_TRUE(w.grad().defined());
 }
 
+// Note [split-phase pool]: pieces large enough (7-23 wide) that most configs
+// take the split path (interior on the piece, boundary strips from halo-only
+// exchanges), float64, every window shape, ceil_mode, padding and dilation;
+// forward, input gradients and global indices. Both spatial dims sharded on
+// the 2x2 mesh (corner blocks); empty first pieces take the general path.
+TEST_F(Pool, SplitPhaseMaxPool2dSweep) {
+  const auto x = rnd({2, 2, 29, 23}, 40).to(at::kDouble);
+  for (int64_t k = 2; k <= 4; ++k)
+    for (int64_t s = 1; s <= 3; ++s)
+      for (int64_t d = 1; d <= 2; ++d)
+        for (int64_t p = 0; p <= k / 2; ++p)
+          for (bool c : {false, true}) {
+            auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+              return at::max_pool2d(in[0], {k, 3}, {s, 2}, {p, 1}, {d, 1}, c);
+            };
+            EXPECT_TRUE(check(fn, {sh(x, {S2, S3})})) << cfg(k, s, d, p, c);
+            auto fi = [=](const at::Tensor& t) {
+              return std::get<1>(at::max_pool2d_with_indices(t, {k, k}, {s, s}, {p, p}, {d, d}, c));
+            };
+            EXPECT_TRUE(same_indices(fi, x, {S2, S3})) << cfg(k, s, d, p, c);
+            if (k == 3 && s == 2) {
+              EXPECT_TRUE(check(fn, {empty(x, {S3, S2})})) << cfg(k, s, d, p, c);
+              EXPECT_TRUE(same_indices(fi, x, {S3, S2}, true)) << cfg(k, s, d, p, c);
+            }
+          }
+}
+
+TEST_F(Pool, SplitPhaseAvgPoolSweep) {
+  const auto x = rnd({2, 3, 31, 17}, 41).to(at::kDouble);
+  const auto x1 = rnd({2, 3, 37}, 42);
+  for (int64_t k = 2; k <= 5; ++k)
+    for (int64_t s = 1; s <= 3; ++s)
+      for (int64_t p = 0; p <= k / 2; ++p)
+        for (bool c : {false, true})
+          for (bool inc : {false, true}) {
+            const std::string what = cfg(k, s, 1, p, c) + " include_pad=" + std::to_string(inc);
+            auto f2 = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+              return at::avg_pool2d(in[0], {k, 2}, {s, 2}, {p, 1}, c, inc);
+            };
+            EXPECT_TRUE(check(f2, {sh(x, {S2, S3})})) << what;
+            auto f1 = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+              return at::avg_pool1d(in[0], {k}, {s}, {p}, c, inc);
+            };
+            EXPECT_TRUE(check(f1, {sh(x1, {S2})})) << what;
+          }
+  auto fd = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::avg_pool2d(in[0], {3, 3}, {2, 1}, {1, 1}, false, true, 5);
+  };
+  EXPECT_TRUE(check(fd, {sh(x, {S2, S3})}));
+}
+
+TEST_F(Pool, SplitPhase3d) {
+  const auto x = rnd({1, 2, 19, 17, 9}, 43).to(at::kDouble);
+  for (const P& pl : {P{S2, S3}, P{S4, S3}}) {
+    auto fm = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::max_pool3d(in[0], {3, 3, 2}, {2, 1, 2}, {1, 1, 0}, {1, 1, 1}, true);
+    };
+    EXPECT_TRUE(check(fm, {sh(x, pl)})) << st::to_string(pl);
+    auto fa = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return at::avg_pool3d(in[0], {3, 2, 3}, {1, 2, 2}, {1, 1, 1}, false, false);
+    };
+    EXPECT_TRUE(check(fa, {sh(x, pl)})) << st::to_string(pl);
+    auto fi = [](const at::Tensor& t) {
+      return std::get<1>(at::max_pool3d_with_indices(t, {3, 3, 3}, {2, 2, 2}, {1, 1, 1}));
+    };
+    EXPECT_TRUE(same_indices(fi, x, pl)) << st::to_string(pl);
+  }
+}
+
+// Note [split-phase pool]: the U-Net's max_pool2d(2) (and avg_pool2d(2)) on
+// even pieces at even offsets reads no other rank's data: no message at all
+// in forward or backward, and exact results.
+TEST_F(Pool, AlignedPoolSendsNothing) {
+  const auto x = rnd({2, 3, 24, 48}, 44);
+  const P pl = fit_placements(mesh, {S2, S3});
+  for (int kind = 0; kind < 3; ++kind) {
+    SCOPED_TRACE(kind);
+    auto fn = [kind](const at::Tensor& t) {
+      return kind == 0   ? at::max_pool2d(t, {2, 2})
+             : kind == 1 ? at::avg_pool2d(t, {2, 2})
+                         : std::get<1>(at::max_pool2d_with_indices(t, {2, 2}, {2, 2}));
+    };
+    at::Tensor sx = st::distribute_tensor(x, mesh, pl, kind != 2);
+    st::reset_comm_stats();
+    at::Tensor y = fn(sx);
+    // A plain gradient of the global shape: no loss reduction on the way.
+    if (kind != 2) st::backward(y, at::ones(fn(x).sizes()));
+    EXPECT_TRUE(all_ranks(st::comm_stats().bytes_sent == 0 && st::comm_stats().bytes_received == 0))
+        << "sent " << st::comm_stats().bytes_sent;
+    EXPECT_TRUE(gathered(y).equal(fn(x)));
+    if (kind != 2) {
+      auto xr = x.detach().clone().requires_grad_();
+      fn(xr).sum().backward();
+      at::Tensor g = st::ShardTensor(sx).local().grad();
+      // This rank's piece of the reference gradient.
+      const auto off = st::ShardTensor(sx).spec().local_offsets();
+      at::Tensor want = xr.grad();
+      for (int64_t dim = 2; dim < 4; ++dim) want = want.narrow(dim, off[dim], g.size(dim));
+      EXPECT_TRUE(g.equal(want));
+    }
+  }
+}
+
+// Note [split-phase pool]: forward holds no halo-extended copy of the piece.
+// As OverlapForwardHoldsNoPaddedCopy (test_conv.cpp): the sharded peak (minus
+// the output) against libtorch's own pool on a copy of the piece. Stride 1
+// with symmetric padding writes the boundary into the kernel's own output
+// (a few strip rows extra); otherwise the interior is copied into the output
+// block (one output-sized tensor extra, a quarter of the piece at stride 2).
+TEST_F(Pool, SplitPhaseHoldsNoPaddedCopy) {
+  const int64_t C = 8, H = 258, W = 130;
+  torch::NoGradGuard no_grad;
+  auto x = rnd({1, C, H, W}, 45);
+  for (const P& want : {P{S2, R}, P{S2, S3}}) {
+    const P pl = fit_placements(mesh, want);
+    auto sx = st::distribute_tensor(x, mesh, pl, false);
+    at::Tensor piece = st::ShardTensor(sx).local().clone();
+    const int64_t row_bytes =
+        C * std::max(piece.size(2), piece.size(3)) * static_cast<int64_t>(sizeof(float));
+    const int64_t piece_bytes = piece.numel() * static_cast<int64_t>(sizeof(float));
+    for (int kind = 0; kind < 3; ++kind) {
+      SCOPED_TRACE(kind);
+      auto fn = [kind](const at::Tensor& t) {
+        return kind == 0   ? at::max_pool2d(t, {3, 3}, {1, 1}, {1, 1})
+               : kind == 1 ? at::avg_pool2d(t, {3, 3}, {1, 1}, {1, 1})
+                           : at::max_pool2d(t, {3, 3}, {2, 2}, {1, 1});
+      };
+      int64_t plain_extra = 0, extra = 0, out_bytes = 0;
+      {
+        const int64_t base = st::memory_stats().current_bytes;
+        st::reset_peak_memory_stats();
+        at::Tensor out = fn(piece);
+        out_bytes = out.numel() * static_cast<int64_t>(sizeof(float));
+        plain_extra = st::memory_stats().peak_bytes - base - out_bytes;
+      }
+      at::Tensor out;
+      {
+        const int64_t base = st::memory_stats().current_bytes;
+        st::reset_peak_memory_stats();
+        out = fn(sx);
+        extra = st::memory_stats().peak_bytes - base -
+                st::ShardTensor(out).local().numel() * static_cast<int64_t>(sizeof(float));
+      }
+      // Stride 1: strips only; stride 2: plus the interior copied into the block.
+      // Avg: plus one spatial plane of divisors (Note [avg_pool divisor]).
+      const int64_t plane = out_bytes / C;
+      const int64_t limit =
+          16 * row_bytes + (kind == 1 ? plane : 0) + (kind == 2 ? out_bytes + 4 * row_bytes : 0);
+      if (mesh.rank() == 0) {
+        std::printf(
+            "[ split pool ] P=%lld %s kind %d forward scratch: sharded %.3f MB, plain pool on the "
+            "piece %.3f MB (piece %.3f MB)\n",
+            static_cast<long long>(mesh.size()), st::to_string(pl).c_str(), kind, extra / 1e6,
+            plain_extra / 1e6, piece_bytes / 1e6);
+      }
+      EXPECT_TRUE(all_ranks(extra - plain_extra <= limit))
+          << "sharded extra " << extra << " plain extra " << plain_extra << " limit " << limit;
+      EXPECT_TRUE(all_ranks(mesh.size() == 1 || extra - plain_extra < piece_bytes / 2));
+      EXPECT_TRUE(all_close(gathered(out), fn(x), kRtol, kAtol));
+    }
+  }
+}
+
 TEST_F(Pool, MaxPool2dLayouts) {
   const auto x = rnd({3, 2, 9, 7}, 3);
   auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {

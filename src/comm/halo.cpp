@@ -625,6 +625,24 @@ HaloExchangeInFlight halo_exchange_start(const at::Tensor& local, const DeviceMe
   return h;
 }
 
+HaloExchangeInFlight gather_range_start(const at::Tensor& local, const DeviceMesh& mesh,
+                                        int64_t mesh_dim, int64_t dim,
+                                        const std::vector<int64_t>& sizes,
+                                        const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                                        PadMode mode, double value) {
+  RangeArgs args = prepare_range(Prim::GatherRange, local, mesh, mesh_dim, dim, sizes, ranges, mode,
+                                 value, 0, 0);
+  HaloExchangeInFlight h;
+  h.impl_ = std::make_unique<HaloExchangeInFlight::Impl>();
+  h.impl_->local = local;
+  h.impl_->plan = args.plan;
+  {
+    at::NoGradGuard no_grad;
+    h.impl_->pending = args.plan->start(local.detach(), value);
+  }
+  return h;
+}
+
 size_t halo_plan_cache_size() {
   std::lock_guard<std::mutex> lock(plan_cache_state().mu);
   return plan_cache_state().cache.size();

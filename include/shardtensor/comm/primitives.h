@@ -169,6 +169,10 @@ class HaloExchangeInFlight {
   friend HaloExchangeInFlight halo_exchange_start(const at::Tensor&, const DeviceMesh&, int64_t,
                                                   int64_t, const std::vector<int64_t>&, int64_t,
                                                   int64_t, PadMode, double);
+  friend HaloExchangeInFlight gather_range_start(const at::Tensor&, const DeviceMesh&, int64_t,
+                                                 int64_t, const std::vector<int64_t>&,
+                                                 const std::vector<std::pair<int64_t, int64_t>>&,
+                                                 PadMode, double);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -181,6 +185,18 @@ HaloExchangeInFlight halo_exchange_start(const at::Tensor& local, const DeviceMe
                                          const std::vector<int64_t>& sizes, int64_t left,
                                          int64_t right, PadMode mode = PadMode::Constant,
                                          double value = 0.0);
+
+/// Collective over `mesh_dim`, split phase: gather_range() posted and returned
+/// at once (finish() returns exactly what gather_range() would, with the same
+/// gradient). With ranges that hold only the rows next to each piece (a left
+/// or right halo on its own) it moves and allocates no copy of the piece: the
+/// halo-strip exchanges of the split-phase pooling (Note [split-phase pool]).
+/// Validates like gather_range() (throwing on every rank before any message).
+HaloExchangeInFlight gather_range_start(const at::Tensor& local, const DeviceMesh& mesh,
+                                        int64_t mesh_dim, int64_t dim,
+                                        const std::vector<int64_t>& sizes,
+                                        const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                                        PadMode mode = PadMode::Constant, double value = 0.0);
 
 }  // namespace comm
 }  // namespace shardtensor
