@@ -32,11 +32,6 @@ struct Case {
   std::vector<int64_t> shape;
   std::vector<std::vector<int64_t>> params;  // parameter shapes
   Fn fn;
-  // Normalizations: the dims the statistics reduce over. Sharding one of them,
-  // even on a mesh dim of size 1, runs the merged-moments path without
-  // communication instead of libtorch's kernel (Note [plain fast path] in
-  // src/ops/norm.cpp): checked for zero traffic and closeness only.
-  std::vector<int64_t> reduced = {};
 };
 
 std::vector<at::Tensor> make_params(const Case& c, uint64_t seed) {
@@ -119,33 +114,16 @@ bool same(const at::Tensor& a, const at::Tensor& b) {
     err << " communicated " << sh.comm.bytes_sent << "/" << sh.comm.bytes_received << " bytes in "
         << sh.comm.messages << " messages;";
   }
-  bool exact = true;
-  for (const auto& p : pl) {
-    if (std::holds_alternative<st::Shard>(p)) {
-      const int64_t d = std::get<st::Shard>(p).dim;
-      for (int64_t r : c.reduced) exact = exact && r != d;
-    }
-  }
-  if (!exact) {
-    if (!all_close(sh.out, plain.out, 1e-5, 1e-5)) err << " output differs;";
-    if (!all_close(sh.gin, plain.gin, 1e-4, 1e-5)) err << " input gradient differs;";
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (!all_close(sh.gparams[i], plain.gparams[i], 1e-4, 1e-4))
-        err << " parameter grad differs;";
-    }
-  } else if (sh.fwd_peak != plain.fwd_peak || sh.bwd_peak != plain.bwd_peak ||
-             sh.live != plain.live) {
+  if (sh.fwd_peak != plain.fwd_peak || sh.bwd_peak != plain.bwd_peak || sh.live != plain.live) {
     err << " memory (forward peak, backward peak, live) " << sh.fwd_peak << ", " << sh.bwd_peak
         << ", " << sh.live << " vs plain " << plain.fwd_peak << ", " << plain.bwd_peak << ", "
         << plain.live << ";";
   }
-  if (exact) {
-    if (!same(sh.out, plain.out)) err << " output differs;";
-    if (!same(sh.gin, plain.gin)) err << " input gradient differs;";
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (!same(sh.gparams[i], plain.gparams[i]))
-        err << " gradient of parameter " << i << " differs;";
-    }
+  if (!same(sh.out, plain.out)) err << " output differs;";
+  if (!same(sh.gin, plain.gin)) err << " input gradient differs;";
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!same(sh.gparams[i], plain.gparams[i]))
+      err << " gradient of parameter " << i << " differs;";
   }
   const std::string msg = err.str();
   if (all_ranks(msg.empty())) return ::testing::AssertionSuccess();
@@ -239,19 +217,15 @@ std::vector<Case> cases() {
   });
   add("group_norm", x2, {{4}, {4}},
       [](auto& x, auto& p) { return at::group_norm(x, 2, p[0], p[1], 1e-5); });
-  cs.back().reduced = {1, 2, 3};
   add("layer_norm", x2, {{13, 11}, {13, 11}}, [](auto& x, auto& p) {
     return at::layer_norm(x, {13, 11}, p[0], p[1], 1e-5);
   });
-  cs.back().reduced = {2, 3};
   add("instance_norm", x2, {{4}, {4}}, [](auto& x, auto& p) {
     return at::instance_norm(x, p[0], p[1], {}, {}, true, 0.1, 1e-5, false);
   });
-  cs.back().reduced = {2, 3};
   add("batch_norm train", x2, {{4}, {4}}, [](auto& x, auto& p) {
     return at::batch_norm(x, p[0], p[1], {}, {}, true, 0.1, 1e-5, false);
   });
-  cs.back().reduced = {0, 2, 3};
   add("batch_norm eval", x2, {{4}, {4}}, [](auto& x, auto& p) {
     static const at::Tensor rm = rnd({4}, 3, 0.1), rv = rnd({4}, 4, 0.1).abs() + 0.5;
     return at::batch_norm(x, p[0], p[1], rm, rv, false, 0.1, 1e-5, false);

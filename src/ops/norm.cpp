@@ -328,16 +328,26 @@ std::vector<int64_t> mesh_dims_where(const ShardSpec& in, Pred pred) {
 }
 
 // Note [plain fast path] for normalizations: the plain libtorch op runs when
-// NO mesh dim shards a reduced dim (a mesh dim of size 1 included). When only
-// mesh dims of size 1 shard reduced dims, the merged-moments path runs without
-// any communication (mesh_dims_where skips them) instead: libtorch's own
-// kernels lose the variance of a field whose mean is large against its spread
-// (LargeMeanStability in tests/test_norm.cpp), which the two-pass moments keep.
+// no reduced dim is sharded across more than one rank (P = 1, or every mesh
+// dim sharding a reduced dim has size 1): the op, its kernels, its numerics
+// and its memory are libtorch's, bit for bit. (An earlier version ran the
+// merged-moments path without communication there, because the two-pass
+// moments keep the variance of a field whose mean is large against its
+// spread; at P = 1 that made GroupNorm ~2.7x slower than libtorch's kernel in
+// the U-Net profile, and a ShardTensor at P = 1 must be what one process
+// gives.) reduces_over_shard() below still sees size-1 mesh dims: it picks
+// the merged-moments path over the local one once the plain path is ruled out.
 bool reduces_over_shard(const ShardSpec& in, const std::function<bool(int64_t)>& reduced) {
   for (const auto& pl : in.placements()) {
     if (is_shard(pl) && reduced(shard_dim(pl))) return true;
   }
   return false;
+}
+
+// Whether a reduced dim is sharded across more than one rank (Note [plain fast path]).
+template <class Pred>
+bool reduces_across_ranks(const ShardSpec& in, Pred reduced) {
+  return !mesh_dims_where(in, reduced).empty();
 }
 
 NormPlan make_plan(std::vector<int64_t> dims, const ShardSpec& in, std::vector<int64_t> mesh_dims,
@@ -454,7 +464,7 @@ void batch_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
     for (int64_t d = 0; !training && d < nd; ++d) {
       if (d != 1) local_dims.push_back(d);
     }
-    if (!(training && reduces_over_shard(in, [](int64_t d) { return d != 1; })) &&
+    if (!(training && reduces_across_ranks(in, [](int64_t d) { return d != 1; })) &&
         runs_plain(*spec_of(x), local_of(x), local_dims)) {
       return call_plain_norm(op, std::move(args), stack);
     }
@@ -521,7 +531,7 @@ void instance_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   channel_param(op, args, opt_tensor(args[1]), channels, in, "weight", false);
   channel_param(op, args, opt_tensor(args[2]), channels, in, "bias", false);
   // Note [plain fast path]: the running statistics average over the batch.
-  if (!(use_input_stats && reduces_over_shard(in, [](int64_t d) { return d >= 2; })) &&
+  if (!(use_input_stats && reduces_across_ranks(in, [](int64_t d) { return d >= 2; })) &&
       runs_plain(
           *spec_of(x), local_of(x),
           use_input_stats && rm.defined() ? std::vector<int64_t>{} : std::vector<int64_t>{0})) {
@@ -596,7 +606,7 @@ void group_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
   channel_param(op, args, opt_tensor(args[2]), channels, in, "weight", false);
   channel_param(op, args, opt_tensor(args[3]), channels, in, "bias", false);
   // Note [plain fast path]: statistics per (n, group).
-  if (!reduces_over_shard(in, [](int64_t d) { return d >= 2; }) &&
+  if (!reduces_across_ranks(in, [](int64_t d) { return d >= 2; }) &&
       runs_plain(*spec_of(x), local_of(x), {0})) {
     return call_plain(op, std::move(args), stack);
   }
@@ -681,7 +691,7 @@ void layer_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
         }
       }
     }
-    if (params_whole && !reduces_over_shard(in, [&](int64_t d) { return d >= nd - k; }) &&
+    if (params_whole && !reduces_across_ranks(in, [&](int64_t d) { return d >= nd - k; }) &&
         runs_plain(*spec_of(x), local_of(x), lead)) {
       return call_plain(op, std::move(args), stack);
     }
