@@ -608,20 +608,28 @@ at::Tensor HaloExchangeInFlight::finish() {
   return HaloEndFn::apply(impl->local, std::move(args));
 }
 
+namespace {
+// Posts a validated plan's exchange on a detached copy of the piece's data
+// (Note [split-phase halo]).
+std::unique_ptr<HaloExchangeInFlight::Impl> start_in_flight(const at::Tensor& local,
+                                                            const RangeArgs& args) {
+  auto impl = std::make_unique<HaloExchangeInFlight::Impl>();
+  impl->local = local;
+  impl->plan = args.plan;
+  at::NoGradGuard no_grad;
+  impl->pending = args.plan->start(local.detach(), args.value);
+  return impl;
+}
+}  // namespace
+
 HaloExchangeInFlight halo_exchange_start(const at::Tensor& local, const DeviceMesh& mesh,
                                          int64_t mesh_dim, int64_t dim,
                                          const std::vector<int64_t>& sizes, int64_t left,
                                          int64_t right, PadMode mode, double value) {
-  RangeArgs args = prepare_range(Prim::HaloExchange, local, mesh, mesh_dim, dim, sizes,
-                                 halo_ranges(sizes, left, right), mode, value, left, right);
   HaloExchangeInFlight h;
-  h.impl_ = std::make_unique<HaloExchangeInFlight::Impl>();
-  h.impl_->local = local;
-  h.impl_->plan = args.plan;
-  {
-    at::NoGradGuard no_grad;
-    h.impl_->pending = args.plan->start(local.detach(), value);
-  }
+  h.impl_ = start_in_flight(
+      local, prepare_range(Prim::HaloExchange, local, mesh, mesh_dim, dim, sizes,
+                           halo_ranges(sizes, left, right), mode, value, left, right));
   return h;
 }
 
@@ -630,16 +638,9 @@ HaloExchangeInFlight gather_range_start(const at::Tensor& local, const DeviceMes
                                         const std::vector<int64_t>& sizes,
                                         const std::vector<std::pair<int64_t, int64_t>>& ranges,
                                         PadMode mode, double value) {
-  RangeArgs args = prepare_range(Prim::GatherRange, local, mesh, mesh_dim, dim, sizes, ranges, mode,
-                                 value, 0, 0);
   HaloExchangeInFlight h;
-  h.impl_ = std::make_unique<HaloExchangeInFlight::Impl>();
-  h.impl_->local = local;
-  h.impl_->plan = args.plan;
-  {
-    at::NoGradGuard no_grad;
-    h.impl_->pending = args.plan->start(local.detach(), value);
-  }
+  h.impl_ = start_in_flight(local, prepare_range(Prim::GatherRange, local, mesh, mesh_dim, dim,
+                                                 sizes, ranges, mode, value, 0, 0));
   return h;
 }
 
