@@ -34,7 +34,8 @@ FLAT=$TMP/flat.tsv
 shopt -s nullglob
 FILES=("$RESULTS"/*.json)
 for f in "${FILES[@]}"; do
-  case $(basename "$f") in io.json | scale.json | profile.json) continue ;; esac
+  # rebalance.json (bench_rebalance) has its own format; docs/irregular.md reads it.
+  case $(basename "$f") in io.json | scale.json | profile.json | rebalance.json) continue ;; esac
   jq -r --arg file "$(basename "$f" .json)" '
     def v: if . == null then "-" elif type == "array" then map(tostring) | join("x")
            else tostring end;
@@ -375,7 +376,8 @@ it on an otherwise idle machine: the `load` column records how busy it was.
 | `maxsize.json` | (4) largest trainable unet2d sample under 1 GiB of tensor memory per rank, P = 1, 2, 4, 8 |
 | `overhead.json` | (5) P = 1: the ShardTensor path vs plain libtorch, 1 thread each (speedup < 1 is the overhead) |
 | `profile.json` | `make bench-profile`: per-op forward/backward time, kernel/host/comm split and bytes of unet2d 512x512 train at P = 1, 2 next to plain libtorch with the same threads (`shardtensor_bench profile`) |
-| `scale.json` | `make bench-scale`: weak scaling with a tiny 16x32 piece per rank, unet2d (depth 2, 8 channels) and conv_stack train, P = 1, 2, 4, 8, 16 (SCALE_NPS), per rank and step: messages, bytes, dispatcher counters, host time outside kernels |
+| `scale.json` | `make bench-scale`: weak scaling with a tiny 16x32 piece per rank, unet2d (depth 2, 8 channels) and conv_stack train, P = 1, 2, 4, 8, 16 (SCALE_NPS; 32 and 64 run by hand with the same flags), per rank and step: messages, bytes, dispatcher counters, host time outside kernels |
+| `targets.json` | `make bench-targets`: issue 13's targets: unet2d 512x512 train and infer at P = 1, 2, 4 (P = 2 train also against matched threads), ring attention S = 4096 at P = 1 |
 | `io.json` | `make bench-io` (bench/run_io.sh): parallel HDF5 read of a sharded field at P = 1, 2, 4 vs one rank reading the whole file |
 | `attention.json` | sequence-sharded (ring) attention, 1 head of 64, S = 2^10 .. 2^15 at P = 1, 2, train and infer; the baseline (textbook softmax(q k^T / sqrt(d)) v, which holds the S x S scores) only up to S = 2^13 |
 
@@ -438,10 +440,12 @@ EOF
     [weak]="(2) Weak scaling: per-rank size fixed" [strong]="(3) Strong scaling on 2 cores"
     [maxsize]="(4) Largest trainable sample under a per-rank memory cap"
     [overhead]="(5) Overhead at P = 1: ShardTensor path vs plain libtorch"
-    [attention]="Attention: sequence-sharded scaled_dot_product_attention")
+    [attention]="Attention: sequence-sharded scaled_dot_product_attention"
+    [targets]="Issue 13's targets (make bench-targets)"
+    [irregular]="Irregular and spectral workloads (recorded by hand)")
   for f in "${FILES[@]}"; do
     b=$(basename "$f" .json)
-    case $b in io | scale | profile) continue ;; esac
+    case $b in io | scale | profile | rebalance) continue ;; esac
     echo "## ${TITLES[$b]:-$b} \`bench/results/$b.json\`"
     echo
     run_table "$b"
