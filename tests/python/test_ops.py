@@ -123,6 +123,32 @@ def test_ring_attention(mesh, causal):
         assert_close(a.grad.full_tensor(), b.grad, 1e-5, 1e-5, "grad " + name)
 
 
+def test_hand_written_attention_is_a_ring(mesh):
+    """softmax(q @ k^T) @ v written with plain torch ops on sequence-sharded
+    tensors: both matmuls are rings (Note [ring matmul]), nothing is gathered
+    (strict mode allows it), and output and gradients equal torch's."""
+    q, k, v = (rnd((2, 13, 8), s) for s in (31, 32, 33))
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.softmax(refs[0] @ refs[1].transpose(-2, -1), -1) @ refs[2]
+    w = rnd(ref.shape, 34)
+    (ref * w).sum().backward()
+    pl = placements(mesh, 1)
+    sq, sk, sv = (st.distribute_tensor(t, mesh, pl, requires_grad=True) for t in (q, k, v))
+    st.set_strict(True)
+    try:
+        st.reset_comm_stats()
+        out = torch.softmax(sq @ sk.transpose(-2, -1), -1) @ sv
+        assert st.comm_stats()["gathered_bytes"] == 0
+        assert isinstance(out, ShardTensor) and out.placements == pl
+        of = out.full_tensor()
+        assert_close(of, ref.detach(), 1e-5, 1e-5, "attention")
+        (of * w).sum().backward()
+    finally:
+        st.set_strict(False)
+    for name, a, b in zip("qkv", (sq, sk, sv), refs):
+        assert_close(a.grad.full_tensor(), b.grad, 1e-5, 1e-5, "grad " + name)
+
+
 def test_backward_non_scalar(mesh):
     x = rnd((2, 3, 11, 5), 31)
     conv = torch.nn.Conv2d(3, 2, 3, padding=1)
