@@ -150,6 +150,49 @@ Moments moments(const at::Tensor& x, const NormPlan& p) {
   return m;
 }
 
+// Note [norm backward], fused: the same closed form in seven passes over the
+// piece instead of about fourteen. With xc = x - shift (centred, so products
+// stay well conditioned, Note [sharded moments]) every sum the gradients need
+// comes from A = sum(dy * xc) and B = sum(dy) over the reduced dims where the
+// weight is broadcast (per statistic and weight element, as libtorch's kernels
+// do per (n, c)): sum(g) = sum(w B), sum(g xhat) = rstd (sum(w A) - delta
+// sum(w B)), dw = sum(rstd (A - delta B)), db = sum(B); then
+//   dx = (rstd w) dy + c1 xc + c0,
+//   c1 = -rstd^2 sum(g xhat) / count, c0 = -rstd sum(g) / count - delta c1,
+// three passes. w and b (if defined) have x's rank. Collective over p.mesh_dims when
+// need_x (one all-reduce of two statistics).
+variable_list fused_backward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& shift,
+                             const at::Tensor& delta, const at::Tensor& rstd, const at::Tensor& dy,
+                             const NormPlan& p, bool need_x, bool need_w, bool need_b,
+                             const std::vector<int64_t>& b_shape, at::ScalarType b_dtype) {
+  std::vector<int64_t> inner, outer;  // reduced dims where w and b are broadcast / are not
+  for (int64_t d : p.dims) {
+    const bool varies = (w.defined() && w.size(d) != 1) || (p.has_b && b_shape[d] != 1);
+    (varies ? outer : inner).push_back(d);
+  }
+  auto sum_over = [](const at::Tensor& t, const std::vector<int64_t>& dims) {
+    return dims.empty() ? t : t.sum(dims, true);
+  };
+  at::Tensor xc = x - shift;
+  at::Tensor A;
+  if (need_x || need_w) A = sum_over(dy * xc, inner);
+  const at::Tensor B = sum_over(dy, inner);
+  at::Tensor dx, dw, db;
+  if (need_w) dw = (rstd * (A - delta * B)).sum_to_size(w.sizes()).to(w.scalar_type());
+  if (need_b) db = B.sum_to_size(b_shape).to(b_dtype);
+  if (need_x) {
+    const at::Tensor wa = w.defined() ? A * w : A, wb = w.defined() ? B * w : B;
+    const at::Tensor s = sum_mesh(at::stack({sum_over(wb, outer), sum_over(wa, outer)}), p);
+    const at::Tensor sg = s[0], sgx = rstd * (s[1] - delta * s[0]);
+    const at::Tensor c1 = -(rstd * rstd * sgx) / p.count;
+    const at::Tensor c0 = -(rstd * sg) / p.count - delta * c1;
+    dx = dy * (w.defined() ? rstd * w : rstd);
+    dx.addcmul_(xc, c1).add_(c0);
+    dx = dx.to(x.scalar_type());
+  }
+  return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
 // y = ((x - shift) - delta) * rstd * w + b on local tensors; w and b
 // broadcast against x. libtorch 1.13 custom Functions cannot take undefined
 // tensors: an absent w or b is passed as an empty placeholder and flagged in the plan.
@@ -211,6 +254,12 @@ struct NormFn : torch::autograd::Function<NormFn> {
       return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     dy = dy.to(acc);
+    const std::vector<int64_t> b_shape = ctx->saved_data.at("b_shape").toIntVector();
+    if ((!w.defined() || w.dim() == x.dim()) &&
+        (!p.has_b || static_cast<int64_t>(b_shape.size()) == x.dim())) {
+      return fused_backward(x, w, shift, delta, rstd, dy, p, need_x, need_w, need_b, b_shape,
+                            c10::ScalarType(ctx->saved_data.at("b_dtype").toInt()));
+    }
     at::Tensor xhat = (x - shift).sub_(delta).mul_(rstd);
     at::Tensor dx, dw, db;
     if (need_w) dw = (dy * xhat).sum_to_size(w.sizes()).to(w.scalar_type());
