@@ -8,6 +8,7 @@
 #include "comm/halo.h"
 #include "comm/accumulate.h"
 #include "comm/function_output.h"
+#include "comm/plan_cache.h"
 
 #include <ATen/ATen.h>
 
@@ -399,24 +400,11 @@ variable_list GatherRangeFn::backward(AutogradContext* ctx, variable_list grads)
 // therefore cached by that key, like PETSc's VecScatter or heFFTe's plans: in
 // steady state (the same layer on the same layout every step) a call finds
 // its plan and does no O(P) work beyond hashing the key. The cache holds at
-// most kMaxPlans plans and is cleared when full (a model has a bounded number
+// most 512 plans and is cleared when full (a model has a bounded number
 // of distinct layouts). Keys include the MPI_Comm handle, so a plan is never
-// reused on another communicator.
-constexpr size_t kMaxPlans = 512;
-
-struct PlanKeyHash {
-  size_t operator()(const std::vector<int64_t>& k) const {
-    return static_cast<size_t>(Fingerprint().add(k).value());
-  }
-};
-
-struct PlanCache {
-  std::mutex mu;
-  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const HaloPlan>, PlanKeyHash> cache;
-};
-
-PlanCache& plan_cache_state() {
-  static auto* c = new PlanCache();  // never destroyed (plans may be used at exit)
+// reused on another communicator (comm/plan_cache.h).
+PlanCache<HaloPlan>& halo_plans() {
+  static auto* c = new PlanCache<HaloPlan>();  // never destroyed (plans may be used at exit)
   return *c;
 }
 
@@ -426,12 +414,7 @@ std::shared_ptr<const HaloPlan> cached_plan(const Axis& a, std::vector<int64_t> 
                                             PadMode mode) {
   std::vector<int64_t> key;
   key.reserve(8 + local_shape.size() + sizes.size() + 2 * ranges.size());
-  // The handle's bits (a pointer in Open MPI, an int in MPICH). A handle
-  // reused after MPI_Comm_free gives the same plan contents for the same
-  // (me, sizes, ranges), so a stale entry is still right.
-  int64_t comm_bits = 0;
-  std::memcpy(&comm_bits, &a.comm, std::min(sizeof(a.comm), sizeof(comm_bits)));
-  key.push_back(comm_bits);
+  key.push_back(comm_key_bits(a.comm));
   key.push_back(a.me);
   key.push_back(dim);
   key.push_back(static_cast<int64_t>(mode));
@@ -442,17 +425,9 @@ std::shared_ptr<const HaloPlan> cached_plan(const Axis& a, std::vector<int64_t> 
     key.push_back(lo);
     key.push_back(hi);
   }
-  auto& mu = plan_cache_state().mu;
-  auto& cache = plan_cache_state().cache;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
+  if (auto plan = halo_plans().find(key)) return plan;
   auto plan = HaloPlan::build(a, std::move(local_shape), dim, sizes, ranges, mode);
-  std::lock_guard<std::mutex> lock(mu);
-  if (cache.size() >= kMaxPlans) cache.clear();
-  cache.emplace(std::move(key), plan);
+  halo_plans().insert(std::move(key), plan);
   return plan;
 }
 
@@ -644,10 +619,7 @@ HaloExchangeInFlight gather_range_start(const at::Tensor& local, const DeviceMes
   return h;
 }
 
-size_t halo_plan_cache_size() {
-  std::lock_guard<std::mutex> lock(plan_cache_state().mu);
-  return plan_cache_state().cache.size();
-}
+size_t halo_plan_cache_size() { return halo_plans().size(); }
 
 }  // namespace shardtensor::comm
 

@@ -6,6 +6,7 @@
 // transport's all-to-allv.
 #include "comm/repartition.h"
 #include "comm/function_output.h"
+#include "comm/plan_cache.h"
 
 #include <ATen/ATen.h>
 
@@ -319,35 +320,19 @@ at::Tensor BoxExchangePlan::run(const at::Tensor& local) const {
 // key as halo plans are (Note [halo plan cache] in halo.cpp): a call that
 // finds its plan skips the box validation (it passed when the plan was made,
 // for the same boxes) and checks only the local tensor. At most
-// kMaxBoxPlans plans; the cache is cleared when full. The key holds the
+// 512 plans (comm/plan_cache.h); the cache is cleared when full. The key holds the
 // MPI_Comm handle's bits, so a plan is never reused on another communicator.
 namespace {
 
-constexpr size_t kMaxBoxPlans = 512;
-
-struct BoxKeyHash {
-  size_t operator()(const std::vector<int64_t>& k) const {
-    return static_cast<size_t>(Fingerprint().add(k).value());
-  }
-};
-
-struct BoxPlanCache {
-  std::mutex mu;
-  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const BoxExchangePlan>, BoxKeyHash>
-      plans;
-};
-
-BoxPlanCache& box_plan_cache() {
-  static auto* c = new BoxPlanCache();  // never destroyed (plans may be used at exit)
+PlanCache<BoxExchangePlan>& box_plans() {
+  static auto* c = new PlanCache<BoxExchangePlan>();  // never destroyed (plans may be used at exit)
   return *c;
 }
 
 std::vector<int64_t> box_plan_key(const BoxGroup& g, const std::vector<Box>& src,
                                   const std::vector<Box>& dst) {
   std::vector<int64_t> key;
-  int64_t comm_bits = 0;
-  std::memcpy(&comm_bits, &g.comm, std::min(sizeof(g.comm), sizeof(comm_bits)));
-  key.push_back(comm_bits);
+  key.push_back(comm_key_bits(g.comm));
   key.push_back(g.size);
   key.push_back(g.me);
   for (const auto* boxes : {&src, &dst}) {
@@ -365,11 +350,7 @@ std::vector<int64_t> box_plan_key(const BoxGroup& g, const std::vector<Box>& src
 
 }  // namespace
 
-size_t box_plan_cache_size() {
-  auto& c = box_plan_cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  return c.plans.size();
-}
+size_t box_plan_cache_size() { return box_plans().size(); }
 
 namespace {
 
@@ -583,15 +564,7 @@ at::Tensor box_exchange(const at::Tensor& local, const DeviceMesh& mesh,
   }
   Checks checks(p);
   auto key = box_plan_key(bg, src_boxes, dst_boxes);
-  auto& cache = box_plan_cache();
-  std::shared_ptr<const BoxExchangePlan> plan;
-  {
-    std::lock_guard<std::mutex> lock(cache.mu);
-    auto it = cache.plans.find(key);
-    if (it != cache.plans.end()) {
-      plan = it->second;
-    }
-  }
+  std::shared_ptr<const BoxExchangePlan> plan = box_plans().find(key);
   const int64_t nd = local.dim();
   if (plan == nullptr) {
     if (check_boxes(checks, src_boxes, bg.size, nd, "src_boxes") &&
@@ -618,11 +591,7 @@ at::Tensor box_exchange(const at::Tensor& local, const DeviceMesh& mesh,
                           transport::comm_rank(bg.comm), " in the sub-communicator is not the ",
                           "row-major coordinate ", bg.me);
     plan = std::make_shared<const BoxExchangePlan>(bg, src_boxes, dst_boxes);
-    std::lock_guard<std::mutex> lock(cache.mu);
-    if (cache.plans.size() >= kMaxBoxPlans) {
-      cache.plans.clear();
-    }
-    cache.plans.emplace(std::move(key), plan);
+    box_plans().insert(std::move(key), plan);
   }
   return BoxExchangeFn::apply(local, plan);
 }
