@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "testing.h"
@@ -90,6 +91,41 @@ TEST(DistributeModule, GradientsAndAdamStepsEqualSingleProcess) {
   }
   for (const auto& prm : net.named_parameters()) {
     EXPECT_TRUE(all_close(prm.value(), ref.named_parameters()[prm.key()], 1e-5, 1e-6)) << prm.key();
+  }
+}
+
+// Note [weight view backward]: linear's w.t() on a registered weight is
+// re-taken as a transpose, so backward has no AsStridedBackward node (which
+// would allocate and scatter into a zeroed copy of the weight's storage).
+TEST(DistributeModule, WeightViewsTakeNoAsStridedBackward) {
+  auto mesh = test_mesh();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  auto x = at::randn({6, 11, 5}, gen);
+  torch::manual_seed(0);
+  Net ref;
+  torch::manual_seed(0);
+  Net net;
+  st::distribute_module(net, mesh);
+  auto sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {st::Shard{1}, st::Shard{0}}));
+  auto loss = net.forward(sx).pow(2).mean();
+  std::vector<std::string> names;
+  std::vector<torch::autograd::Node*> todo{loss.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  while (!todo.empty()) {
+    auto* n = todo.back();
+    todo.pop_back();
+    if (!n || !seen.insert(n).second) continue;
+    names.push_back(n->name());
+    for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
+  }
+  for (const auto& name : names) {
+    EXPECT_EQ(name.find("AsStrided"), std::string::npos) << name;
+  }
+  loss.backward();
+  ref.forward(x).pow(2).mean().backward();
+  for (const auto& prm : net.named_parameters()) {
+    EXPECT_TRUE(all_close(prm.value().grad(), ref.named_parameters()[prm.key()].grad()))
+        << prm.key();
   }
 }
 

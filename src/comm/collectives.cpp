@@ -316,6 +316,28 @@ at::Tensor all_reduce_nograd(const at::Tensor& t, const DeviceMesh& mesh,
   return reduce_over(in, g.comm, op);
 }
 
+// Note [weight view backward]: the view `t` of `base` taken again on
+// `marked` (a tensor with base's geometry). A transpose (linear's w.t()) or a
+// same-strided reshape is re-taken as that view, whose backward is a
+// transpose or a view of the gradient; only other views go through
+// as_strided, whose backward allocates a zeroed buffer of the base's storage
+// and scatters into it (AsStridedBackward).
+namespace {
+at::Tensor retake_view(const at::Tensor& marked, const at::Tensor& t) {
+  const at::Tensor base(t._base());
+  if (t.storage_offset() == base.storage_offset()) {
+    if (t.dim() == 2 && base.dim() == 2 && t.size(0) == base.size(1) && t.size(1) == base.size(0) &&
+        t.stride(0) == base.stride(1) && t.stride(1) == base.stride(0)) {
+      return marked.t();
+    }
+    if (base.is_contiguous() && t.is_contiguous() && t.numel() == base.numel()) {
+      return marked.view(t.sizes());
+    }
+  }
+  return marked.as_strided(t.sizes(), t.strides(), t.storage_offset());
+}
+}  // namespace
+
 at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
                           const std::vector<int64_t>& mesh_dims) {
   const Prim p = Prim::UseReplicated;
@@ -339,7 +361,7 @@ at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
     if (auto sink = detail::grad_sink_for(base, mesh, g.dims)) {
       at::Tensor marked = UseReplicatedSinkFn::apply(
           base, SinkArgs{std::move(sink), base.unsafeGetTensorImpl(), g.comm});
-      return marked.as_strided(t.sizes(), t.strides(), t.storage_offset());
+      return retake_view(marked, t);
     }
   }
   return UseReplicatedFn::apply(t, GroupArgs{g.comm});
