@@ -299,6 +299,24 @@ TEST_F(Norm, GroupNormShapes) {
         {rnd({4}, 12), rnd({4}, 13)});
 }
 
+// Note [group norm fast forward]: ranks whose pieces are well conditioned
+// (|mean_l| rstd_l <= 16) normalize with libtorch's kernel and an affine
+// correction; a piece with a large offset (rows 8.. shifted by 300) or a
+// constant group (rank 0's first rows at 4 ranks) takes the two-pass path.
+// Mixed on one statistic, the result must still be the global one.
+TEST_F(Norm, GroupNormMixedFastAndTwoPassPieces) {
+  auto gn = [](const std::vector<at::Tensor>& x, const std::vector<at::Tensor>& p) {
+    return at::group_norm(x[0], 2, p[0], p[1], 1e-5);
+  };
+  at::Tensor x = rnd({2, 4, 16, 6}, 31);
+  x.narrow(2, 8, 8).add_(300.0);
+  x.narrow(0, 0, 1).narrow(1, 0, 2).narrow(2, 0, 4).fill_(0.5);
+  for (auto dt : {at::kFloat, at::kDouble}) {
+    sweep(std::string("group_norm mixed paths ") + c10::toString(dt), gn, x.to(dt),
+          {{S2, S0}, {S2, S3}}, {rnd({4}, 12).to(dt), rnd({4}, 13).to(dt)});
+  }
+}
+
 // ---------------------------------------------------------------- instance_norm
 
 TEST_F(Norm, InstanceNormModule) {

@@ -65,6 +65,7 @@
 
 #include <cmath>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "comm/function_output.h"
@@ -83,6 +84,7 @@ struct NormPlan {
   double count = 1;                // global elements per statistic
   bool has_w = false, has_b = false;
   double eps = 0;
+  bool precomputed = false;  // NormFn receives y (Note [group norm fast forward])
 };
 
 struct PlanHolder : torch::CustomClassHolder {
@@ -118,17 +120,67 @@ at::Tensor norm_recompute(const at::Tensor& x, const at::Tensor& w, const at::Te
 // Note [sharded moments]. Collective over p.mesh_dims (one all-reduce). Not differentiable.
 struct Moments {
   at::Tensor shift, delta, m2;  // keepdim shapes
+  at::Tensor mean64;            // the merged mean in float64
   at::Tensor mean() const { return shift + delta; }
 };
 
-Moments moments(const at::Tensor& x, const NormPlan& p) {
+// Note [group norm fast forward]: this rank's piece normalized with its own
+// moments by libtorch's fused kernel. The sharded GroupNorm forward otherwise
+// makes about eight passes over the piece (the corrected two-pass moments of
+// Note [sharded moments], five; the shifted normalization, three) where
+// libtorch's kernel makes two. at::native_group_norm (no affine, eps = 0) on
+// the local piece returns y_l = (x - mean_l) rstd_l with the local (mean_l,
+// rstd_l); they enter the merge as (n mean_l, n / rstd_l^2 + n mean_l^2), the
+// same pack as the two-pass moments, so ranks on either path all-reduce alike.
+// With the merged (mean, rstd) the output is an affine map of y_l per
+// (n, channel), two in-place passes on y_l:
+//   y = y_l (rstd / rstd_l) w + ((mean_l - mean) rstd w + b),
+// coefficients formed in float64. y_l is libtorch's x*scale + bias form,
+// accurate to a few ulps of |mean_l| rstd_l, so it is used only where that
+// ratio is at most kFastNormRatio for every local statistic (and finite: a
+// constant group has rstd_l = inf); elsewhere (a field whose mean is large
+// against its spread, LargeMeanStability) this rank takes the two-pass path.
+// The choice is per rank and changes no communication. Backward (Note [norm
+// backward]) is the same either way: NormFn saves x and the merged statistics.
+// float32 and float64 only.
+constexpr double kFastNormRatio = 16.0;
+
+struct LocalNorm {
+  at::Tensor y;           // (x - mean_l) * rstd_l, shaped like the viewed input
+  at::Tensor mean, rstd;  // keepdim statistic shapes
+};
+
+// `local` is the (N, C, *S) piece, `xv` its (N, G, C/G, *S) view. Local.
+std::optional<LocalNorm> group_norm_local(const at::Tensor& local, const at::Tensor& xv,
+                                          int64_t groups) {
+  const auto dt = local.scalar_type();
+  if ((dt != at::kFloat && dt != at::kDouble) || local.numel() == 0) return std::nullopt;
+  at::NoGradGuard no_grad;
+  const int64_t N = local.size(0), C = local.size(1);
+  const int64_t hw = local.numel() / (N * C);
+  auto r = at::native_group_norm(local.detach(), {}, {}, N, C, hw, groups, 0.0);
+  const at::Tensor &mean = std::get<1>(r), &rstd = std::get<2>(r);
+  const double ratio = (mean.abs() * rstd).max().item<double>();
+  if (!(ratio <= kFastNormRatio)) return std::nullopt;  // also NaN / inf
+  std::vector<int64_t> stat(xv.dim(), 1);
+  stat[0] = N;
+  stat[1] = groups;
+  return LocalNorm{std::get<0>(r).view(xv.sizes()), mean.view(stat), rstd.view(stat)};
+}
+
+Moments moments(const at::Tensor& x, const NormPlan& p, const LocalNorm* fast = nullptr) {
   at::NoGradGuard no_grad;
   // Note [reduced precision]: float16/bfloat16 statistics in float32.
   const at::Tensor xd = x.detach().to(acc_dtype(x.scalar_type()));
   double n = 1;
   for (int64_t d : p.dims) n *= static_cast<double>(xd.size(d));
   at::Tensor pack;
-  if (n > 0) {
+  if (fast) {
+    // Note [group norm fast forward]: M2_r = n / rstd_l^2 (eps = 0).
+    const at::Tensor mean_r = fast->mean.to(at::kDouble);
+    const at::Tensor r = fast->rstd.to(at::kDouble);
+    pack = at::stack({mean_r * n, n / (r * r) + mean_r * mean_r * n});
+  } else if (n > 0) {
     const at::Tensor lm = xd.mean(p.dims, true);
     at::Tensor d = xd - lm;  // the only full-size temporary
     const at::Tensor s1 = d.sum(p.dims, true).to(at::kDouble);
@@ -147,6 +199,7 @@ Moments moments(const at::Tensor& x, const NormPlan& p) {
   m.shift = mean.to(xd.scalar_type());
   m.delta = (mean - m.shift.to(at::kDouble)).to(xd.scalar_type());
   m.m2 = (pack[1] - mean * mean * p.count).clamp_min(0).to(xd.scalar_type());
+  m.mean64 = mean;
   return m;
 }
 
@@ -190,7 +243,7 @@ variable_list fused_backward(const at::Tensor& x, const at::Tensor& w, const at:
     dx.addcmul_(xc, c1).add_(c0);
     dx = dx.to(x.scalar_type());
   }
-  return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
 // y = ((x - shift) - delta) * rstd * w + b on local tensors; w and b
@@ -202,17 +255,27 @@ variable_list fused_backward(const at::Tensor& x, const at::Tensor& w, const at:
 struct NormFn : torch::autograd::Function<NormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& b, const at::Tensor& shift, const at::Tensor& delta,
-                            const at::Tensor& rstd, std::shared_ptr<const NormPlan> plan) {
-    // ((x - shift) - delta) * rstd * w + b as (x - shift) * scale + offset,
-    // scale and offset of the statistics' size (times the weight's).
-    // Note [reduced precision]: shift, delta and rstd are float32 for a
-    // float16/bfloat16 x; y is formed in float32 and rounded once.
-    const at::Tensor scale = plan->has_w ? rstd * w : rstd;
-    at::Tensor offset = -delta * scale;
-    if (plan->has_b) offset = offset + b;
-    at::Tensor y = x - shift;
-    y.mul_(scale).add_(offset);
-    y = y.to(x.scalar_type());
+                            const at::Tensor& rstd, const at::Tensor& y_pre,
+                            std::shared_ptr<const NormPlan> plan) {
+    at::Tensor y;
+    if (plan->precomputed) {
+      // Note [group norm fast forward]: y_pre is the output, made by the
+      // caller for this call only. A new tensor over its storage, so that
+      // autograd does not take the output for one of the inputs.
+      y = at::empty({0}, y_pre.options());
+      y.set_(y_pre.storage(), y_pre.storage_offset(), y_pre.sizes(), y_pre.strides());
+    } else {
+      // ((x - shift) - delta) * rstd * w + b as (x - shift) * scale + offset,
+      // scale and offset of the statistics' size (times the weight's).
+      // Note [reduced precision]: shift, delta and rstd are float32 for a
+      // float16/bfloat16 x; y is formed in float32 and rounded once.
+      const at::Tensor scale = plan->has_w ? rstd * w : rstd;
+      at::Tensor offset = -delta * scale;
+      if (plan->has_b) offset = offset + b;
+      y = x - shift;
+      y.mul_(scale).add_(offset);
+      y = y.to(x.scalar_type());
+    }
     ctx->save_for_backward(
         {x, plan->has_w ? w : at::Tensor(), shift, delta, rstd, plan->has_b ? b : at::Tensor()});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(c10::make_intrusive<PlanHolder>(plan));
@@ -251,7 +314,7 @@ struct NormFn : torch::autograd::Function<NormFn> {
         if (need_w) dw = g[i++];
         if (need_b) db = g[i++];
       }
-      return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     dy = dy.to(acc);
     const std::vector<int64_t> b_shape = ctx->saved_data.at("b_shape").toIntVector();
@@ -273,23 +336,42 @@ struct NormFn : torch::autograd::Function<NormFn> {
       xhat.mul_(s[1] / p.count);
       dx = (g - s[0] / p.count).sub_(xhat).mul_(rstd).to(x.scalar_type());
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 // Collective over plan.mesh_dims. Normalizes the local `x` over plan.dims with
 // merged moments; returns (y, moments).
+// `fast` (group norm only): Note [group norm fast forward].
 std::pair<at::Tensor, Moments> sharded_norm(const at::Tensor& x, const at::Tensor& w,
-                                            const at::Tensor& b, double eps, NormPlan plan) {
+                                            const at::Tensor& b, double eps, NormPlan plan,
+                                            std::optional<LocalNorm> fast = std::nullopt) {
   plan.has_w = w.defined();
   plan.has_b = b.defined();
   plan.eps = eps;
+  plan.precomputed = fast.has_value();
   auto p = std::make_shared<const NormPlan>(std::move(plan));
-  Moments m = moments(x, *p);
+  Moments m = moments(x, *p, fast ? &*fast : nullptr);
   at::Tensor rstd = (m.m2 / p->count + eps).rsqrt();
   const at::Tensor none = at::empty({0}, x.options().requires_grad(false));
+  at::Tensor y_pre = none;
+  if (fast) {
+    at::NoGradGuard no_grad;
+    const at::Tensor r64 = rstd.to(at::kDouble);  // the rstd backward uses
+    at::Tensor scale = r64 / fast->rstd.to(at::kDouble);
+    at::Tensor offset = (fast->mean.to(at::kDouble) - m.mean64) * r64;
+    if (p->has_w) {
+      const at::Tensor w64 = w.detach().to(at::kDouble);
+      scale = scale * w64;
+      offset = offset * w64;
+    }
+    if (p->has_b) offset = offset + b.detach().to(at::kDouble);
+    y_pre = fast->y;
+    y_pre.mul_(scale.to(y_pre.scalar_type())).add_(offset.to(y_pre.scalar_type()));
+    fast.reset();
+  }
   at::Tensor y =
-      NormFn::apply(x, p->has_w ? w : none, p->has_b ? b : none, m.shift, m.delta, rstd, p);
+      NormFn::apply(x, p->has_w ? w : none, p->has_b ? b : none, m.shift, m.delta, rstd, y_pre, p);
   return {y, m};
 }
 
@@ -685,8 +767,9 @@ void group_norm_rule(const c10::OperatorHandle& op, Stack* stack) {
     shape[2] = cg;
     return t.view(shape);
   };
-  auto yv =
-      sharded_norm(xv, grouped(w), grouped(b), eps, make_plan(dims, in, spatial, count)).first;
+  auto yv = sharded_norm(xv, grouped(w), grouped(b), eps, make_plan(dims, in, spatial, count),
+                         group_norm_local(local, xv, groups))
+                .first;
   stack->push_back(wrap(yv.flatten(1, 2), spec));
 }
 
