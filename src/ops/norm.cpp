@@ -84,7 +84,8 @@ struct NormPlan {
   double count = 1;                // global elements per statistic
   bool has_w = false, has_b = false;
   double eps = 0;
-  bool precomputed = false;  // NormFn receives y (Note [group norm fast forward])
+  bool precomputed = false;     // NormFn receives y (Note [group norm fast forward])
+  bool group_backward = false;  // Note [group norm fast backward]
 };
 
 struct PlanHolder : torch::CustomClassHolder {
@@ -158,7 +159,8 @@ std::optional<LocalNorm> group_norm_local(const at::Tensor& local, const at::Ten
   at::NoGradGuard no_grad;
   const int64_t N = local.size(0), C = local.size(1);
   const int64_t hw = local.numel() / (N * C);
-  auto r = at::native_group_norm(local.detach(), {}, {}, N, C, hw, groups, 0.0);
+  // libtorch's CPU kernel reads the input as a contiguous buffer.
+  auto r = at::native_group_norm(local.detach().contiguous(), {}, {}, N, C, hw, groups, 0.0);
   const at::Tensor &mean = std::get<1>(r), &rstd = std::get<2>(r);
   const double ratio = (mean.abs() * rstd).max().item<double>();
   if (!(ratio <= kFastNormRatio)) return std::nullopt;  // also NaN / inf
@@ -246,6 +248,59 @@ variable_list fused_backward(const at::Tensor& x, const at::Tensor& w, const at:
   return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
 }
 
+// Note [group norm fast backward]: the sums of the fused backward, A =
+// sum(dy (x - shift)) and B = sum(dy) per (n, channel), come from libtorch's
+// group norm backward kernel (two reads of the piece, vectorized): run on the
+// piece viewed as a batch of one with N*C channels in N*G groups, with mean :=
+// shift and rstd := 1, its dgamma is ds - shift db = A and its dbeta is db = B.
+// dx = (rstd w) dy + c1 x + (c0 - c1 shift) is then one fused per-channel
+// affine pass (batch_norm's inference kernel, with mean 0, variance 1 and
+// eps 0, is exactly dy * weight + bias) and one addcmul_. Four to five passes
+// instead of seven. Like libtorch's own kernel it forms ds - shift db and
+// c0 - c1 shift uncentred, so it runs only where that cancels by at most a few
+// bits: the forward's local fast path held (|mean_l| rstd_l <= kFastNormRatio)
+// and |shift| rstd <= kFastNormRatio for every statistic; otherwise the
+// centred fused backward below runs. Group norm, float32/float64.
+variable_list group_norm_fast_backward(const at::Tensor& x, const at::Tensor& w,
+                                       const at::Tensor& shift, const at::Tensor& delta,
+                                       const at::Tensor& rstd, const at::Tensor& dy,
+                                       const NormPlan& p, bool need_x, bool need_w, bool need_b,
+                                       const std::vector<int64_t>& b_shape,
+                                       at::ScalarType b_dtype) {
+  // x is the (N, G, C/G, *S) view; the statistics are (N, G, 1, ...).
+  const int64_t N = x.size(0), G = x.size(1), cg = x.size(2);
+  const int64_t C = G * cg, hw = x.numel() / (N * C);
+  // libtorch's CPU kernels read these as contiguous buffers.
+  const at::Tensor x1 = x.reshape({1, N * C, hw}).contiguous();
+  const at::Tensor dy1 = dy.reshape({1, N * C, hw}).contiguous();
+  // gamma must be defined for dgamma to be allocated; it does not enter dgamma.
+  auto r = at::native_group_norm_backward(
+      dy1, x1, shift.reshape({1, N * G}), at::ones({1, N * G}, rstd.options()),
+      at::ones({N * C}, rstd.options()), 1, N * C, hw, N * G, {false, true, true});
+  std::vector<int64_t> per_channel(x.dim(), 1);
+  per_channel[0] = N;
+  per_channel[1] = G;
+  per_channel[2] = cg;
+  const at::Tensor A = std::get<1>(r).view(per_channel), B = std::get<2>(r).view(per_channel);
+  at::Tensor dx, dw, db;
+  if (need_w) dw = (rstd * (A - delta * B)).sum_to_size(w.sizes()).to(w.scalar_type());
+  if (need_b) db = B.sum_to_size(b_shape).to(b_dtype);
+  if (need_x) {
+    const at::Tensor wa = w.defined() ? A * w : A, wb = w.defined() ? B * w : B;
+    const at::Tensor s = sum_mesh(at::stack({wb.sum(2, true), wa.sum(2, true)}), p);
+    const at::Tensor sg = s[0], sgx = rstd * (s[1] - delta * s[0]);
+    const at::Tensor c1 = -(rstd * rstd * sgx) / p.count;
+    const at::Tensor c0 = -(rstd * sg) / p.count - delta * c1 - c1 * shift;
+    const at::Tensor a = (w.defined() ? rstd * w : rstd).expand(per_channel).reshape({N * C});
+    dx = at::batch_norm(dy1, a, c0.expand(per_channel).reshape({N * C}),
+                        at::zeros({N * C}, a.options()), at::ones({N * C}, a.options()),
+                        /*training=*/false, 0.0, /*eps=*/0.0, /*cudnn_enabled=*/false);
+    dx.addcmul_(x1, c1.expand(per_channel).reshape({1, N * C, 1}));
+    dx = dx.view(x.sizes()).to(x.scalar_type());
+  }
+  return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
 // y = ((x - shift) - delta) * rstd * w + b on local tensors; w and b
 // broadcast against x. libtorch 1.13 custom Functions cannot take undefined
 // tensors: an absent w or b is passed as an empty placeholder and flagged in the plan.
@@ -318,6 +373,11 @@ struct NormFn : torch::autograd::Function<NormFn> {
     }
     dy = dy.to(acc);
     const std::vector<int64_t> b_shape = ctx->saved_data.at("b_shape").toIntVector();
+    if (p.group_backward) {
+      return group_norm_fast_backward(x, w, shift, delta, rstd, dy, p, need_x, need_w, need_b,
+                                      b_shape,
+                                      c10::ScalarType(ctx->saved_data.at("b_dtype").toInt()));
+    }
     if ((!w.defined() || w.dim() == x.dim()) &&
         (!p.has_b || static_cast<int64_t>(b_shape.size()) == x.dim())) {
       return fused_backward(x, w, shift, delta, rstd, dy, p, need_x, need_w, need_b, b_shape,
@@ -350,9 +410,11 @@ std::pair<at::Tensor, Moments> sharded_norm(const at::Tensor& x, const at::Tenso
   plan.has_b = b.defined();
   plan.eps = eps;
   plan.precomputed = fast.has_value();
+  Moments m = moments(x, plan, fast ? &*fast : nullptr);
+  at::Tensor rstd = (m.m2 / plan.count + eps).rsqrt();
+  // Note [group norm fast backward]: the global half of its condition.
+  plan.group_backward = fast && (m.shift.abs() * rstd).max().item<double>() <= kFastNormRatio;
   auto p = std::make_shared<const NormPlan>(std::move(plan));
-  Moments m = moments(x, *p, fast ? &*fast : nullptr);
-  at::Tensor rstd = (m.m2 / p->count + eps).rsqrt();
   const at::Tensor none = at::empty({0}, x.options().requires_grad(false));
   at::Tensor y_pre = none;
   if (fast) {
