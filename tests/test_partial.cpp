@@ -338,6 +338,28 @@ TEST_F(PendingPartial, LinearElementwiseKeepPartial) {
       {"mul_", [](auto& p, auto&, auto& r, auto&) { return p.clone().mul_(r); }, true},
       {"div_", [](auto& p, auto&, auto&, auto& r2) { return p.clone().div_(r2); }, true},
       {"neg_", [](auto& p, auto&, auto&, auto&) { return p.clone().neg_(); }, true},
+      {"copy_ q", [](auto& p, auto& q, auto&, auto&) { return p.clone().copy_(q); }, true},
+      {"copy_ r2", [](auto& p, auto&, auto&, auto& r2) { return p.clone().copy_(r2); }, true},
+      {"slice copy_",
+       [](auto& p, auto& q, auto&, auto& r2) {
+         at::Tensor y = p * 1.5;
+         y.slice(0, 1, 3).copy_(q.slice(0, 2, 4));
+         y.slice(1, 0, 2).copy_(r2.slice(1, 1, 3));
+         return y;
+       },
+       true},
+      // not linear, in place into a Partial self: summed, updated, written back
+      // as a pending sum (the layout of the target is kept)
+      {"relu_", [](auto& p, auto&, auto&, auto&) { return p.clone().relu_(); }, true},
+      {"add_ 1", [](auto& p, auto&, auto&, auto&) { return p.clone().add_(1); }, true},
+      {"mul_ q", [](auto& p, auto& q, auto&, auto&) { return p.clone().mul_(q).exp(); }, false},
+      {"slice relu_",
+       [](auto& p, auto&, auto&, auto&) {
+         at::Tensor y = p.clone();
+         y.slice(0, 1, 4).relu_();
+         return y;
+       },
+       true},
       // summed first
       {"p + r", [](auto& p, auto&, auto& r, auto&) { return p + r; }, false},
       {"p + 1", [](auto& p, auto&, auto&, auto&) { return p + 1; }, false},

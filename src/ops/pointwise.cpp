@@ -33,11 +33,18 @@ namespace {
 //    mesh dims; add_/sub_ into a Partial self of operands that are plain or
 //    Replicate on its Partial mesh dims, added on coordinate 0 of those mesh
 //    dims only, as a bias is (libtorch's linear decomposes into matmul and
-//    add_ of the bias; the in-place target cannot be summed in place);
+//    add_ of the bias); copy_ into a Partial self likewise (from a Partial of
+//    the same mesh dims and dtype summand by summand, from a whole operand on
+//    coordinate 0);
 //    neg/neg_, clone, contiguous of a Partial operand; mul/mul_ and
 //    div/div_ (no rounding_mode) of one Partial operand (for div the
 //    numerator) by operands that are plain or Replicate on the Partial mesh
 //    dims (scalars included). In-place forms must write into the Partial operand.
+// An in-place op into a Partial self that is not linear (x.relu_() after a
+// sharded contraction) cannot change self's layout: self is summed, the op
+// runs on the sum, and the result is written back as a pending sum
+// (coordinate 0 of the Partial mesh dims holds it, the others zeros), so
+// self's layout and identity are kept (write_back_partial_target).
 // Everything else sums first: an out-of-place Partial + Replicate (the
 // replicated addend would be counted P times), products of two Partials (the product of sums is not
 // the sum of products), non-linear maps (exp, relu, ...), casts, comparisons,
@@ -93,9 +100,12 @@ std::vector<int64_t> pending_partial_dims(const c10::OperatorHandle& op,
     }
     return true;
   };
-  if (base == "add" || base == "sub") {
+  if (base == "add" || base == "sub" || (base == "copy" && inplace)) {
     if (operand_idx.size() != 2) return {};
-    if (n_partial == 2 && pd[0] == pd[1]) return pd[0];
+    // copy_ between dtypes may round each summand: only within one dtype.
+    const bool same_dtype = args[operand_idx[0]].toTensor().scalar_type() ==
+                            args[operand_idx[1]].toTensor().scalar_type();
+    if (n_partial == 2 && pd[0] == pd[1] && (base != "copy" || same_dtype)) return pd[0];
     // In place into a Partial self: the other operand joins on coordinate 0.
     if (inplace && n_partial == 1 && !pd[0].empty() && others_whole(0)) return pd[0];
     return {};
@@ -110,6 +120,27 @@ std::vector<int64_t> pending_partial_dims(const c10::OperatorHandle& op,
   // div: only the numerator; in place: the written operand (self) must be the Partial one.
   if ((base == "div" || inplace) && operand_idx[k] != 0) return {};
   return others_whole(k) ? pd[k] : std::vector<int64_t>{};
+}
+
+void pointwise_rule(const c10::OperatorHandle& op, Stack* stack);
+
+// Note [pending partial sums]: an in-place op that is not linear into the
+// Partial target args[i]: the target is summed (collective over its Partial
+// mesh dims), the op runs on the sum (this rule, with a whole target), and the
+// new value is written back into the target's piece as a pending sum
+// (comm::replicate_to_partial: coordinate 0 keeps it, others zeros).
+// Differentiable: copy_ into the piece records the write.
+void write_back_partial_target(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                               size_t i, Stack* stack) {
+  const at::Tensor target = args[i].toTensor();
+  const ShardSpec& s = *spec_of(target);
+  auto whole = std::make_shared<const ShardSpec>(without_partial(s));
+  at::Tensor resolved = wrap(to_layout(target, *whole, *whole), whole);
+  args[i] = resolved;
+  Stack inner(args.begin(), args.end());
+  pointwise_rule(op, &inner);
+  local_of(target).copy_(detail::redistribute_local(local_of(resolved), *whole, s));
+  stack->push_back(target);
 }
 
 void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
@@ -169,7 +200,15 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
   }
   const std::vector<int64_t> pending = pending_partial_dims(op, args, operand_idx, out_idx);
   const std::string& name = schema.name();
-  const bool addend = name == "aten::add_" || name == "aten::sub_";
+  if (pending.empty() && out_idx.empty() && schema.returns().size() == 1) {
+    for (size_t i : operand_idx) {
+      const ShardSpec* s = spec_of(args[i].toTensor());
+      if (is_written(schema.arguments()[i]) && s && s->has_partial()) {
+        return write_back_partial_target(op, std::move(args), i, stack);
+      }
+    }
+  }
+  const bool addend = name == "aten::add_" || name == "aten::sub_" || name == "aten::copy_";
   if (!pending.empty()) {
     Placements p = out_spec->placements();
     for (int64_t m : pending) p[m] = Partial{};
