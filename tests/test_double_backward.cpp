@@ -376,6 +376,22 @@ TEST_F(DoubleBackward, LinearContractingShardedFeatures) {
         x, {{S1, S0}}, {w, b});
 }
 
+// Note [pending partial sums]: the sharded contractions stay Partial through the
+// linear ops (scaling, difference, a replicated right factor and a bias) and are
+// summed once, by tanh; the replicated weights' gradients are summed over the
+// Partial mesh dim, to second order.
+TEST_F(DoubleBackward, PendingPartialChain) {
+  const at::Tensor x = seeded({4, 7}, 23);
+  const at::Tensor w1 = seeded({7, 5}, 24) * 0.5, w2 = seeded({7, 5}, 25) * 0.5;
+  const at::Tensor v = seeded({5, 3}, 26) * 0.5, b = seeded({3}, 27);
+  sweep("pending partial chain",
+        [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
+          at::Tensor y = at::matmul(in[0], p[0]) * 2 - at::matmul(in[0], p[1]);
+          return at::tanh(F::linear(y, p[2].t(), p[3]) * y.sum(1, true));
+        },
+        x, {{S1, S0}, {S1, R}}, {w1, w2, v, b});
+}
+
 // Losses (all-reduced sums over constant denominators), the distributed FFT
 // (all-to-all plans) and an op without a rule (the generic fallback's gathers).
 TEST_F(DoubleBackward, LossesFftAndFallback) {

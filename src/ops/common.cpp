@@ -270,6 +270,16 @@ ShardSpec operand_spec(const ShardSpec& out, c10::IntArrayRef shape) {
   return ShardSpec(out.mesh(), p, shape.vec(), sizes);
 }
 
+ShardSpec pending_operand_spec(const ShardSpec& out, c10::IntArrayRef shape) {
+  ShardSpec s = operand_spec(out, shape);
+  if (!out.has_partial()) return s;
+  Placements p = s.placements();
+  for (int64_t m = 0; m < out.mesh().ndim(); ++m) {
+    if (is_partial(out.placements()[m])) p[m] = Partial{};
+  }
+  return ShardSpec(out.mesh(), p, shape.vec(), s.all_shard_sizes());
+}
+
 at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const ShardSpec& compute) {
   at::Tensor local;
   if (const ShardSpec* s = spec_of(operand)) {
@@ -283,7 +293,12 @@ at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const S
   }
   std::vector<int64_t> sum_dims;
   for (int64_t m = 0; m < target.mesh().ndim(); ++m) {
-    if (is_shard(compute.placements()[m]) && !is_shard(target.placements()[m])) {
+    const Placement& c = compute.placements()[m];
+    const Placement& t = target.placements()[m];
+    // A whole (replicated) operand used on every summand of a Partial result
+    // (Note [pending partial sums]) contributed to each of them: its gradient
+    // is summed over that mesh dim too.
+    if ((is_shard(c) && !is_shard(t)) || (is_partial(c) && is_replicate(t))) {
       sum_dims.push_back(m);
     }
   }

@@ -76,12 +76,21 @@ std::vector<int64_t> sharded_mesh_dims(const ShardSpec& spec);
 /// full size, Replicate where it broadcasts. Sizes are inherited.
 ShardSpec operand_spec(const ShardSpec& out, c10::IntArrayRef shape);
 
+/// Local. operand_spec(out, shape), and Partial where `out` is Partial: the
+/// layout of an addend (a bias, a Partial operand of add) that joins a pending
+/// sum (Note [pending partial sums], ops/pointwise.cpp). A replicated operand
+/// brought to it holds its value on coordinate 0 of those mesh dims and zeros
+/// elsewhere (comm::replicate_to_partial), so it is counted once.
+ShardSpec pending_operand_spec(const ShardSpec& out, c10::IntArrayRef shape);
+
 /// Converts an operand (a plain tensor, taken as replicated, or a ShardTensor
 /// in any layout on the same mesh) to the local piece of layout `target`.
 /// `compute` is the layout of the computation it takes part in: on mesh dims
-/// where `compute` is Shard but `target` is Replicate, the operand is marked
-/// with comm::use_replicated so that its gradient is summed over those dims
-/// (Note [replicated gradients]). Differentiable; collective as redistribution is.
+/// where `compute` is Shard but `target` is Replicate, or `compute` is Partial
+/// and `target` Replicate (an operand of every summand, Note [pending partial
+/// sums]), the operand is marked with comm::use_replicated so that its gradient
+/// is summed over those dims (Note [replicated gradients]). Differentiable;
+/// collective as redistribution is.
 at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const ShardSpec& compute);
 
 /// Same layout with every Partial placement turned into Replicate.

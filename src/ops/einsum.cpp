@@ -12,12 +12,13 @@
 // no communication); every other operand is made Replicate on m (collective
 // only if it was sharded there). Then every rank runs at::einsum on its pieces
 // with the user's equation. If L is in the output, the output is Shard(L) on m;
-// if it is contracted, each rank holds a partial sum and the output is
-// all-reduced over m (einsum is multilinear and only L's range is split, so the
-// partial sums add up to the whole sum). A replicated operand used in sharded
-// compute passes through comm::use_replicated (Note [replicated gradients]).
-// Everything is decided from the equation, global shapes and specs, so every
-// rank plans alike and errors are thrown everywhere before any communication.
+// if it is contracted, each rank holds a partial sum and the output is Partial
+// on m, summed where a consumer needs it (einsum is multilinear and only L's
+// range is split, so the partial sums add up to the whole sum; Note [pending
+// partial sums], ops/pointwise.cpp); a 0-d output is all-reduced at once. A replicated operand used
+// in sharded compute passes through comm::use_replicated (Note [replicated gradients]). Everything
+// is decided from the equation, global shapes and specs, so every rank plans alike and errors are
+// thrown everywhere before any communication.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -237,7 +238,11 @@ void einsum_rule(const c10::OperatorHandle& op, Stack* stack) {
     locals.push_back(local);
   }
   at::Tensor out = at::einsum(eq, locals);
-  if (!reduce_dims.empty()) out = comm::all_reduce(out.contiguous(), mesh, reduce_dims);
+  if (out_shape.empty()) {
+    if (!reduce_dims.empty()) out = comm::all_reduce(out.contiguous(), mesh, reduce_dims);
+  } else {
+    for (int64_t m : reduce_dims) op_place[m] = Partial{};
+  }
   stack->push_back(wrap(out, make_spec(mesh, op_place, out_shape, op_sizes)));
 }
 

@@ -18,10 +18,15 @@
 //   Shard(row)        Replicate         Shard(row)
 //   Replicate         Shard(batch/col)  Shard(batch/col), the mirror image
 //   Shard(batch i)    Shard(batch i)    Shard(i), when the two splits are equal
-//   Shard(k)          Shard(k)          per-rank partial sums -> comm::all_reduce -> Replicate,
-//                                       when the two splits are equal
+//   Shard(k)          Shard(k)          Partial: per-rank partial sums, left pending (Note
+//                                       [pending partial sums]), when the two splits are equal
 //   Shard(k)          Replicate         the replicated side is sliced along k to the same
 //                                       ranges (local), then as above (and the mirror image)
+//   Partial           Replicate         Partial: the product is linear in the Partial operand
+//                                       (and the mirror image)
+//   Partial           Shard(any)        the Partial operand is summed first, then as above
+//   Partial           Partial           the smaller operand is summed first (the product of
+//                                       two sums is not the sum of the products), then as above
 //   Shard(row)        Shard(col)        Shard(row): a ring (Note [ring matmul]); b stays
 //                                       sharded and its blocks circulate (Q @ K^T)
 //   Shard(row)        Shard(k)          Shard(row): a ring, each step contracting a's columns
@@ -30,8 +35,7 @@
 //   size-1 batch dim that broadcasts): the smaller operand (global numel) is redistributed
 //   -- to Replicate, or to its partner's split when only the splits differ -- and the
 //   table is consulted again.
-// A Partial operand is summed first (Partial -> Replicate), then treated as above. When
-// the per-mesh-dim choices collide (one tensor dim would be sharded by two mesh dims),
+// When the per-mesh-dim choices collide (one tensor dim would be sharded by two mesh dims),
 // the smaller operand is replicated on one of the mesh dims involved and the plan is
 // redone. All of this reads only global shapes and specs, so every rank plans alike,
 // and every check happens before the first communication.
@@ -41,14 +45,21 @@
 //    backward the replicated operand's gradient is all-reduced over the mesh dims where
 //    compute is sharded (comm::use_replicated; Note [replicated gradients]): one
 //    all-reduce of the weight's size, the usual data-parallel cost.
-//  - contraction sharded: the forward pass all-reduces the OUTPUT (this rank's output
-//    piece, i.e. its full extent along the contraction mesh dim) over that mesh dim. Worth
-//    it when k is large compared to the output; the replicated partner is only sliced
-//    (no communication) and its gradient is all-gathered in backward. Nothing is
-//    communicated for the input's own gradient.
-//  - a bias (linear, addmm, addmv, baddbmm) is added AFTER the all-reduce, in the output
-//    layout, so it is counted once and its gradient is the plain sum of the output
-//    gradient (all-reduced over the mesh dims where the output is sharded).
+//  - contraction sharded: no forward communication; the output is Partial on that mesh
+//    dim and its sum (one all-reduce of this rank's output piece, or a reduce-scatter) is
+//    paid once, where a consumer needs the value (Note [pending partial sums]). The
+//    replicated partner is only sliced (no communication) and its gradient is
+//    all-gathered in backward. Nothing is communicated for the input's own gradient. A
+//    0-d result (dot, vector @ vector) is a full reduction: it is all-reduced at once
+//    into a plain tensor, as full reductions are (Note [reduction layout]).
+//  - a Partial operand against a replicated one: no forward communication; the
+//    replicated operand's gradient is all-reduced over the Partial mesh dims (every rank
+//    used it on a different summand; comm::use_replicated through to_layout).
+//  - a bias (linear, addmm, addmv, baddbmm) is added in the output layout. Where the
+//    output is Partial the bias joins the pending sum on coordinate 0 of those mesh dims
+//    only (comm::replicate_to_partial; zeros elsewhere), so it is counted once and no
+//    communication is added; its gradient is the plain sum of the output gradient
+//    (all-reduced over the mesh dims where the output is sharded).
 //  - 2-D meshes compose per mesh dim: rows on mesh dim 0 and cols on mesh dim 1 give each
 //    rank one output block with no forward communication (a's row block is replicated
 //    along mesh dim 1, b's col block along mesh dim 0, and their gradients are all-reduced
@@ -109,7 +120,7 @@ std::string str(c10::IntArrayRef v) {
 struct Operand {
   at::Tensor t;                // as passed: plain (replicated) or a ShardTensor
   std::vector<int64_t> shape;  // global
-  Placements place;            // wanted own layout: Partial -> Replicate, plain: Replicate
+  Placements place;            // wanted own layout (plain: Replicate; Partial kept)
   ShardSizes sizes;
   int64_t numel = 0;
 
@@ -134,6 +145,9 @@ Operand make_operand(const at::Tensor& t, const DeviceMesh& mesh) {
     if (s && is_shard(s->placements()[m])) {
       o.place.push_back(Shard{wrap_dim(shard_dim(s->placements()[m]), o.nd())});
       o.sizes.push_back(s->shard_sizes(m));
+    } else if (s && is_partial(s->placements()[m])) {
+      o.place.push_back(Partial{});
+      o.sizes.push_back({});
     } else {
       o.place.push_back(Replicate{});
       o.sizes.push_back({});
@@ -199,11 +213,11 @@ struct Geometry {
 
 struct Plan {
   std::vector<int64_t> out_shape;
-  SpecPtr out, ta, tb;               // output layout, operand layouts for the local product
-  std::vector<int64_t> reduce_dims;  // mesh dims whose partial sums are all-reduced
-  int64_t ring_dim = -1;             // Note [ring matmul]: the mesh dim b's blocks circulate on
-  bool ring_contracts = false;       // b's ring-sharded dim is the contraction (else its columns)
-  std::vector<int64_t> ring_sizes;   // b's extent of each ring coordinate
+  SpecPtr out, ta, tb;                // output layout, operand layouts for the local product
+  std::vector<int64_t> partial_dims;  // mesh dims where the output is Partial (pending sums)
+  int64_t ring_dim = -1;              // Note [ring matmul]: the mesh dim b's blocks circulate on
+  bool ring_contracts = false;        // b's ring-sharded dim is the contraction (else its columns)
+  std::vector<int64_t> ring_sizes;    // b's extent of each ring coordinate
 };
 
 // The first (mesh dim, mesh dim) pair sharding one tensor dim twice, or (-1, -1).
@@ -250,8 +264,8 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
   Operand* large = b_smaller ? &A : &B;
 
   // Each round either yields a plan or replicates / re-splits an operand on one
-  // mesh dim, so at most 2 * nm + nm rounds are needed.
-  for (int64_t round = 0; round <= 4 * nm + 4; ++round) {
+  // mesh dim (a Partial one is summed), so at most 2 * nm + nm + 2 * nm rounds are needed.
+  for (int64_t round = 0; round <= 6 * nm + 4; ++round) {
     // A sharded batch dim that broadcasts (size 1 against a larger output) is gathered.
     for (Operand* X : {&A, &B}) {
       for (int64_t m = 0; m < nm; ++m) {
@@ -264,10 +278,27 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
     }
     Placements ta = A.place, tb = B.place, to(nm, Replicate{});
     ShardSizes sa = A.sizes, sb = B.sizes, so(nm);
-    plan.reduce_dims.clear();
+    plan.partial_dims.clear();
     plan.ring_dim = -1;
     bool again = false;
     for (int64_t m = 0; m < nm && !again; ++m) {
+      const bool pa = is_partial(A.place[m]), pb = is_partial(B.place[m]);
+      if (pa || pb) {
+        // Note [pending partial sums]: the product is linear in each operand.
+        Operand& X = pa ? A : B;  // a Partial operand
+        Operand& Y = pa ? B : A;
+        if (pa && pb) {
+          small->replicate(m);  // sum one of them: the product of sums needs one sum
+          again = true;
+        } else if (Y.dim_at(m) >= 0) {
+          X.replicate(m);  // Partial against Shard on the same mesh dim: sum it first
+          again = true;
+        } else {
+          to[m] = Partial{};  // Partial @ Replicate: stays a pending sum
+          plan.partial_dims.push_back(m);
+        }
+        continue;
+      }
       const int64_t da = A.dim_at(m), db = B.dim_at(m);
       if (da < 0 && db < 0) continue;
       if (da < 0 || db < 0) {
@@ -282,7 +313,8 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
         if (r == Role::K) {
           ty[m] = Shard{a_side ? g.b_k() : g.a_k()};
           sy[m] = X.sizes[m];
-          plan.reduce_dims.push_back(m);
+          to[m] = Partial{};
+          plan.partial_dims.push_back(m);
         } else {
           to[m] = Shard{od};
           so[m] = X.sizes[m];
@@ -303,7 +335,8 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
           (ra == Role::K && rb == Role::K) || (ra == Role::Batch && rb == Role::Batch && oa == ob);
       if (same && A.sizes[m] == B.sizes[m]) {
         if (ra == Role::K) {
-          plan.reduce_dims.push_back(m);
+          to[m] = Partial{};
+          plan.partial_dims.push_back(m);
         } else {
           to[m] = Shard{oa};
           so[m] = A.sizes[m];
@@ -508,8 +541,9 @@ at::Tensor ring_matmul(at::Tensor la, at::Tensor lb, const Plan& plan, const Dev
   return vector_b ? out.squeeze(-1) : out;
 }
 
-// Collective (redistribution, all-reduce over plan.reduce_dims, the ring). The
-// local piece of a @ b in the layout plan.out.
+// Collective (redistribution, the ring). The local piece of a @ b in the layout
+// plan.out: on plan.partial_dims this rank's summand, not summed here (Note
+// [pending partial sums]).
 at::Tensor run_product(const Operand& A, const Operand& B, const Plan& plan,
                        const DeviceMesh& mesh) {
   // Plain operands (weights) and operands replicated on mesh dims where the
@@ -517,11 +551,7 @@ at::Tensor run_product(const Operand& A, const Operand& B, const Plan& plan,
   // summed there (Note [replicated gradients]).
   at::Tensor la = to_layout(A.t, *plan.ta, *plan.out);
   at::Tensor lb = to_layout(B.t, *plan.tb, *plan.out);
-  at::Tensor prod = plan.ring_dim >= 0 ? ring_matmul(la, lb, plan, mesh) : at::matmul(la, lb);
-  if (!plan.reduce_dims.empty()) {
-    prod = comm::all_reduce(prod, mesh, plan.reduce_dims);
-  }
-  return prod;
+  return plan.ring_dim >= 0 ? ring_matmul(la, lb, plan, mesh) : at::matmul(la, lb);
 }
 
 enum class Kind { Linear, Matmul, Mm, Bmm, Mv, Dot, Addmm, Addmv, Baddbmm };
@@ -670,8 +700,24 @@ void linalg_rule(const c10::OperatorHandle& op, Stack* stack) {
     return;
   }
   if (bias.defined() && !is_zero(beta)) {
-    // After the all-reduce, in the output layout: counted once.
-    at::Tensor lb = to_layout(bias, operand_spec(*plan.out, bias.sizes()), *plan.out);
+    // In the output layout; on its Partial mesh dims on coordinate 0 only (zeros
+    // elsewhere), so it is counted once in the pending sum (Note [pending partial sums]).
+    // A bias sharded on such a mesh dim is gathered there (its own size), then
+    // made Partial (redistribute has no Shard -> Partial).
+    ShardSpec tgt = pending_operand_spec(*plan.out, bias.sizes());
+    Placements tp = tgt.placements(), cp = plan.out->placements();
+    std::vector<int64_t> later;
+    if (const ShardSpec* bs = spec_of(bias)) {
+      for (int64_t m : plan.partial_dims) {
+        if (is_shard(bs->placements()[m])) {
+          tp[m] = cp[m] = Replicate{};
+          later.push_back(m);
+        }
+      }
+    }
+    at::Tensor lb = to_layout(bias, ShardSpec(mesh, tp, bias.sizes().vec(), tgt.all_shard_sizes()),
+                              ShardSpec(mesh, cp, out_shape, plan.out->all_shard_sizes()));
+    for (int64_t m : later) lb = comm::replicate_to_partial(lb, mesh, m);
     if (!is_one(beta)) lb = lb * beta;
     res = at::add(lb, res, alpha);
   } else if (!is_one(alpha)) {
@@ -682,8 +728,10 @@ void linalg_rule(const c10::OperatorHandle& op, Stack* stack) {
     stack->push_back(target);
     return;
   }
-  // A 0-d result (a dot product) is a full reduction: a plain, replicated tensor.
+  // A 0-d result (a dot product) is a full reduction: a plain, replicated tensor
+  // (its pending sums are summed now, as full reductions are).
   if (out_shape.empty()) {
+    if (!plan.partial_dims.empty()) res = comm::all_reduce(res, mesh, plan.partial_dims);
     stack->push_back(res);
   } else {
     stack->push_back(wrap(res, plan.out));

@@ -13,7 +13,136 @@ namespace {
 // result extent (the "reference"). Every other operand, plain or sharded, is
 // brought to the matching layout (operand_spec), so plain tensors that span a
 // sharded dim are sliced, broadcast ones are used whole, and ShardTensors in a
-// different layout are redistributed. Partial operands are summed first.
+// different layout are redistributed. Partial operands are summed first, except
+// for the ops that are linear in them (Note [pending partial sums]).
+//
+// Note [pending partial sums]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A Partial placement on mesh dim m is a pending sum: the value is the sum of
+// the pieces of m's coordinates. Summing costs an all-reduce, so it is paid
+// once, where a consumer needs the value, not where the Partial is made (as
+// DTensor does). Producers: the sharded contraction of the matmul family and
+// einsum (ops/linear.cpp, ops/einsum.cpp), sum/mean over some dims
+// (ops/reductions.cpp), the multi-index of ops/index_ops.cpp. A map that is
+// linear in its Partial operand keeps the result Partial on the same mesh
+// dims, with no communication, when applied to each summand:
+//  - matmul family and einsum: Partial @ (Replicate or plain) is Partial; a
+//    bias is added on coordinate 0 of the Partial mesh dims only
+//    (pending_operand_spec, comm::replicate_to_partial), so it counts once;
+//  - here: add/sub (add_, sub_, any alpha) of two operands Partial on the same
+//    mesh dims; add_/sub_ into a Partial self of operands that are plain or
+//    Replicate on its Partial mesh dims, added on coordinate 0 of those mesh
+//    dims only, as a bias is (libtorch's linear decomposes into matmul and
+//    add_ of the bias); copy_ into a Partial self likewise (from a Partial of
+//    the same mesh dims and dtype summand by summand, from a whole operand on
+//    coordinate 0);
+//    neg/neg_, clone, contiguous of a Partial operand; mul/mul_ and
+//    div/div_ (no rounding_mode) of one Partial operand (for div the
+//    numerator) by operands that are plain or Replicate on the Partial mesh
+//    dims (scalars included). In-place forms must write into the Partial operand.
+// An in-place op into a Partial self that is not linear (x.relu_() after a
+// sharded contraction) cannot change self's layout: self is summed, the op
+// runs on the sum, and the result is written back as a pending sum
+// (coordinate 0 of the Partial mesh dims holds it, the others zeros), so
+// self's layout and identity are kept (write_back_partial_target).
+// Everything else sums first: an out-of-place Partial + Replicate (the
+// replicated addend would be counted P times), products of two Partials (the product of sums is not
+// the sum of products), non-linear maps (exp, relu, ...), casts, comparisons,
+// out= forms, and every op without a rule (the generic fallback resolves
+// Partial, as full_tensor and redistribute do). The decision reads only the op
+// and the specs, so every rank decides alike.
+//
+// Gradients: the gradient of a Partial value is the full gradient on every
+// rank (Note [replicated gradients]; comm::all_reduce's backward is the
+// identity), so each summand's local backward is exact with no
+// communication; a replicated operand of every summand (the `w` of P @ w, the
+// `r` of P * r) is marked by to_layout so that its gradient, one
+// contribution per summand, is summed over the Partial mesh dims.
+
+// The mesh dims on which the result of this elementwise call stays Partial
+// (Note [pending partial sums]); empty when Partial operands must be summed.
+// Metadata only.
+std::vector<int64_t> pending_partial_dims(const c10::OperatorHandle& op,
+                                          const std::vector<c10::IValue>& args,
+                                          const std::vector<size_t>& operand_idx,
+                                          const std::vector<size_t>& out_idx) {
+  if (!out_idx.empty()) return {};
+  const auto& schema = op.schema();
+  std::string base = schema.name().substr(schema.name().find("::") + 2);
+  const bool inplace = !base.empty() && base.back() == '_';
+  if (inplace) base.pop_back();
+  // Partial mesh dims of each operand.
+  std::vector<std::vector<int64_t>> pd;
+  size_t n_partial = 0;
+  for (size_t i : operand_idx) {
+    std::vector<int64_t> dims;
+    if (const ShardSpec* s = spec_of(args[i].toTensor())) {
+      for (int64_t m = 0; m < s->mesh().ndim(); ++m) {
+        if (is_partial(s->placements()[m])) dims.push_back(m);
+      }
+    }
+    if (!dims.empty()) ++n_partial;
+    pd.push_back(std::move(dims));
+  }
+  if (n_partial == 0) return {};
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (schema.arguments()[i].name() == "rounding_mode" && !args[i].isNone()) return {};
+  }
+  // Whether every operand but k is plain or Replicate on k's Partial mesh dims.
+  auto others_whole = [&](size_t k) {
+    for (size_t j = 0; j < operand_idx.size(); ++j) {
+      if (j == k) continue;
+      const ShardSpec* s = spec_of(args[operand_idx[j]].toTensor());
+      if (!s) continue;
+      for (int64_t m : pd[k]) {
+        if (!is_replicate(s->placements()[m])) return false;
+      }
+    }
+    return true;
+  };
+  if (base == "add" || base == "sub" || (base == "copy" && inplace)) {
+    if (operand_idx.size() != 2) return {};
+    // copy_ between dtypes may round each summand: only within one dtype.
+    const bool same_dtype = args[operand_idx[0]].toTensor().scalar_type() ==
+                            args[operand_idx[1]].toTensor().scalar_type();
+    if (n_partial == 2 && pd[0] == pd[1] && (base != "copy" || same_dtype)) return pd[0];
+    // In place into a Partial self: the other operand joins on coordinate 0.
+    if (inplace && n_partial == 1 && !pd[0].empty() && others_whole(0)) return pd[0];
+    return {};
+  }
+  if (base == "neg" || base == "clone" || base == "contiguous") {
+    return operand_idx.size() == 1 ? pd[0] : std::vector<int64_t>{};
+  }
+  if (base != "mul" && base != "div") return {};
+  if (n_partial != 1) return {};
+  size_t k = 0;  // the Partial operand
+  while (pd[k].empty()) ++k;
+  // div: only the numerator; in place: the written operand (self) must be the Partial one.
+  if ((base == "div" || inplace) && operand_idx[k] != 0) return {};
+  return others_whole(k) ? pd[k] : std::vector<int64_t>{};
+}
+
+void pointwise_rule(const c10::OperatorHandle& op, Stack* stack);
+
+// Note [pending partial sums]: an in-place op that is not linear into the
+// Partial target args[i]: the target is summed (collective over its Partial
+// mesh dims), the op runs on the sum (this rule, with a whole target), and the
+// new value is written back into the target's piece as a pending sum
+// (comm::replicate_to_partial: coordinate 0 keeps it, others zeros).
+// Differentiable: copy_ into the piece records the write.
+void write_back_partial_target(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                               size_t i, Stack* stack) {
+  const at::Tensor target = args[i].toTensor();
+  const ShardSpec& s = *spec_of(target);
+  auto whole = std::make_shared<const ShardSpec>(without_partial(s));
+  at::Tensor resolved = wrap(to_layout(target, *whole, *whole), whole);
+  args[i] = resolved;
+  Stack inner(args.begin(), args.end());
+  pointwise_rule(op, &inner);
+  local_of(target).copy_(detail::redistribute_local(local_of(resolved), *whole, s));
+  stack->push_back(target);
+}
+
 void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   const auto& schema = op.schema();
@@ -69,6 +198,22 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
   if (!out_spec) {
     out_spec = make_spec(mesh, Placements(mesh.ndim(), Replicate{}), shape);
   }
+  const std::vector<int64_t> pending = pending_partial_dims(op, args, operand_idx, out_idx);
+  const std::string& name = schema.name();
+  if (pending.empty() && out_idx.empty() && schema.returns().size() == 1) {
+    for (size_t i : operand_idx) {
+      const ShardSpec* s = spec_of(args[i].toTensor());
+      if (is_written(schema.arguments()[i]) && s && s->has_partial()) {
+        return write_back_partial_target(op, std::move(args), i, stack);
+      }
+    }
+  }
+  const bool addend = name == "aten::add_" || name == "aten::sub_" || name == "aten::copy_";
+  if (!pending.empty()) {
+    Placements p = out_spec->placements();
+    for (int64_t m : pending) p[m] = Partial{};
+    out_spec = make_spec(mesh, p, shape, out_spec->all_shard_sizes());
+  }
 
   // In-place targets must already have the result layout.
   std::vector<c10::IValue> local_args = args;
@@ -84,7 +229,14 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
       }
       local_args[i] = local_of(t);
     } else {
-      local_args[i] = to_layout(t, operand_spec(*out_spec, t.sizes()), *out_spec);
+      // Note [pending partial sums]: the Partial operands keep their summands;
+      // an addend of add_/sub_ joins them on coordinate 0.
+      const ShardSpec* s = spec_of(t);
+      const bool keeps = !pending.empty() && ((s && s->has_partial()) || addend);
+      local_args[i] = to_layout(
+          t,
+          keeps ? pending_operand_spec(*out_spec, t.sizes()) : operand_spec(*out_spec, t.sizes()),
+          *out_spec);
     }
   }
   for (size_t i : out_idx) {
