@@ -170,6 +170,32 @@ TEST_F(Natten, Sharded3d) {
   EXPECT_TRUE(run({{6, 7, 6}, 3, 1, true, {S2, S3}, true, at::kFloat}));
 }
 
+// Note [pending partial sums]: q, k and v projected from feature-sharded
+// tokens arrive Partial over the feature mesh dim; neighborhood_attention sums
+// them first. Values and the gradients of the tokens and the projections.
+TEST_F(Natten, PartialProjections) {
+  const auto x = rnd_d({2, 2, 9, 8, 6}, 7, at::kDouble);
+  const auto wq = rnd_d({6, 4}, 8, at::kDouble), wk = rnd_d({6, 4}, 9, at::kDouble),
+             wv = rnd_d({6, 4}, 10, at::kDouble);
+  bool saw_partial = false;
+  int calls = 0;
+  auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& w) {
+    const at::Tensor q = at::matmul(in[0], w[0]), k = at::matmul(in[0], w[1]),
+                     v = at::matmul(in[0], w[2]);
+    if (calls++ == 0) return reference(q, k, v, 3, 1, false);
+    for (const auto& pl : st::ShardTensor(q).placements()) {
+      saw_partial = saw_partial || std::holds_alternative<st::Partial>(pl);
+    }
+    return st::neighborhood_attention(q, k, v, 3, 1, false);
+  };
+  for (const P& p : {P{S4, S2}, P{S4, S0}}) {
+    calls = 0;
+    EXPECT_TRUE(reference_check(fn, {sharded_input(mesh, x, p)}, mesh, {wq, wk, wv}, 1e-10, 1e-12))
+        << st::to_string(fit_placements(mesh, p));
+  }
+  EXPECT_TRUE(saw_partial);
+}
+
 // Per-rank peak memory (forward + backward) on a 2-D grid sharded over every
 // rank stays near the single-process peak / P (measured on rank 0, shared).
 TEST_F(Natten, MemoryPerRank) {

@@ -2,6 +2,7 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <shardtensor/core/policy.h>
+#include <shardtensor/tensor/shard_tensor.h>
 
 #include <algorithm>
 #include <map>
@@ -315,6 +316,12 @@ ShardSpec without_partial(const ShardSpec& spec) {
     if (is_partial(pl)) pl = Replicate{};
   }
   return ShardSpec(spec.mesh(), p, spec.global_shape(), spec.all_shard_sizes());
+}
+
+at::Tensor summed_partial(const at::Tensor& t) {
+  const ShardSpec* s = spec_of(t);
+  if (!s || !s->has_partial()) return t;
+  return ShardTensor(t).redistribute(without_partial(*s).placements(), s->all_shard_sizes());
 }
 
 SpecPtr make_spec(const DeviceMesh& mesh, Placements placements, std::vector<int64_t> shape,

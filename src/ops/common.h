@@ -96,6 +96,12 @@ at::Tensor to_layout(const at::Tensor& operand, const ShardSpec& target, const S
 /// Same layout with every Partial placement turned into Replicate.
 ShardSpec without_partial(const ShardSpec& spec);
 
+/// Note [pending partial sums]: `t` with every Partial mesh dim summed
+/// (Partial -> Replicate, differentiable), for consumers that need the value;
+/// a plain tensor, or a ShardTensor without Partial, is returned as is.
+/// Collective over the Partial mesh dims (same spec on every rank).
+at::Tensor summed_partial(const at::Tensor& t);
+
 /// Spec with new placements/shape/sizes on the same mesh, as a shared pointer.
 SpecPtr make_spec(const DeviceMesh& mesh, Placements placements, std::vector<int64_t> shape,
                   std::optional<ShardSizes> sizes = std::nullopt);

@@ -16,6 +16,7 @@
 
 #include "comm/agree.h"
 #include "comm/neighbors.h"
+#include "ops/common.h"
 
 namespace shardtensor {
 
@@ -59,7 +60,9 @@ GhostPlan ghost_plan(const at::Tensor& nodes, const at::Tensor& needed_ids) {
   return GhostPlan::build(x.mesh(), md, x.spec().shard_sizes(md), needed_ids);
 }
 
-at::Tensor extend_rows(const at::Tensor& x, const GhostPlan& plan) {
+at::Tensor extend_rows(const at::Tensor& x_in, const GhostPlan& plan) {
+  // Note [pending partial sums]: a Partial mesh dim is summed first.
+  const at::Tensor x = ops::summed_partial(x_in);
   if (ShardTensor::is_shard_tensor(x)) {
     ShardTensor s(x);
     const int64_t md = row_mesh_dim(s, "extend_rows");
@@ -95,7 +98,9 @@ at::Tensor rows_like(const at::Tensor& local, const at::Tensor& like) {
 
 at::Tensor scatter_rows(const at::Tensor& messages, const at::Tensor& local_index,
                         const GhostPlan& plan, const ScatterOptions& options) {
-  at::Tensor m = ShardTensor::is_shard_tensor(messages) ? ShardTensor(messages).local() : messages;
+  // Note [pending partial sums]: the local piece of a Partial is only a summand.
+  const at::Tensor summed = ops::summed_partial(messages);
+  at::Tensor m = ShardTensor::is_shard_tensor(summed) ? ShardTensor(summed).local() : summed;
   bool ok = m.defined() && m.dim() >= 1 && local_index.defined() && local_index.dim() == 1 &&
             local_index.scalar_type() == at::kLong && local_index.numel() == m.size(0);
   std::string msg;
@@ -184,7 +189,8 @@ std::pair<at::Tensor, at::Tensor> neighbor_search(const char* what, const at::Te
   if (!sq) {
     res = comm::ring_neighbors(queries, points, DeviceMesh(), 0, {points.size(0)}, k, radius);
   } else {
-    ShardTensor q(queries), p(points);
+    // Note [pending partial sums]: coordinates are summed first.
+    ShardTensor q(ops::summed_partial(queries)), p(ops::summed_partial(points));
     const int64_t mq = row_mesh_dim(q, what), mp = row_mesh_dim(p, what);
     TORCH_CHECK(q.mesh() == p.mesh() && mq == mp, "shardtensor::", what,
                 ": queries and points must be sharded by rows along the same mesh dim of the "

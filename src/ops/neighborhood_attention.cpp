@@ -112,7 +112,6 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, i
     fail("q, k and v must have the same placements and shard sizes");
   }
   for (const auto& p : sq->placements()) {
-    if (std::holds_alternative<Partial>(p)) fail("Partial inputs are not supported");
     if (const auto* s = std::get_if<Shard>(&p)) {
       if (s->dim == 1 || s->dim == q.dim() - 1) {
         fail("the head and feature dims must not be sharded (shard batch or spatial dims)");
@@ -123,9 +122,13 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, i
 
 }  // namespace
 
-at::Tensor neighborhood_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  int64_t kernel_size, int64_t dilation, bool is_causal,
-                                  std::optional<double> scale) {
+at::Tensor neighborhood_attention(const at::Tensor& q_in, const at::Tensor& k_in,
+                                  const at::Tensor& v_in, int64_t kernel_size, int64_t dilation,
+                                  bool is_causal, std::optional<double> scale) {
+  // Note [pending partial sums]: a Partial input (a projection of
+  // feature-sharded tokens) is summed first.
+  const at::Tensor q = ops::summed_partial(q_in), k = ops::summed_partial(k_in),
+                   v = ops::summed_partial(v_in);
   check_args(q, k, v, kernel_size, dilation, scale);
   const Window w{kernel_size, dilation, is_causal};
   const int64_t nd = q.dim() - 3, K = kernel_size;

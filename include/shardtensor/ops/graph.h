@@ -38,7 +38,9 @@ GhostPlan ghost_plan(const at::Tensor& nodes, const at::Tensor& needed_ids);
 /// **Collective** over plan.mesh_dim(). This rank's extended node rows
 /// `[owned | ghost]` (a plain local tensor) of `x`: a ShardTensor laid out
 /// like the plan's nodes, or this rank's local owned rows. Differentiable
-/// (ghost_exchange()). Throws c10::Error if the rows do not match the plan.
+/// (ghost_exchange()). A Partial mesh dim of `x` is summed first (collective
+/// over it; Note [pending partial sums]). Throws c10::Error if the rows do not
+/// match the plan.
 at::Tensor extend_rows(const at::Tensor& x, const GhostPlan& plan);
 
 /// **Local**. Rows `local_index` (from plan.local_index()) of `x_ext`
@@ -70,7 +72,8 @@ struct ScatterOptions {
 
 /// **Collective** over every rank of the plan's mesh (shard-tensor wrapping)
 /// and plan.mesh_dim() (the ghost accumulate). Combines the message rows
-/// `messages` (a ShardTensor sharded by rows, or a local tensor; row i goes to
+/// `messages` (a ShardTensor sharded by rows, a Partial mesh dim summed first,
+/// or a local tensor; row i goes to
 /// extended row local_index[i]) into the nodes: the single-process
 /// `zeros({N, *F}).index_reduce(0, index, messages, reduce, include_self=false)`
 /// (Sum: index_add; a node with no message gets 0). Returns a ShardTensor of

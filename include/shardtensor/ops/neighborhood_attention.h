@@ -61,7 +61,8 @@ namespace shardtensor {
 /// non-floating dtypes, an even or non-positive kernel_size, a non-positive
 /// dilation, kernel_size * dilation larger than a spatial extent, a
 /// non-finite or non-positive scale, different meshes, placements or shard
-/// sizes, a sharded head or feature dim, or a Partial placement.
+/// sizes, or a sharded head or feature dim. A Partial input is summed first
+/// (collective over its Partial mesh dims; Note [pending partial sums]).
 at::Tensor neighborhood_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   int64_t kernel_size, int64_t dilation = 1, bool is_causal = false,
                                   std::optional<double> scale = std::nullopt);

@@ -23,7 +23,8 @@ struct NeighborStats {
 /// id -1 and distance +inf where fewer than k points exist.
 ///
 /// `queries` [Nq, d] and `points` [Np, d] are both ShardTensors sharded
-/// Shard(0) along the same one mesh dim (others Replicate), any sizes
+/// Shard(0) along the same one mesh dim (others Replicate; a Partial mesh
+/// dim is summed first, Note [pending partial sums]), any sizes
 /// including empty pieces; the results are ShardTensors laid out like
 /// `queries`. Both plain: a single-process search. **Collective** over every
 /// rank of the mesh (argument check) and the mesh dim that shards the rows
