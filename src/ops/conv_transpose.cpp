@@ -27,9 +27,58 @@
 // the adjoint of the gather. Under create_graph it differentiates the
 // rebuilt forward instead, so gradients of any order stay exact (Note
 // [differentiable adjoints]).
+//
+// Note [split-phase transposed convolution]: where it applies, the forward
+// makes no copy of the input piece and over-computes nothing beyond a few
+// boundary rows (issue 13). Decided from global metadata only (split_plan:
+// the spec, the shard sizes and the op's arguments), so every rank takes the
+// same path: exactly one spatial dim sharded (other sharded dims, i.e. the
+// batch, are fine; two sharded spatial dims, as on the 2x2 mesh with
+// {S2, S3}, keep the general path above), every piece of every sharded dim
+// and every output block non-empty, and along the sharded spatial dim every
+// output block with a non-empty interior. Along that dim, with the piece
+// [off, off + n) and its block [o0, o0 + cnt), libtorch's transposed kernel
+// on the piece alone (padding q, output_padding t) computes the window
+// [off*s - p + q, (off + n - 1)*s - p + d(k-1) + 1 - q + t) of the global
+// output, each value summed over the LOCAL inputs only; the interior
+// [ia, ib) is where that sum is the whole sum: outputs whose inputs
+// [ceil((o + p - d(k-1))/s), floor((o + p)/s)] all lie in the piece (or past
+// a global edge). Then:
+//  - post comm::gather_range_start of the halo rows only: left of the piece
+//    [min(lo, off), off) and right [off + n, max(hi, off + n)), with [lo, hi)
+//    the inputs the block reads (clamped to [0, N)); none when no coordinate
+//    needs any (stride = kernel, padding 0: ConvTranspose2d(k=2, s=2) with a
+//    block that is s times the piece, no exchange at all);
+//  - while they travel, run libtorch's kernel on the local piece. When
+//    q = o0 - (off*s - p) >= 0 and some valid t make its window exactly the
+//    block (k=2 s=2 p=0, k=3 s=1 p=1, k=4 s=2 p=1 on s-times blocks), that
+//    output IS the block and the boundary rows are written into it in place;
+//    otherwise q = min(ia - window start, window end - ib) crops what it can
+//    and the interior rows are copied into a block-sized output;
+//  - finish, and compute the boundary rows [o0, ia) and [ib, o0 + cnt) from
+//    strips: the input rows they read (halo rows + the local edge rows,
+//    zero rows past what they read so that the strip's window starts on the
+//    global grid), through libtorch's kernel with padding 0 on that dim;
+//    the strip output's rows are copied into the block.
+// Backward is libtorch's own: the forward above runs under autograd
+// (convolution on the piece, on the strips, gather_range_start's result
+// differentiable through the halo adjoint), which saves the piece itself,
+// the weight and the small strips, never a halo-extended copy; the
+// over-computed interior output is not kept (copy_ into slices saves
+// nothing). Double backward follows from libtorch's. Every output element is
+// written once, so the bias is added once. A halo block that no strip of
+// this rank reads is still attached to the output by an empty in-place copy,
+// so its adjoint (collective over the mesh dim) runs on every rank.
+// SHARDTENSOR_TCONV_SPLIT=0 turns the split path off (for comparisons; the
+// tests SplitPhaseTconvHoldsNoPieceCopy and TconvStrideEqualsKernelSendsNothing
+// then fail).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
 
 #include "comm/function_output.h"
 #include "ops/common.h"
@@ -183,6 +232,180 @@ struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
   }
 };
 
+// Note [split-phase transposed convolution]: the sharded spatial dim's geometry.
+struct SplitTconv {
+  int64_t si = 0;        // index among the spatial dims
+  int64_t dim = 0;       // batched tensor dim
+  int64_t mesh_dim = 0;  // the mesh dim that shards it
+  int64_t N = 0;         // global input extent
+  std::vector<int64_t> in_sizes;
+  std::vector<stencil::Range> left, right;  // per coordinate: halo rows left / right of the piece
+  bool any_left = false, any_right = false;
+  int64_t off = 0, n = 0, o0 = 0, cnt = 0, ia = 0, ib = 0;  // this rank
+};
+
+struct TconvArgs {
+  std::vector<int64_t> stride, pad, opad, dil, kernel;
+  int64_t groups = 1;
+};
+
+// The window of global outputs that libtorch's transposed kernel on inputs
+// [i0, i0 + m) computes with padding 0 and output_padding 0 along dim i:
+// [i0*s - p, (i0 + m - 1)*s - p + d(k-1) + 1).
+stencil::Range local_window(const TconvArgs& a, int64_t i, int64_t i0, int64_t m) {
+  return {i0 * a.stride[i] - a.pad[i],
+          (i0 + m - 1) * a.stride[i] - a.pad[i] + a.dil[i] * (a.kernel[i] - 1) + 1};
+}
+
+// Global metadata only, so every rank decides alike.
+std::optional<SplitTconv> split_plan(const ShardSpec& spec,
+                                     const std::vector<stencil::DimPlan>& plans, const TconvArgs& a,
+                                     int64_t first_sp, bool batched) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("SHARDTENSOR_TCONV_SPLIT");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!enabled || plans.size() != 1) return std::nullopt;
+  for (int64_t e : spec.global_shape()) {
+    if (e == 0) return std::nullopt;
+  }
+  for (int64_t m = 0; m < spec.mesh().ndim(); ++m) {
+    if (!is_shard(spec.placements()[m])) continue;
+    for (int64_t sz : spec.shard_sizes(m)) {
+      if (sz == 0) return std::nullopt;
+    }
+  }
+  const stencil::DimPlan& pl = plans[0];
+  SplitTconv sp;
+  sp.si = pl.dim - first_sp;
+  sp.dim = batched ? pl.dim : pl.dim + 1;
+  sp.mesh_dim = pl.mesh_dim;
+  sp.in_sizes = pl.in_sizes;
+  for (int64_t v : pl.in_sizes) sp.N += v;
+  const int64_t i = sp.si, s = a.stride[i], p = a.pad[i], span = a.dil[i] * (a.kernel[i] - 1);
+  const int64_t me = spec.mesh().coordinate()[pl.mesh_dim];
+  int64_t off = 0, o0 = 0;
+  for (size_t c = 0; c < pl.in_sizes.size(); ++c) {
+    const int64_t n = pl.in_sizes[c], cnt = pl.out_sizes[c];
+    if (n == 0 || cnt == 0) return std::nullopt;
+    const auto [w0, w1] = local_window(a, i, off, n);
+    int64_t ia = std::max(o0, w0), ib = std::min(o0 + cnt, w1);
+    if (off > 0) ia = std::max(ia, (off - 1) * s + 1 - p + span);  // reads no input < off
+    if (off + n < sp.N) ib = std::min(ib, (off + n) * s - p);      // reads no input >= off + n
+    if (ia >= ib) return std::nullopt;
+    const int64_t lo = std::max<int64_t>(0, div_ceil(o0 + p - span, s));
+    const int64_t hi = std::min(sp.N, div_floor(o0 + cnt - 1 + p, s) + 1);
+    sp.left.emplace_back(std::min(lo, off), off);
+    sp.right.emplace_back(off + n, std::max(hi, off + n));
+    sp.any_left = sp.any_left || lo < off;
+    sp.any_right = sp.any_right || hi > off + n;
+    if (static_cast<int64_t>(c) == me) {
+      sp.off = off;
+      sp.n = n;
+      sp.o0 = o0;
+      sp.cnt = cnt;
+      sp.ia = ia;
+      sp.ib = ib;
+    }
+    off += n;
+    o0 += cnt;
+  }
+  return sp;
+}
+
+// Note [split-phase transposed convolution]: the forward, under autograd.
+// `x` is the batched local piece; returns the batched block of shape `out_shape`.
+at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const SplitTconv& sp, const TconvArgs& a, const DeviceMesh& mesh,
+                         const std::vector<int64_t>& out_shape) {
+  const int64_t i = sp.si, s = a.stride[i], p = a.pad[i], span = a.dil[i] * (a.kernel[i] - 1);
+  const int64_t me = mesh.coordinate()[sp.mesh_dim];
+  std::optional<comm::HaloExchangeInFlight> lp, rp;
+  if (sp.any_left) {
+    lp.emplace(comm::gather_range_start(x, mesh, sp.mesh_dim, sp.dim, sp.in_sizes, sp.left,
+                                        PadMode::Constant, 0.0));
+  }
+  if (sp.any_right) {
+    rp.emplace(comm::gather_range_start(x, mesh, sp.mesh_dim, sp.dim, sp.in_sizes, sp.right,
+                                        PadMode::Constant, 0.0));
+  }
+  // Interior: libtorch's kernel on the piece, cropped by padding q.
+  const auto [w0, w1] = local_window(a, i, sp.off, sp.n);
+  int64_t q = sp.o0 - w0, t = sp.o0 + sp.cnt - (w1 - q);
+  const bool exact = q >= 0 && t >= 0 && t < std::max(s, a.dil[i]) && w1 - w0 - 2 * q >= 1;
+  if (!exact) {
+    q = std::min(sp.ia - w0, w1 - sp.ib);
+    t = 0;
+  }
+  std::vector<int64_t> pad = a.pad, opad = a.opad;
+  pad[i] = q;
+  opad[i] = t;
+  if (lp) lp->test();
+  if (rp) rp->test();
+  at::Tensor inner = at::convolution(x, w, b, a.stride, pad, a.dil, true, opad, a.groups);
+  at::Tensor out;
+  if (exact) {
+    TORCH_INTERNAL_ASSERT(inner.sizes() == at::IntArrayRef(out_shape));
+    out = inner;
+  } else {
+    out = at::empty(out_shape, inner.options());
+    out.narrow(sp.dim, sp.ia - sp.o0, sp.ib - sp.ia)
+        .copy_(inner.narrow(sp.dim, sp.ia - (w0 + q), sp.ib - sp.ia));
+  }
+  inner = at::Tensor();
+  at::Tensor lb = lp ? lp->finish() : at::Tensor();
+  at::Tensor rb = rp ? rp->finish() : at::Tensor();
+  bool used_l = false, used_r = false;
+  pad[i] = 0;
+  opad[i] = 0;
+  auto rows = [&](int64_t m) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[sp.dim] = m;
+    return at::zeros(shape, x.options());
+  };
+  // Boundary rows [ob0, ob1) from a strip of the input rows they read.
+  for (const stencil::Range& ob :
+       {stencil::Range{sp.o0, sp.ia}, stencil::Range{sp.ib, sp.o0 + sp.cnt}}) {
+    const int64_t ob0 = ob.first, ob1 = ob.second;
+    if (ob0 >= ob1) continue;
+    // Strip rows [ll, hh): its window starts at or before ob0 and ends at or
+    // after ob1; only rows [sl, sh) are read by these outputs, the rest are zeros.
+    const int64_t ll = div_floor(ob0 + p - span, s), hh = div_ceil(ob1 - 1 + p, s) + 1;
+    int64_t sl = std::max<int64_t>(0, div_ceil(ob0 + p - span, s));
+    int64_t sh = std::min(sp.N, div_floor(ob1 - 1 + p, s) + 1);
+    if (sl >= sh) sl = sh = ll;
+    std::vector<at::Tensor> parts;
+    if (sl > ll) parts.push_back(rows(sl - ll));
+    const stencil::Range L = sp.left[me], R = sp.right[me];
+    TORCH_INTERNAL_ASSERT(sl >= sh || (sl >= L.first && sh <= R.second));
+    auto take = [&](const at::Tensor& src, int64_t start, int64_t a0, int64_t a1, bool& used) {
+      const int64_t lo = std::max(sl, a0), hi = std::min(sh, a1);
+      if (lo >= hi) return;
+      parts.push_back(src.narrow(sp.dim, lo - start, hi - lo));
+      used = true;
+    };
+    bool dummy = false;
+    if (lb.defined()) take(lb, L.first, L.first, L.second, used_l);
+    take(x, sp.off, sp.off, sp.off + sp.n, dummy);
+    if (rb.defined()) take(rb, R.first, R.first, R.second, used_r);
+    if (hh > sh) parts.push_back(rows(hh - std::max(sh, ll)));
+    const at::Tensor strip = parts.size() == 1 ? parts[0] : at::cat(parts, sp.dim);
+    TORCH_INTERNAL_ASSERT(strip.size(sp.dim) == hh - ll);
+    const at::Tensor so = at::convolution(strip, w, b, a.stride, pad, a.dil, true, opad, a.groups);
+    const int64_t start = ll * s - p;
+    TORCH_INTERNAL_ASSERT(start <= ob0 && start + so.size(sp.dim) >= ob1);
+    out.narrow(sp.dim, ob0 - sp.o0, ob1 - ob0).copy_(so.narrow(sp.dim, ob0 - start, ob1 - ob0));
+  }
+  // A received block that no strip read still runs its adjoint in backward
+  // (collective over the mesh dim): attached by an empty in-place copy.
+  for (const auto& [blk, used] : {std::make_pair(lb, used_l), std::make_pair(rb, used_r)}) {
+    if (!blk.defined() || used) continue;
+    at::Tensor dst = out.narrow(sp.dim, 0, 0);
+    dst.copy_(blk.sum().to(dst.scalar_type()).expand(dst.sizes()));
+  }
+  return out;
+}
+
 std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                             std::vector<int64_t> v, int64_t nd, const char* what) {
   if (v.size() == 1) return std::vector<int64_t>(nd, v[0]);
@@ -328,6 +551,16 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
     const int64_t lo = stencil::my_range(pl, mesh).first;
     plan->block.emplace_back(plan->batched ? pl.dim : pl.dim + 1,
                              out_off[pl.dim] - (lo * stride[i] - pad[i]));
+  }
+  // Note [split-phase transposed convolution].
+  TconvArgs targs{stride, pad, opad, dil, kernel, groups};
+  if (auto sp = split_plan(in_spec, plans, targs, ndim - nd, plan->batched)) {
+    std::vector<int64_t> bshape = plan->out_local;
+    if (!plan->batched) bshape.insert(bshape.begin(), 1);
+    at::Tensor out =
+        split_forward(plan->batched ? local : local.unsqueeze(0), wl, bl, *sp, targs, mesh, bshape);
+    stack->push_back(wrap(plan->batched ? out : out.squeeze(0), out_spec));
+    return;
   }
   plan->plans = std::move(plans);
   // torch::autograd::Function cannot take an undefined tensor: no bias is an
