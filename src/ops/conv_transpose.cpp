@@ -14,11 +14,12 @@
 // added once; weight and bias are replicated and marked with use_replicated
 // (via to_layout) so their gradients are summed over the sharded mesh dims.
 //
-// Note [transposed convolution memory]: as for the convolution (Note [conv
-// memory]), a rule built from gather + at::conv_transpose under autograd
-// would keep the gathered (halo-extended) input alive until backward, and
-// the block returned would be a view that keeps the whole over-computed local
-// output alive. ConvTransposeFn saves only the local input, the weight and
+// Note [transposed convolution memory]: the general path (everything that
+// Note [split-phase transposed convolution] does not take). As for the
+// convolution (Note [conv memory]), a rule built from gather +
+// at::conv_transpose under autograd would keep the gathered (halo-extended)
+// input alive until backward, and the block returned would be a view that
+// keeps the whole over-computed local output alive. ConvTransposeFn saves only the local input, the weight and
 // the bias; forward builds the gathered copy transiently and returns the
 // block as its own tensor; backward rebuilds the gathered input on a fresh
 // graph (one more halo exchange), places the block's gradient into the
