@@ -19,15 +19,15 @@
 // convolution (Note [conv memory]), a rule built from gather +
 // at::conv_transpose under autograd would keep the gathered (halo-extended)
 // input alive until backward, and the block returned would be a view that
-// keeps the whole over-computed local output alive. ConvTransposeFn saves only the local input, the weight and
-// the bias; forward builds the gathered copy transiently and returns the
-// block as its own tensor; backward rebuilds the gathered input on a fresh
-// graph (one more halo exchange), places the block's gradient into the
-// over-computed output's shape, runs at::convolution_backward (transposed)
-// and sends the halo part of the input gradient back to its owners through
-// the adjoint of the gather. Under create_graph it differentiates the
-// rebuilt forward instead, so gradients of any order stay exact (Note
-// [differentiable adjoints]).
+// keeps the whole over-computed local output alive. ConvTransposeFn saves
+// only the local input, the weight and the bias; forward builds the gathered
+// copy transiently and returns the block as its own tensor; backward
+// rebuilds the gathered input on a fresh graph (one more halo exchange),
+// places the block's gradient into the over-computed output's shape, runs
+// at::convolution_backward (transposed) and sends the halo part of the input
+// gradient back to its owners through the adjoint of the gather. Under
+// create_graph it differentiates the rebuilt forward instead, so gradients
+// of any order stay exact (Note [differentiable adjoints]).
 //
 // Note [split-phase transposed convolution]: where it applies, the forward
 // makes no copy of the input piece and over-computes nothing beyond a few
