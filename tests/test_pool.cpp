@@ -131,29 +131,30 @@ TEST_F(Pool, SavesNoHaloExtendedCopy) {
 // Note [transposed convolution memory]: between forward and backward a
 // sharded transposed convolution keeps its output block (a tensor of its
 // own), not the halo-extended input or the over-computed local output.
-// Note [split-phase transposed convolution]: the split path (one sharded
-// spatial dim) keeps, besides, only the boundary strips (a few input rows
-// each) that libtorch's convolution backward saves.
+// Note [split-phase transposed convolution]: the split path (here on every
+// mesh) keeps, besides, only the boundary strips (a few input rows or
+// columns) that libtorch's convolution backward saves: far less than the
+// piece.
 TEST_F(Pool, ConvTransposeSavesNoHaloExtendedCopy) {
-  for (const bool wide : {false, true}) {
-    const int64_t H = wide ? 80 : 40;
-    const P layout = fit_placements(mesh, wide ? P{S2, R} : P{S2, S3});
-    // Only one spatial dim sharded (always on a 1-D mesh): the split path.
-    const bool split = layout.size() == 1 || !st::is_shard(layout[1]);
+  const int64_t H = 80, W = 48;
+  for (const P& want : {P{S2, S3}, P{S2, R}}) {
+    const P layout = fit_placements(mesh, want);
     SCOPED_TRACE(st::to_string(layout));
-    const auto x = rnd({2, 6, H, 12}, 10).to(at::kDouble);
+    const auto x = rnd({2, 6, H, W}, 10).to(at::kDouble);
     const auto w = rnd({6, 2, 3, 3}, 11).to(at::kDouble).requires_grad_();
     const auto b = rnd({2}, 12).to(at::kDouble).requires_grad_();
     at::Tensor sx = st::distribute_tensor(x, mesh, layout, true);
     const int64_t piece_bytes = st::ShardTensor(sx).local().numel() * 8;
-    const int64_t row_bytes = 2 * 6 * 12 * 8;  // one input row
+    const int64_t line_bytes = 2 * 6 * 8;  // one input element across batch and channels
     const int64_t base = st::memory_stats().current_bytes;
     at::Tensor y = at::conv_transpose2d(sx, w, b, {2, 2}, {1, 1}, {1, 1});
     const at::Tensor out = st::ShardTensor(y).local();
     const int64_t kept = st::memory_stats().current_bytes - base;
-    EXPECT_LE(kept, out.numel() * 8 + (split ? 8 * row_bytes : 0) + 4096)
-        << "output " << out.sizes();
-    if (split && mesh.size() > 1) EXPECT_LT(kept, out.numel() * 8 + piece_bytes / 2);
+    // Strips: at most 4 rows and 4 columns of the global extents.
+    EXPECT_LE(kept, out.numel() * 8 + 4 * (H + W) * line_bytes + 4096) << "output " << out.sizes();
+    if (mesh.size() > 1) {
+      EXPECT_LT(kept, out.numel() * 8 + piece_bytes / 2) << "piece " << piece_bytes;
+    }
     EXPECT_TRUE(out.is_contiguous() && out.storage().nbytes() == out.numel() * 8);
     st::backward(y.sum());
     EXPECT_TRUE(w.grad().defined());
@@ -517,10 +518,17 @@ TEST_F(Pool, ConvTranspose1dSweep) {
         }
 }
 
+// Float64: the split path (Note [split-phase transposed convolution]) sums
+// the weight gradient over the interior and boundary boxes of every rank, a
+// different order of float32 roundings than libtorch's one kernel. Measured
+// in float32 on the 2x2 mesh with {S2, S3} (other random data): single-
+// process and sharded are both 2.3e-6 from the float64 answer (max |grad|
+// 19) and 2.9e-6 from each other (the general path: 3.8e-6); with this
+// test's data 5.7e-6 on a small element, just over this file's 1e-5 rtol.
 TEST_F(Pool, ConvTranspose2d3d) {
-  const auto x = rnd({2, 3, 7, 6}, 30);
-  auto w = rnd({3, 2, 3, 2}, 31);
-  auto b = rnd({2}, 32);
+  const auto x = rnd({2, 3, 7, 6}, 30).to(at::kDouble);
+  auto w = rnd({3, 2, 3, 2}, 31).to(at::kDouble);
+  auto b = rnd({2}, 32).to(at::kDouble);
   auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& pr) {
     return at::conv_transpose2d(in[0], pr[0], pr[1], {2, 3}, {1, 0}, {1, 2}, 1, {1, 2});
   };
@@ -591,7 +599,7 @@ TEST_F(Pool, SplitPhaseConvTranspose2d3d) {
     auto fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& pr) {
       return at::conv_transpose2d(in[0], pr[0], pr[1], c.s, c.p, c.op, c.groups, c.d);
     };
-    for (const P& layout : {P{S2, R}, P{S0, S3}, P{S3, S2}, P{S2, S0}}) {
+    for (const P& layout : {P{S2, R}, P{S0, S3}, P{S3, S2}, P{S2, S0}, P{S2, S3}}) {
       const std::string name = "k=" + std::to_string(c.k[0]) + "x" + std::to_string(c.k[1]) +
                                " s=" + std::to_string(c.s[0]) + "x" + std::to_string(c.s[1]) + " " +
                                st::to_string(layout);
@@ -660,47 +668,51 @@ TEST_F(Pool, SplitPhaseTconvHoldsNoPieceCopy) {
     auto fn = [&](const at::Tensor& t) {
       return at::conv_transpose2d(t, w, {}, kd.s, kd.p, kd.op);
     };
-    const P pl = fit_placements(mesh, {S2, R});
-    auto sx = st::distribute_tensor(x, mesh, pl, false);
-    at::Tensor piece = st::ShardTensor(sx).local().clone();
-    const int64_t piece_bytes = piece.numel() * static_cast<int64_t>(sizeof(float));
-    int64_t plain_extra = 0, extra = 0, out_bytes = 0, row_bytes = 0;
-    {
-      const int64_t base = st::memory_stats().current_bytes;
-      st::reset_peak_memory_stats();
-      at::Tensor out = fn(piece);
-      out_bytes = out.numel() * static_cast<int64_t>(sizeof(float));
-      row_bytes = C * out.size(3) * static_cast<int64_t>(sizeof(float));
-      plain_extra = st::memory_stats().peak_bytes - base - out_bytes;
+    for (const P& want : {P{S2, R}, P{S2, S3}}) {
+      if (mesh.ndim() == 1 && want != P{S2, R}) continue;  // the same layout on a 1-D mesh
+      const P pl = fit_placements(mesh, want);
+      auto sx = st::distribute_tensor(x, mesh, pl, false);
+      at::Tensor piece = st::ShardTensor(sx).local().clone();
+      const int64_t piece_bytes = piece.numel() * static_cast<int64_t>(sizeof(float));
+      int64_t plain_extra = 0, extra = 0, out_bytes = 0, row_bytes = 0;
+      {
+        const int64_t base = st::memory_stats().current_bytes;
+        st::reset_peak_memory_stats();
+        at::Tensor out = fn(piece);
+        out_bytes = out.numel() * static_cast<int64_t>(sizeof(float));
+        row_bytes = C * std::max(out.size(2), out.size(3)) * static_cast<int64_t>(sizeof(float));
+        plain_extra = st::memory_stats().peak_bytes - base - out_bytes;
+      }
+      at::Tensor out;
+      {
+        const int64_t base = st::memory_stats().current_bytes;
+        st::reset_peak_memory_stats();
+        out = fn(sx);
+        extra = st::memory_stats().peak_bytes - base -
+                st::ShardTensor(out).local().numel() * static_cast<int64_t>(sizeof(float));
+      }
+      // Strips (a few input rows and their outputs, the kernel's scratch on
+      // them); not exact: plus the interior output copied into the block.
+      const int64_t limit = 24 * row_bytes + (kd.exact ? 0 : out_bytes);
+      if (mesh.rank() == 0) {
+        std::printf(
+            "[ split tconv ] P=%lld %s k=%lld s=%lld p=%lld forward scratch: sharded %.3f MB, "
+            "plain on "
+            "the piece %.3f MB (piece %.3f MB)\n",
+            static_cast<long long>(mesh.size()), st::to_string(pl).c_str(),
+            static_cast<long long>(kd.k), static_cast<long long>(kd.s),
+            static_cast<long long>(kd.p), extra / 1e6, plain_extra / 1e6, piece_bytes / 1e6);
+      }
+      EXPECT_TRUE(all_ranks(extra - plain_extra <= limit))
+          << st::to_string(pl) << " k=" << kd.k << " s=" << kd.s << ": sharded extra " << extra
+          << " plain extra " << plain_extra << " limit " << limit;
+      if (kd.exact) {
+        EXPECT_TRUE(all_ranks(mesh.size() == 1 || extra - plain_extra < piece_bytes / 2))
+            << st::to_string(pl) << " k=" << kd.k << " s=" << kd.s << ": sharded extra " << extra
+            << " plain extra " << plain_extra << " piece " << piece_bytes;
+      }
+      EXPECT_TRUE(all_close(gathered(out), fn(x), 1e-4, 1e-5));
     }
-    at::Tensor out;
-    {
-      const int64_t base = st::memory_stats().current_bytes;
-      st::reset_peak_memory_stats();
-      out = fn(sx);
-      extra = st::memory_stats().peak_bytes - base -
-              st::ShardTensor(out).local().numel() * static_cast<int64_t>(sizeof(float));
-    }
-    // Strips (a few input rows and their outputs, the kernel's scratch on
-    // them); not exact: plus the interior output copied into the block.
-    const int64_t limit = 24 * row_bytes + (kd.exact ? 0 : out_bytes);
-    if (mesh.rank() == 0) {
-      std::printf(
-          "[ split tconv ] P=%lld k=%lld s=%lld p=%lld forward scratch: sharded %.3f MB, plain on "
-          "the piece %.3f MB (piece %.3f MB)\n",
-          static_cast<long long>(mesh.size()), static_cast<long long>(kd.k),
-          static_cast<long long>(kd.s), static_cast<long long>(kd.p), extra / 1e6,
-          plain_extra / 1e6, piece_bytes / 1e6);
-    }
-    EXPECT_TRUE(all_ranks(extra - plain_extra <= limit))
-        << "k=" << kd.k << " s=" << kd.s << ": sharded extra " << extra << " plain extra "
-        << plain_extra << " limit " << limit;
-    if (kd.exact) {
-      EXPECT_TRUE(all_ranks(mesh.size() == 1 || extra - plain_extra < piece_bytes / 2))
-          << "k=" << kd.k << " s=" << kd.s << ": sharded extra " << extra << " plain extra "
-          << plain_extra << " piece " << piece_bytes;
-    }
-    EXPECT_TRUE(all_close(gathered(out), fn(x), 1e-4, 1e-5));
   }
 }
 

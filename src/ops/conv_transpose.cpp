@@ -33,11 +33,10 @@
 // makes no copy of the input piece and over-computes nothing beyond a few
 // boundary rows (issue 13). Decided from global metadata only (split_plan:
 // the spec, the shard sizes and the op's arguments), so every rank takes the
-// same path: exactly one spatial dim sharded (other sharded dims, i.e. the
-// batch, are fine; two sharded spatial dims, as on the 2x2 mesh with
-// {S2, S3}, keep the general path above), every piece of every sharded dim
-// and every output block non-empty, and along the sharded spatial dim every
-// output block with a non-empty interior. Along that dim, with the piece
+// same path: every piece of every sharded dim (batch included) and every
+// output block non-empty, and along every sharded spatial dim every output
+// block with a non-empty interior. Any number of spatial dims may be sharded
+// (the 2x2 mesh with {S2, S3}: below). Along a sharded dim, with the piece
 // [off, off + n) and its block [o0, o0 + cnt), libtorch's transposed kernel
 // on the piece alone (padding q, output_padding t) computes the window
 // [off*s - p + q, (off + n - 1)*s - p + d(k-1) + 1 - q + t) of the global
@@ -61,6 +60,13 @@
 //    zero rows past what they read so that the strip's window starts on the
 //    global grid), through libtorch's kernel with padding 0 on that dim;
 //    the strip output's rows are copied into the block.
+// With D sharded spatial dims (as the split-phase pool, Note [split-phase
+// pool]) the halo-extended piece is a 3^D arrangement of blocks: level 1
+// (a halo on one dim) gathered from the piece, the corners (level l) from a
+// level l-1 block once it arrived; the wrong outputs are split into disjoint
+// boxes: along sharded dim j its boundary rows, crossed with all rows of
+// earlier sharded dims and the interior rows of later ones (box j reads only
+// blocks of levels <= j + 1, so it runs while the next level travels).
 // Backward is libtorch's own: the forward above runs under autograd
 // (convolution on the piece, on the strips, gather_range_start's result
 // differentiable through the halo adjoint), which saves the piece itself,
@@ -79,6 +85,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <optional>
 
 #include "comm/function_output.h"
@@ -233,7 +240,7 @@ struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
   }
 };
 
-// Note [split-phase transposed convolution]: the sharded spatial dim's geometry.
+// Note [split-phase transposed convolution]: one sharded spatial dim's geometry.
 struct SplitTconv {
   int64_t si = 0;        // index among the spatial dims
   int64_t dim = 0;       // batched tensor dim
@@ -242,7 +249,12 @@ struct SplitTconv {
   std::vector<int64_t> in_sizes;
   std::vector<stencil::Range> left, right;  // per coordinate: halo rows left / right of the piece
   bool any_left = false, any_right = false;
+  int64_t me = 0;                                           // this rank's coordinate
   int64_t off = 0, n = 0, o0 = 0, cnt = 0, ia = 0, ib = 0;  // this rank
+  // The global input rows [first, second) of side v (0 left halo, 1 piece, 2 right halo).
+  stencil::Range span(int64_t v) const {
+    return v == 0 ? left[me] : (v == 2 ? right[me] : stencil::Range{off, off + n});
+  }
 };
 
 struct TconvArgs {
@@ -258,15 +270,17 @@ stencil::Range local_window(const TconvArgs& a, int64_t i, int64_t i0, int64_t m
           (i0 + m - 1) * a.stride[i] - a.pad[i] + a.dil[i] * (a.kernel[i] - 1) + 1};
 }
 
-// Global metadata only, so every rank decides alike.
-std::optional<SplitTconv> split_plan(const ShardSpec& spec,
-                                     const std::vector<stencil::DimPlan>& plans, const TconvArgs& a,
-                                     int64_t first_sp, bool batched) {
+// Global metadata only, so every rank decides alike. One entry per sharded
+// spatial dim, in tensor-dim order.
+std::optional<std::vector<SplitTconv>> split_plan(const ShardSpec& spec,
+                                                  const std::vector<stencil::DimPlan>& plans,
+                                                  const TconvArgs& a, int64_t first_sp,
+                                                  bool batched) {
   static const bool enabled = [] {
     const char* e = std::getenv("SHARDTENSOR_TCONV_SPLIT");
     return !(e && std::strcmp(e, "0") == 0);
   }();
-  if (!enabled || plans.size() != 1) return std::nullopt;
+  if (!enabled || plans.empty()) return std::nullopt;
   for (int64_t e : spec.global_shape()) {
     if (e == 0) return std::nullopt;
   }
@@ -276,73 +290,132 @@ std::optional<SplitTconv> split_plan(const ShardSpec& spec,
       if (sz == 0) return std::nullopt;
     }
   }
-  const stencil::DimPlan& pl = plans[0];
-  SplitTconv sp;
-  sp.si = pl.dim - first_sp;
-  sp.dim = batched ? pl.dim : pl.dim + 1;
-  sp.mesh_dim = pl.mesh_dim;
-  sp.in_sizes = pl.in_sizes;
-  for (int64_t v : pl.in_sizes) sp.N += v;
-  const int64_t i = sp.si, s = a.stride[i], p = a.pad[i], span = a.dil[i] * (a.kernel[i] - 1);
-  const int64_t me = spec.mesh().coordinate()[pl.mesh_dim];
-  int64_t off = 0, o0 = 0;
-  for (size_t c = 0; c < pl.in_sizes.size(); ++c) {
-    const int64_t n = pl.in_sizes[c], cnt = pl.out_sizes[c];
-    if (n == 0 || cnt == 0) return std::nullopt;
-    const auto [w0, w1] = local_window(a, i, off, n);
-    int64_t ia = std::max(o0, w0), ib = std::min(o0 + cnt, w1);
-    if (off > 0) ia = std::max(ia, (off - 1) * s + 1 - p + span);  // reads no input < off
-    if (off + n < sp.N) ib = std::min(ib, (off + n) * s - p);      // reads no input >= off + n
-    if (ia >= ib) return std::nullopt;
-    const int64_t lo = std::max<int64_t>(0, div_ceil(o0 + p - span, s));
-    const int64_t hi = std::min(sp.N, div_floor(o0 + cnt - 1 + p, s) + 1);
-    sp.left.emplace_back(std::min(lo, off), off);
-    sp.right.emplace_back(off + n, std::max(hi, off + n));
-    sp.any_left = sp.any_left || lo < off;
-    sp.any_right = sp.any_right || hi > off + n;
-    if (static_cast<int64_t>(c) == me) {
-      sp.off = off;
-      sp.n = n;
-      sp.o0 = o0;
-      sp.cnt = cnt;
-      sp.ia = ia;
-      sp.ib = ib;
+  std::vector<SplitTconv> out;
+  for (const stencil::DimPlan& pl : plans) {
+    SplitTconv sp;
+    sp.si = pl.dim - first_sp;
+    sp.dim = batched ? pl.dim : pl.dim + 1;
+    sp.mesh_dim = pl.mesh_dim;
+    sp.in_sizes = pl.in_sizes;
+    sp.me = spec.mesh().coordinate()[pl.mesh_dim];
+    for (int64_t v : pl.in_sizes) sp.N += v;
+    const int64_t i = sp.si, s = a.stride[i], p = a.pad[i], span = a.dil[i] * (a.kernel[i] - 1);
+    int64_t off = 0, o0 = 0;
+    for (size_t c = 0; c < pl.in_sizes.size(); ++c) {
+      const int64_t n = pl.in_sizes[c], cnt = pl.out_sizes[c];
+      if (n == 0 || cnt == 0) return std::nullopt;
+      const auto [w0, w1] = local_window(a, i, off, n);
+      int64_t ia = std::max(o0, w0), ib = std::min(o0 + cnt, w1);
+      if (off > 0) ia = std::max(ia, (off - 1) * s + 1 - p + span);  // reads no input < off
+      if (off + n < sp.N) ib = std::min(ib, (off + n) * s - p);      // reads no input >= off + n
+      if (ia >= ib) return std::nullopt;
+      const int64_t lo = std::max<int64_t>(0, div_ceil(o0 + p - span, s));
+      const int64_t hi = std::min(sp.N, div_floor(o0 + cnt - 1 + p, s) + 1);
+      sp.left.emplace_back(std::min(lo, off), off);
+      sp.right.emplace_back(off + n, std::max(hi, off + n));
+      sp.any_left = sp.any_left || lo < off;
+      sp.any_right = sp.any_right || hi > off + n;
+      if (static_cast<int64_t>(c) == sp.me) {
+        sp.off = off;
+        sp.n = n;
+        sp.o0 = o0;
+        sp.cnt = cnt;
+        sp.ia = ia;
+        sp.ib = ib;
+      }
+      off += n;
+      o0 += cnt;
     }
-    off += n;
-    o0 += cnt;
+    out.push_back(std::move(sp));
   }
-  return sp;
+  return out;
 }
 
 // Note [split-phase transposed convolution]: the forward, under autograd.
-// `x` is the batched local piece; returns the batched block of shape `out_shape`.
+// `x` is the batched local piece; returns the batched block of shape
+// `out_shape`. With D sharded dims the halo-extended piece is a 3^D
+// arrangement of blocks (block b: side (b / 3^(D-1-j)) % 3 along dim j; 0 left
+// halo, 1 the piece's rows, 2 right halo): level 1 (one halo side) is
+// gathered from the piece, level l from a level l-1 block (the corners), as
+// the previous level arrives.
 at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                         const SplitTconv& sp, const TconvArgs& a, const DeviceMesh& mesh,
-                         const std::vector<int64_t>& out_shape) {
-  const int64_t i = sp.si, s = a.stride[i], p = a.pad[i], span = a.dil[i] * (a.kernel[i] - 1);
-  const int64_t me = mesh.coordinate()[sp.mesh_dim];
-  std::optional<comm::HaloExchangeInFlight> lp, rp;
-  if (sp.any_left) {
-    lp.emplace(comm::gather_range_start(x, mesh, sp.mesh_dim, sp.dim, sp.in_sizes, sp.left,
-                                        PadMode::Constant, 0.0));
+                         const std::vector<SplitTconv>& sd, const TconvArgs& a,
+                         const DeviceMesh& mesh, const std::vector<int64_t>& out_shape) {
+  const int64_t D = static_cast<int64_t>(sd.size());
+  int64_t nblocks = 1;
+  for (int64_t j = 0; j < D; ++j) nblocks *= 3;
+  auto side = [&](int64_t blk, int64_t j) {
+    for (int64_t r = j + 1; r < D; ++r) blk /= 3;
+    return blk % 3;
+  };
+  auto with_side = [&](int64_t blk, int64_t j, int64_t v) {
+    int64_t pw = 1;
+    for (int64_t r = j + 1; r < D; ++r) pw *= 3;
+    return blk + (v - side(blk, j)) * pw;
+  };
+  auto level = [&](int64_t blk) {
+    int64_t l = 0;
+    for (int64_t j = 0; j < D; ++j) l += side(blk, j) != 1 ? 1 : 0;
+    return l;
+  };
+  std::vector<at::Tensor> blocks(nblocks);
+  std::vector<std::optional<comm::HaloExchangeInFlight>> pending(nblocks);
+  std::vector<char> exchanged(nblocks, 0), used(nblocks, 0);
+  int64_t own = 0;
+  for (int64_t j = 0; j < D; ++j) own = own * 3 + 1;
+  blocks[own] = x;
+  auto start_level = [&](int64_t l) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      if (level(blk) != l) continue;
+      int64_t j = D - 1;
+      while (side(blk, j) == 1) --j;  // the last dim with a halo side
+      const SplitTconv& dj = sd[j];
+      const at::Tensor& parent = blocks[with_side(blk, j, 1)];
+      const bool any = side(blk, j) == 0 ? dj.any_left : dj.any_right;
+      // Both decided alike by the mesh dim's peers (the parent's shape off
+      // dim j depends only on coordinates they share).
+      if (!any || parent.numel() == 0) {
+        std::vector<int64_t> shape = parent.sizes().vec();
+        const auto sp = dj.span(side(blk, j));
+        shape[dj.dim] = sp.second - sp.first;
+        blocks[blk] = at::zeros(shape, parent.options());
+        continue;
+      }
+      exchanged[blk] = 1;
+      pending[blk].emplace(comm::gather_range_start(parent, mesh, dj.mesh_dim, dj.dim, dj.in_sizes,
+                                                    side(blk, j) == 0 ? dj.left : dj.right,
+                                                    PadMode::Constant, 0.0));
+    }
+  };
+  auto finish_level = [&](int64_t l) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      if (level(blk) == l && pending[blk]) {
+        blocks[blk] = pending[blk]->finish();
+        pending[blk].reset();
+      }
+    }
+  };
+  start_level(1);
+  // Interior: libtorch's kernel on the piece, cropped by padding q per dim.
+  std::vector<int64_t> pad = a.pad, opad = a.opad, start(D);
+  bool exact = true;
+  for (int64_t j = 0; j < D; ++j) {
+    const SplitTconv& dj = sd[j];
+    const int64_t i = dj.si;
+    const auto [w0, w1] = local_window(a, i, dj.off, dj.n);
+    int64_t q = dj.o0 - w0, t = dj.o0 + dj.cnt - (w1 - q);
+    if (!(q >= 0 && t >= 0 && t < std::max(a.stride[i], a.dil[i]) && w1 - w0 - 2 * q >= 1)) {
+      exact = false;
+      q = std::min(dj.ia - w0, w1 - dj.ib);
+      t = 0;
+    }
+    pad[i] = q;
+    opad[i] = t;
+    start[j] = w0 + q;
   }
-  if (sp.any_right) {
-    rp.emplace(comm::gather_range_start(x, mesh, sp.mesh_dim, sp.dim, sp.in_sizes, sp.right,
-                                        PadMode::Constant, 0.0));
+  for (auto& pe : pending) {
+    if (pe) pe->test();
   }
-  // Interior: libtorch's kernel on the piece, cropped by padding q.
-  const auto [w0, w1] = local_window(a, i, sp.off, sp.n);
-  int64_t q = sp.o0 - w0, t = sp.o0 + sp.cnt - (w1 - q);
-  const bool exact = q >= 0 && t >= 0 && t < std::max(s, a.dil[i]) && w1 - w0 - 2 * q >= 1;
-  if (!exact) {
-    q = std::min(sp.ia - w0, w1 - sp.ib);
-    t = 0;
-  }
-  std::vector<int64_t> pad = a.pad, opad = a.opad;
-  pad[i] = q;
-  opad[i] = t;
-  if (lp) lp->test();
-  if (rp) rp->test();
   at::Tensor inner = at::convolution(x, w, b, a.stride, pad, a.dil, true, opad, a.groups);
   at::Tensor out;
   if (exact) {
@@ -350,59 +423,107 @@ at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Ten
     out = inner;
   } else {
     out = at::empty(out_shape, inner.options());
-    out.narrow(sp.dim, sp.ia - sp.o0, sp.ib - sp.ia)
-        .copy_(inner.narrow(sp.dim, sp.ia - (w0 + q), sp.ib - sp.ia));
+    at::Tensor dst = out, src = inner;
+    for (int64_t j = 0; j < D; ++j) {
+      const SplitTconv& dj = sd[j];
+      dst = dst.narrow(dj.dim, dj.ia - dj.o0, dj.ib - dj.ia);
+      src = src.narrow(dj.dim, dj.ia - start[j], dj.ib - dj.ia);
+    }
+    dst.copy_(src);
   }
   inner = at::Tensor();
-  at::Tensor lb = lp ? lp->finish() : at::Tensor();
-  at::Tensor rb = rp ? rp->finish() : at::Tensor();
-  bool used_l = false, used_r = false;
-  pad[i] = 0;
-  opad[i] = 0;
-  auto rows = [&](int64_t m) {
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape[sp.dim] = m;
-    return at::zeros(shape, x.options());
-  };
-  // Boundary rows [ob0, ob1) from a strip of the input rows they read.
-  for (const stencil::Range& ob :
-       {stencil::Range{sp.o0, sp.ia}, stencil::Range{sp.ib, sp.o0 + sp.cnt}}) {
-    const int64_t ob0 = ob.first, ob1 = ob.second;
-    if (ob0 >= ob1) continue;
-    // Strip rows [ll, hh): its window starts at or before ob0 and ends at or
-    // after ob1; only rows [sl, sh) are read by these outputs, the rest are zeros.
-    const int64_t ll = div_floor(ob0 + p - span, s), hh = div_ceil(ob1 - 1 + p, s) + 1;
-    int64_t sl = std::max<int64_t>(0, div_ceil(ob0 + p - span, s));
-    int64_t sh = std::min(sp.N, div_floor(ob1 - 1 + p, s) + 1);
-    if (sl >= sh) sl = sh = ll;
+  for (const SplitTconv& dj : sd) {
+    pad[dj.si] = 0;
+    opad[dj.si] = 0;
+  }
+  // A strip's rows along each dim: segments of zero rows (side -1) or of a side's rows.
+  using Seg = std::pair<int64_t, stencil::Range>;
+  std::vector<std::vector<Seg>> segs(D);
+  std::vector<Seg> choice(D);
+  std::function<at::Tensor(int64_t)> build = [&](int64_t r) -> at::Tensor {
+    if (r == D) {
+      bool zero = false;
+      int64_t blk = 0;
+      std::vector<int64_t> shape = x.sizes().vec();
+      for (int64_t j = 0; j < D; ++j) {
+        zero = zero || choice[j].first < 0;
+        blk = blk * 3 + (choice[j].first < 0 ? 1 : choice[j].first);
+        shape[sd[j].dim] = choice[j].second.second - choice[j].second.first;
+      }
+      if (zero) return at::zeros(shape, x.options());
+      at::Tensor t = blocks[blk];
+      used[blk] = 1;
+      for (int64_t j = 0; j < D; ++j) {
+        const auto& [v, rg] = choice[j];
+        t = t.narrow(sd[j].dim, rg.first - sd[j].span(v).first, rg.second - rg.first);
+      }
+      return t;
+    }
     std::vector<at::Tensor> parts;
-    if (sl > ll) parts.push_back(rows(sl - ll));
-    const stencil::Range L = sp.left[me], R = sp.right[me];
-    TORCH_INTERNAL_ASSERT(sl >= sh || (sl >= L.first && sh <= R.second));
-    auto take = [&](const at::Tensor& src, int64_t start, int64_t a0, int64_t a1, bool& used) {
-      const int64_t lo = std::max(sl, a0), hi = std::min(sh, a1);
-      if (lo >= hi) return;
-      parts.push_back(src.narrow(sp.dim, lo - start, hi - lo));
-      used = true;
-    };
-    bool dummy = false;
-    if (lb.defined()) take(lb, L.first, L.first, L.second, used_l);
-    take(x, sp.off, sp.off, sp.off + sp.n, dummy);
-    if (rb.defined()) take(rb, R.first, R.first, R.second, used_r);
-    if (hh > sh) parts.push_back(rows(hh - std::max(sh, ll)));
-    const at::Tensor strip = parts.size() == 1 ? parts[0] : at::cat(parts, sp.dim);
-    TORCH_INTERNAL_ASSERT(strip.size(sp.dim) == hh - ll);
-    const at::Tensor so = at::convolution(strip, w, b, a.stride, pad, a.dil, true, opad, a.groups);
-    const int64_t start = ll * s - p;
-    TORCH_INTERNAL_ASSERT(start <= ob0 && start + so.size(sp.dim) >= ob1);
-    out.narrow(sp.dim, ob0 - sp.o0, ob1 - ob0).copy_(so.narrow(sp.dim, ob0 - start, ob1 - ob0));
+    for (const Seg& sg : segs[r]) {
+      choice[r] = sg;
+      parts.push_back(build(r + 1));
+    }
+    return parts.size() == 1 ? parts[0] : at::cat(parts, sd[r].dim);
+  };
+  for (int64_t l = 1; l <= D; ++l) {
+    finish_level(l);
+    if (l < D) start_level(l + 1);
+    // Box of dim j = l - 1: its boundary outputs, all outputs of earlier
+    // sharded dims, the interior of later ones (each output in one box; it
+    // reads only blocks of levels <= l).
+    const int64_t j = l - 1;
+    for (const stencil::Range& ob :
+         {stencil::Range{sd[j].o0, sd[j].ia}, stencil::Range{sd[j].ib, sd[j].o0 + sd[j].cnt}}) {
+      if (ob.first >= ob.second) continue;
+      std::vector<int64_t> first(D);  // the strip's first global output, per dim
+      std::vector<stencil::Range> outs(D);
+      for (int64_t r = 0; r < D; ++r) {
+        const SplitTconv& dr = sd[r];
+        const int64_t i = dr.si, s = a.stride[i], p = a.pad[i];
+        const int64_t span = a.dil[i] * (a.kernel[i] - 1);
+        outs[r] = r < j    ? stencil::Range{dr.o0, dr.o0 + dr.cnt}
+                  : r == j ? ob
+                           : stencil::Range{dr.ia, dr.ib};
+        const int64_t o0 = outs[r].first, o1 = outs[r].second;
+        // Strip rows [ll, hh): its window starts at or before o0 and ends at
+        // or after o1; only rows [sl, sh) are read by these outputs, the
+        // others are zeros.
+        const int64_t ll = div_floor(o0 + p - span, s), hh = div_ceil(o1 - 1 + p, s) + 1;
+        int64_t sl = std::max<int64_t>(0, div_ceil(o0 + p - span, s));
+        int64_t sh = std::min(dr.N, div_floor(o1 - 1 + p, s) + 1);
+        if (sl >= sh) sl = sh = ll;
+        TORCH_INTERNAL_ASSERT(sl >= sh || (sl >= dr.span(0).first && sh <= dr.span(2).second));
+        segs[r].clear();
+        if (sl > ll) segs[r].push_back({-1, {ll, sl}});
+        for (int64_t v = 0; v < 3; ++v) {
+          const auto sp = dr.span(v);
+          const int64_t lo = std::max(sl, sp.first), hi = std::min(sh, sp.second);
+          if (lo < hi) segs[r].push_back({v, {lo, hi}});
+        }
+        if (hh > std::max(sh, ll)) segs[r].push_back({-1, {std::max(sh, ll), hh}});
+        first[r] = ll * s - p;
+      }
+      const at::Tensor strip = build(0);
+      const at::Tensor so =
+          at::convolution(strip, w, b, a.stride, pad, a.dil, true, opad, a.groups);
+      at::Tensor dst = out, src = so;
+      for (int64_t r = 0; r < D; ++r) {
+        const int64_t len = outs[r].second - outs[r].first;
+        TORCH_INTERNAL_ASSERT(first[r] <= outs[r].first &&
+                              first[r] + so.size(sd[r].dim) >= outs[r].second);
+        dst = dst.narrow(sd[r].dim, outs[r].first - sd[r].o0, len);
+        src = src.narrow(sd[r].dim, outs[r].first - first[r], len);
+      }
+      dst.copy_(src);
+    }
   }
   // A received block that no strip read still runs its adjoint in backward
-  // (collective over the mesh dim): attached by an empty in-place copy.
-  for (const auto& [blk, used] : {std::make_pair(lb, used_l), std::make_pair(rb, used_r)}) {
-    if (!blk.defined() || used) continue;
-    at::Tensor dst = out.narrow(sp.dim, 0, 0);
-    dst.copy_(blk.sum().to(dst.scalar_type()).expand(dst.sizes()));
+  // (collective over its mesh dim): attached by an empty in-place copy.
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    if (!exchanged[blk] || used[blk]) continue;
+    at::Tensor dst = out.narrow(sd[0].dim, 0, 0);
+    dst.copy_(blocks[blk].sum().to(dst.scalar_type()).expand(dst.sizes()));
   }
   return out;
 }
