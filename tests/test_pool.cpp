@@ -627,7 +627,7 @@ TEST_F(Pool, TconvStrideEqualsKernelSendsNothing) {
   for (int64_t k : {2, 3}) {
     const auto w = rnd({4, 3, k, k}, 71);
     const auto b = rnd({3}, 72);
-    for (const P& layout : {P{S2, S0}, P{S0, S2}, P{S3, R}}) {
+    for (const P& layout : {P{S2, S0}, P{S0, S2}, P{S3, R}, P{S2, S3}}) {
       at::Tensor sx = st::distribute_tensor(x, mesh, fit_placements(mesh, layout), true);
       st::reset_comm_stats();
       at::Tensor y = at::conv_transpose2d(sx, w, b, {k, k});

@@ -381,11 +381,13 @@ at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Ten
       int64_t j = D - 1;
       while (side(blk, j) == 1) --j;  // the last dim with a halo side
       const SplitTconv& dj = sd[j];
-      const at::Tensor& parent = blocks[with_side(blk, j, 1)];
+      const int64_t pb = with_side(blk, j, 1);
+      const at::Tensor& parent = blocks[pb];
       const bool any = side(blk, j) == 0 ? dj.any_left : dj.any_right;
-      // Both decided alike by the mesh dim's peers (the parent's shape off
-      // dim j depends only on coordinates they share).
-      if (!any || parent.numel() == 0) {
+      // Decided alike by the mesh dim's peers: `any` is global, and whether
+      // the parent was exchanged and its shape off dim j depend only on
+      // coordinates they share. A corner of a zero block is zeros.
+      if (!any || parent.numel() == 0 || (pb != own && !exchanged[pb])) {
         std::vector<int64_t> shape = parent.sizes().vec();
         const auto sp = dj.span(side(blk, j));
         shape[dj.dim] = sp.second - sp.first;
