@@ -89,7 +89,13 @@
 // saved for backward beyond the output: 0 -> 0.20 MB (the strips). Times at
 // load 13-14 on 2 shared cores, indicative only: forward 396-454 -> 230-276
 // ms (k=2), 514-540 -> 399-421 ms (k=3), 755-947 -> 615-895 ms (k=4);
-// backward within noise (k=2 653-678 -> 382-491 ms).
+// backward within noise (k=2 653-678 -> 382-491 ms). On the 2x2 mesh with
+// {S2, S3} (P = 4 on the 2 cores, oversubscribed): k=2 forward 65792 -> 0 B,
+// backward 143968 -> 12384 B, forward peak 43.7 -> 34.6 MB, backward peak
+// 51.1 -> 25.2 MB; k=3 backward 159328 -> 93408 B; the k=3/k=4 backward
+// looked slower (745-892 vs 490-694 ms, k=3), not yet measured on a quiet
+// machine: the autograd graph has more nodes (a CopySlices per boundary
+// box, one piece-sized adjoint gradient per halo block).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
