@@ -260,8 +260,10 @@ TEST_F(DoubleBackward, MaxAndAvgPooling) {
         x, {{S3, S2}});
 }
 
-// ConvTransposeFn (Note [transposed convolution memory]) and the 1-D pools
-// lifted to 2-D in PoolFn (Note [pool saves no halo copy]).
+// ConvTransposeFn (Note [transposed convolution memory]; {S2, S3} on the 2x2
+// mesh), the split path under autograd (Note [split-phase transposed
+// convolution]; one spatial dim sharded) and the 1-D pools lifted to 2-D in
+// PoolFn (Note [pool saves no halo copy]).
 TEST_F(DoubleBackward, ConvTransposeAndPool1d) {
   const at::Tensor x = seeded({2, 3, 9, 7}, 31);
   const at::Tensor w = seeded({3, 2, 3, 3}, 32) * 0.5;
@@ -270,7 +272,7 @@ TEST_F(DoubleBackward, ConvTransposeAndPool1d) {
         [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& p) {
           return at::tanh(at::conv_transpose2d(in[0], p[0], p[1], {2, 2}, {1, 1}, {1, 1}));
         },
-        x, {{S2, S3}}, {w, b});
+        x, {{S2, S3}, {S2, S0}}, {w, b});
   const at::Tensor x1 = seeded({2, 3, 13}, 34);
   sweep("max_pool1d k3 s2 p1",
         [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {

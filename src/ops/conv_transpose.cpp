@@ -14,22 +14,96 @@
 // added once; weight and bias are replicated and marked with use_replicated
 // (via to_layout) so their gradients are summed over the sharded mesh dims.
 //
-// Note [transposed convolution memory]: as for the convolution (Note [conv
-// memory]), a rule built from gather + at::conv_transpose under autograd
-// would keep the gathered (halo-extended) input alive until backward, and
-// the block returned would be a view that keeps the whole over-computed local
-// output alive. ConvTransposeFn saves only the local input, the weight and
-// the bias; forward builds the gathered copy transiently and returns the
-// block as its own tensor; backward rebuilds the gathered input on a fresh
-// graph (one more halo exchange), places the block's gradient into the
-// over-computed output's shape, runs at::convolution_backward (transposed)
-// and sends the halo part of the input gradient back to its owners through
-// the adjoint of the gather. Under create_graph it differentiates the
-// rebuilt forward instead, so gradients of any order stay exact (Note
-// [differentiable adjoints]).
+// Note [transposed convolution memory]: the general path (everything that
+// Note [split-phase transposed convolution] does not take). As for the
+// convolution (Note [conv memory]), a rule built from gather +
+// at::conv_transpose under autograd would keep the gathered (halo-extended)
+// input alive until backward, and the block returned would be a view that
+// keeps the whole over-computed local output alive. ConvTransposeFn saves
+// only the local input, the weight and the bias; forward builds the gathered
+// copy transiently and returns the block as its own tensor; backward
+// rebuilds the gathered input on a fresh graph (one more halo exchange),
+// places the block's gradient into the over-computed output's shape, runs
+// at::convolution_backward (transposed) and sends the halo part of the input
+// gradient back to its owners through the adjoint of the gather. Under
+// create_graph it differentiates the rebuilt forward instead, so gradients
+// of any order stay exact (Note [differentiable adjoints]).
+//
+// Note [split-phase transposed convolution]: where it applies, the forward
+// makes no copy of the input piece and over-computes nothing beyond a few
+// boundary rows (issue 13). Decided from global metadata only (split_plan:
+// the spec, the shard sizes and the op's arguments), so every rank takes the
+// same path: every piece of every sharded dim (batch included) and every
+// output block non-empty, and along every sharded spatial dim every output
+// block with a non-empty interior. Any number of spatial dims may be sharded
+// (the 2x2 mesh with {S2, S3}: below). Along a sharded dim, with the piece
+// [off, off + n) and its block [o0, o0 + cnt), libtorch's transposed kernel
+// on the piece alone (padding q, output_padding t) computes the window
+// [off*s - p + q, (off + n - 1)*s - p + d(k-1) + 1 - q + t) of the global
+// output, each value summed over the LOCAL inputs only; the interior
+// [ia, ib) is where that sum is the whole sum: outputs whose inputs
+// [ceil((o + p - d(k-1))/s), floor((o + p)/s)] all lie in the piece (or past
+// a global edge). Then:
+//  - post comm::gather_range_start of the halo rows only: left of the piece
+//    [min(lo, off), off) and right [off + n, max(hi, off + n)), with [lo, hi)
+//    the inputs the block reads (clamped to [0, N)); none when no coordinate
+//    needs any (stride = kernel, padding 0: ConvTranspose2d(k=2, s=2) with a
+//    block that is s times the piece, no exchange at all);
+//  - while they travel, run libtorch's kernel on the local piece. When
+//    q = o0 - (off*s - p) >= 0 and some valid t make its window exactly the
+//    block (k=2 s=2 p=0, k=3 s=1 p=1, k=4 s=2 p=1 on s-times blocks), that
+//    output IS the block and the boundary rows are written into it in place;
+//    otherwise q = min(ia - window start, window end - ib) crops what it can
+//    and the interior rows are copied into a block-sized output;
+//  - finish, and compute the boundary rows [o0, ia) and [ib, o0 + cnt) from
+//    strips: the input rows they read (halo rows + the local edge rows,
+//    zero rows past what they read so that the strip's window starts on the
+//    global grid), through libtorch's kernel with padding 0 on that dim;
+//    the strip output's rows are copied into the block.
+// With D sharded spatial dims (as the split-phase pool, Note [split-phase
+// pool]) the halo-extended piece is a 3^D arrangement of blocks: level 1
+// (a halo on one dim) gathered from the piece, the corners (level l) from a
+// level l-1 block once it arrived; the wrong outputs are split into disjoint
+// boxes: along sharded dim j its boundary rows, crossed with all rows of
+// earlier sharded dims and the interior rows of later ones (box j reads only
+// blocks of levels <= j + 1, so it runs while the next level travels).
+// Backward is libtorch's own: the forward above runs under autograd
+// (convolution on the piece, on the strips, gather_range_start's result
+// differentiable through the halo adjoint), which saves the piece itself,
+// the weight and the small strips, never a halo-extended copy; the
+// over-computed interior output is not kept (copy_ into slices saves
+// nothing). Double backward follows from libtorch's. Every output element is
+// written once, so the bias is added once. A halo block that no strip of
+// this rank reads is still attached to the output by an empty in-place copy,
+// so its adjoint (collective over the mesh dim) runs on every rank.
+// SHARDTENSOR_TCONV_SPLIT=0 turns the split path off (for comparisons; the
+// tests SplitPhaseTconvHoldsNoPieceCopy and TconvStrideEqualsKernelSendsNothing
+// then fail). Measured (a tiny driver, [1,32,512,512] -> ConvTranspose2d(32,
+// 16, k, s, p) with bias, H sharded, P = 2, float32, per rank; before = off):
+//   k=2 s=2 p=0: forward sends 65536 -> 0 B, backward 139328 -> 8256 B (the
+//     weight/bias all-reduce only); forward peak 86.7 -> 69.2 MB, backward
+//     peak 101.5 -> 50.3 MB;
+//   k=3 s=1 p=1: forward 65536 B both, backward 149568 -> 84032 B (no
+//     rebuilt gather); forward peak 102.0 -> 84.6 MB;
+//   k=4 s=2 p=1: same bytes as k=3; forward peak 188.2 -> 170.1 MB;
+// saved for backward beyond the output: 0 -> 0.20 MB (the strips). Times at
+// load 13-14 on 2 shared cores, indicative only: forward 396-454 -> 230-276
+// ms (k=2), 514-540 -> 399-421 ms (k=3), 755-947 -> 615-895 ms (k=4);
+// backward within noise (k=2 653-678 -> 382-491 ms). On the 2x2 mesh with
+// {S2, S3} (P = 4 on the 2 cores, oversubscribed): k=2 forward 65792 -> 0 B,
+// backward 143968 -> 12384 B, forward peak 43.7 -> 34.6 MB, backward peak
+// 51.1 -> 25.2 MB; k=3 backward 159328 -> 93408 B; the k=3/k=4 backward
+// looked slower (745-892 vs 490-694 ms, k=3), not yet measured on a quiet
+// machine: the autograd graph has more nodes (a CopySlices per boundary
+// box, one piece-sized adjoint gradient per halo block).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <optional>
 
 #include "comm/function_output.h"
 #include "ops/common.h"
@@ -183,6 +257,296 @@ struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
   }
 };
 
+// Note [split-phase transposed convolution]: one sharded spatial dim's geometry.
+struct SplitTconv {
+  int64_t si = 0;        // index among the spatial dims
+  int64_t dim = 0;       // batched tensor dim
+  int64_t mesh_dim = 0;  // the mesh dim that shards it
+  int64_t N = 0;         // global input extent
+  std::vector<int64_t> in_sizes;
+  std::vector<stencil::Range> left, right;  // per coordinate: halo rows left / right of the piece
+  bool any_left = false, any_right = false;
+  int64_t me = 0;                                           // this rank's coordinate
+  int64_t off = 0, n = 0, o0 = 0, cnt = 0, ia = 0, ib = 0;  // this rank
+  // The global input rows [first, second) of side v (0 left halo, 1 piece, 2 right halo).
+  stencil::Range span(int64_t v) const {
+    return v == 0 ? left[me] : (v == 2 ? right[me] : stencil::Range{off, off + n});
+  }
+};
+
+struct TconvArgs {
+  std::vector<int64_t> stride, pad, opad, dil, kernel;
+  int64_t groups = 1;
+};
+
+// The window of global outputs that libtorch's transposed kernel on inputs
+// [i0, i0 + m) computes with padding 0 and output_padding 0 along dim i:
+// [i0*s - p, (i0 + m - 1)*s - p + d(k-1) + 1).
+stencil::Range local_window(const TconvArgs& a, int64_t i, int64_t i0, int64_t m) {
+  return {i0 * a.stride[i] - a.pad[i],
+          (i0 + m - 1) * a.stride[i] - a.pad[i] + a.dil[i] * (a.kernel[i] - 1) + 1};
+}
+
+// Global metadata only, so every rank decides alike. One entry per sharded
+// spatial dim, in tensor-dim order.
+std::optional<std::vector<SplitTconv>> split_plan(const ShardSpec& spec,
+                                                  const std::vector<stencil::DimPlan>& plans,
+                                                  const TconvArgs& a, int64_t first_sp,
+                                                  bool batched) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("SHARDTENSOR_TCONV_SPLIT");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!enabled || plans.empty()) return std::nullopt;
+  for (int64_t e : spec.global_shape()) {
+    if (e == 0) return std::nullopt;
+  }
+  for (int64_t m = 0; m < spec.mesh().ndim(); ++m) {
+    if (!is_shard(spec.placements()[m])) continue;
+    for (int64_t sz : spec.shard_sizes(m)) {
+      if (sz == 0) return std::nullopt;
+    }
+  }
+  std::vector<SplitTconv> out;
+  for (const stencil::DimPlan& pl : plans) {
+    SplitTconv sp;
+    sp.si = pl.dim - first_sp;
+    sp.dim = batched ? pl.dim : pl.dim + 1;
+    sp.mesh_dim = pl.mesh_dim;
+    sp.in_sizes = pl.in_sizes;
+    sp.me = spec.mesh().coordinate()[pl.mesh_dim];
+    for (int64_t v : pl.in_sizes) sp.N += v;
+    const int64_t i = sp.si, s = a.stride[i], p = a.pad[i], span = a.dil[i] * (a.kernel[i] - 1);
+    int64_t off = 0, o0 = 0;
+    for (size_t c = 0; c < pl.in_sizes.size(); ++c) {
+      const int64_t n = pl.in_sizes[c], cnt = pl.out_sizes[c];
+      if (n == 0 || cnt == 0) return std::nullopt;
+      const auto [w0, w1] = local_window(a, i, off, n);
+      int64_t ia = std::max(o0, w0), ib = std::min(o0 + cnt, w1);
+      if (off > 0) ia = std::max(ia, (off - 1) * s + 1 - p + span);  // reads no input < off
+      if (off + n < sp.N) ib = std::min(ib, (off + n) * s - p);      // reads no input >= off + n
+      if (ia >= ib) return std::nullopt;
+      const int64_t lo = std::max<int64_t>(0, div_ceil(o0 + p - span, s));
+      const int64_t hi = std::min(sp.N, div_floor(o0 + cnt - 1 + p, s) + 1);
+      sp.left.emplace_back(std::min(lo, off), off);
+      sp.right.emplace_back(off + n, std::max(hi, off + n));
+      sp.any_left = sp.any_left || lo < off;
+      sp.any_right = sp.any_right || hi > off + n;
+      if (static_cast<int64_t>(c) == sp.me) {
+        sp.off = off;
+        sp.n = n;
+        sp.o0 = o0;
+        sp.cnt = cnt;
+        sp.ia = ia;
+        sp.ib = ib;
+      }
+      off += n;
+      o0 += cnt;
+    }
+    out.push_back(std::move(sp));
+  }
+  return out;
+}
+
+// Note [split-phase transposed convolution]: the forward, under autograd.
+// `x` is the batched local piece; returns the batched block of shape
+// `out_shape`. With D sharded dims the halo-extended piece is a 3^D
+// arrangement of blocks (block b: side (b / 3^(D-1-j)) % 3 along dim j; 0 left
+// halo, 1 the piece's rows, 2 right halo): level 1 (one halo side) is
+// gathered from the piece, level l from a level l-1 block (the corners), as
+// the previous level arrives.
+at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const std::vector<SplitTconv>& sd, const TconvArgs& a,
+                         const DeviceMesh& mesh, const std::vector<int64_t>& out_shape) {
+  const int64_t D = static_cast<int64_t>(sd.size());
+  int64_t nblocks = 1;
+  for (int64_t j = 0; j < D; ++j) nblocks *= 3;
+  auto side = [&](int64_t blk, int64_t j) {
+    for (int64_t r = j + 1; r < D; ++r) blk /= 3;
+    return blk % 3;
+  };
+  auto with_side = [&](int64_t blk, int64_t j, int64_t v) {
+    int64_t pw = 1;
+    for (int64_t r = j + 1; r < D; ++r) pw *= 3;
+    return blk + (v - side(blk, j)) * pw;
+  };
+  auto level = [&](int64_t blk) {
+    int64_t l = 0;
+    for (int64_t j = 0; j < D; ++j) l += side(blk, j) != 1 ? 1 : 0;
+    return l;
+  };
+  std::vector<at::Tensor> blocks(nblocks);
+  std::vector<std::optional<comm::HaloExchangeInFlight>> pending(nblocks);
+  std::vector<char> exchanged(nblocks, 0), used(nblocks, 0);
+  int64_t own = 0;
+  for (int64_t j = 0; j < D; ++j) own = own * 3 + 1;
+  blocks[own] = x;
+  auto start_level = [&](int64_t l) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      if (level(blk) != l) continue;
+      int64_t j = D - 1;
+      while (side(blk, j) == 1) --j;  // the last dim with a halo side
+      const SplitTconv& dj = sd[j];
+      const int64_t pb = with_side(blk, j, 1);
+      const at::Tensor& parent = blocks[pb];
+      const bool any = side(blk, j) == 0 ? dj.any_left : dj.any_right;
+      // Decided alike by the mesh dim's peers: `any` is global, and whether
+      // the parent was exchanged and its shape off dim j depend only on
+      // coordinates they share. A corner of a zero block is zeros.
+      if (!any || parent.numel() == 0 || (pb != own && !exchanged[pb])) {
+        std::vector<int64_t> shape = parent.sizes().vec();
+        const auto sp = dj.span(side(blk, j));
+        shape[dj.dim] = sp.second - sp.first;
+        blocks[blk] = at::zeros(shape, parent.options());
+        continue;
+      }
+      exchanged[blk] = 1;
+      pending[blk].emplace(comm::gather_range_start(parent, mesh, dj.mesh_dim, dj.dim, dj.in_sizes,
+                                                    side(blk, j) == 0 ? dj.left : dj.right,
+                                                    PadMode::Constant, 0.0));
+    }
+  };
+  auto finish_level = [&](int64_t l) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      if (level(blk) == l && pending[blk]) {
+        blocks[blk] = pending[blk]->finish();
+        pending[blk].reset();
+      }
+    }
+  };
+  start_level(1);
+  // Interior: libtorch's kernel on the piece, cropped by padding q per dim.
+  std::vector<int64_t> pad = a.pad, opad = a.opad, start(D);
+  bool exact = true;
+  for (int64_t j = 0; j < D; ++j) {
+    const SplitTconv& dj = sd[j];
+    const int64_t i = dj.si;
+    const auto [w0, w1] = local_window(a, i, dj.off, dj.n);
+    int64_t q = dj.o0 - w0, t = dj.o0 + dj.cnt - (w1 - q);
+    if (!(q >= 0 && t >= 0 && t < std::max(a.stride[i], a.dil[i]) && w1 - w0 - 2 * q >= 1)) {
+      exact = false;
+      q = std::min(dj.ia - w0, w1 - dj.ib);
+      t = 0;
+    }
+    pad[i] = q;
+    opad[i] = t;
+    start[j] = w0 + q;
+  }
+  for (auto& pe : pending) {
+    if (pe) pe->test();
+  }
+  at::Tensor inner = at::convolution(x, w, b, a.stride, pad, a.dil, true, opad, a.groups);
+  at::Tensor out;
+  if (exact) {
+    TORCH_INTERNAL_ASSERT(inner.sizes() == at::IntArrayRef(out_shape));
+    out = inner;
+  } else {
+    out = at::empty(out_shape, inner.options());
+    at::Tensor dst = out, src = inner;
+    for (int64_t j = 0; j < D; ++j) {
+      const SplitTconv& dj = sd[j];
+      dst = dst.narrow(dj.dim, dj.ia - dj.o0, dj.ib - dj.ia);
+      src = src.narrow(dj.dim, dj.ia - start[j], dj.ib - dj.ia);
+    }
+    dst.copy_(src);
+  }
+  inner = at::Tensor();
+  for (const SplitTconv& dj : sd) {
+    pad[dj.si] = 0;
+    opad[dj.si] = 0;
+  }
+  // A strip's rows along each dim: segments of zero rows (side -1) or of a side's rows.
+  using Seg = std::pair<int64_t, stencil::Range>;
+  std::vector<std::vector<Seg>> segs(D);
+  std::vector<Seg> choice(D);
+  std::function<at::Tensor(int64_t)> build = [&](int64_t r) -> at::Tensor {
+    if (r == D) {
+      bool zero = false;
+      int64_t blk = 0;
+      std::vector<int64_t> shape = x.sizes().vec();
+      for (int64_t j = 0; j < D; ++j) {
+        zero = zero || choice[j].first < 0;
+        blk = blk * 3 + (choice[j].first < 0 ? 1 : choice[j].first);
+        shape[sd[j].dim] = choice[j].second.second - choice[j].second.first;
+      }
+      if (zero) return at::zeros(shape, x.options());
+      at::Tensor t = blocks[blk];
+      used[blk] = 1;
+      for (int64_t j = 0; j < D; ++j) {
+        const auto& [v, rg] = choice[j];
+        t = t.narrow(sd[j].dim, rg.first - sd[j].span(v).first, rg.second - rg.first);
+      }
+      return t;
+    }
+    std::vector<at::Tensor> parts;
+    for (const Seg& sg : segs[r]) {
+      choice[r] = sg;
+      parts.push_back(build(r + 1));
+    }
+    return parts.size() == 1 ? parts[0] : at::cat(parts, sd[r].dim);
+  };
+  for (int64_t l = 1; l <= D; ++l) {
+    finish_level(l);
+    if (l < D) start_level(l + 1);
+    // Box of dim j = l - 1: its boundary outputs, all outputs of earlier
+    // sharded dims, the interior of later ones (each output in one box; it
+    // reads only blocks of levels <= l).
+    const int64_t j = l - 1;
+    for (const stencil::Range& ob :
+         {stencil::Range{sd[j].o0, sd[j].ia}, stencil::Range{sd[j].ib, sd[j].o0 + sd[j].cnt}}) {
+      if (ob.first >= ob.second) continue;
+      std::vector<int64_t> first(D);  // the strip's first global output, per dim
+      std::vector<stencil::Range> outs(D);
+      for (int64_t r = 0; r < D; ++r) {
+        const SplitTconv& dr = sd[r];
+        const int64_t i = dr.si, s = a.stride[i], p = a.pad[i];
+        const int64_t span = a.dil[i] * (a.kernel[i] - 1);
+        outs[r] = r < j    ? stencil::Range{dr.o0, dr.o0 + dr.cnt}
+                  : r == j ? ob
+                           : stencil::Range{dr.ia, dr.ib};
+        const int64_t o0 = outs[r].first, o1 = outs[r].second;
+        // Strip rows [ll, hh): its window starts at or before o0 and ends at
+        // or after o1; only rows [sl, sh) are read by these outputs, the
+        // others are zeros.
+        const int64_t ll = div_floor(o0 + p - span, s), hh = div_ceil(o1 - 1 + p, s) + 1;
+        int64_t sl = std::max<int64_t>(0, div_ceil(o0 + p - span, s));
+        int64_t sh = std::min(dr.N, div_floor(o1 - 1 + p, s) + 1);
+        if (sl >= sh) sl = sh = ll;
+        TORCH_INTERNAL_ASSERT(sl >= sh || (sl >= dr.span(0).first && sh <= dr.span(2).second));
+        segs[r].clear();
+        if (sl > ll) segs[r].push_back({-1, {ll, sl}});
+        for (int64_t v = 0; v < 3; ++v) {
+          const auto sp = dr.span(v);
+          const int64_t lo = std::max(sl, sp.first), hi = std::min(sh, sp.second);
+          if (lo < hi) segs[r].push_back({v, {lo, hi}});
+        }
+        if (hh > std::max(sh, ll)) segs[r].push_back({-1, {std::max(sh, ll), hh}});
+        first[r] = ll * s - p;
+      }
+      const at::Tensor strip = build(0);
+      const at::Tensor so =
+          at::convolution(strip, w, b, a.stride, pad, a.dil, true, opad, a.groups);
+      at::Tensor dst = out, src = so;
+      for (int64_t r = 0; r < D; ++r) {
+        const int64_t len = outs[r].second - outs[r].first;
+        TORCH_INTERNAL_ASSERT(first[r] <= outs[r].first &&
+                              first[r] + so.size(sd[r].dim) >= outs[r].second);
+        dst = dst.narrow(sd[r].dim, outs[r].first - sd[r].o0, len);
+        src = src.narrow(sd[r].dim, outs[r].first - first[r], len);
+      }
+      dst.copy_(src);
+    }
+  }
+  // A received block that no strip read still runs its adjoint in backward
+  // (collective over its mesh dim): attached by an empty in-place copy.
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    if (!exchanged[blk] || used[blk]) continue;
+    at::Tensor dst = out.narrow(sd[0].dim, 0, 0);
+    dst.copy_(blocks[blk].sum().to(dst.scalar_type()).expand(dst.sizes()));
+  }
+  return out;
+}
+
 std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                             std::vector<int64_t> v, int64_t nd, const char* what) {
   if (v.size() == 1) return std::vector<int64_t>(nd, v[0]);
@@ -328,6 +692,16 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
     const int64_t lo = stencil::my_range(pl, mesh).first;
     plan->block.emplace_back(plan->batched ? pl.dim : pl.dim + 1,
                              out_off[pl.dim] - (lo * stride[i] - pad[i]));
+  }
+  // Note [split-phase transposed convolution].
+  TconvArgs targs{stride, pad, opad, dil, kernel, groups};
+  if (auto sp = split_plan(in_spec, plans, targs, ndim - nd, plan->batched)) {
+    std::vector<int64_t> bshape = plan->out_local;
+    if (!plan->batched) bshape.insert(bshape.begin(), 1);
+    at::Tensor out =
+        split_forward(plan->batched ? local : local.unsqueeze(0), wl, bl, *sp, targs, mesh, bshape);
+    stack->push_back(wrap(plan->batched ? out : out.squeeze(0), out_spec));
+    return;
   }
   plan->plans = std::move(plans);
   // torch::autograd::Function cannot take an undefined tensor: no bias is an
