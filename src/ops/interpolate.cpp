@@ -23,6 +23,10 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -247,6 +251,334 @@ at::Tensor native_on_piece(const InterpOp& p, const at::Tensor& g, const ShardSp
   return y.contiguous();
 }
 
+// Note [split-phase interpolation]: with the same condition as Note [native
+// interpolation on pieces] (align_corners = false, integer scale s per
+// sharded dim, libtorch's kernel computing the global taps on a sub-range),
+// the halo exchange overlaps compute and the piece is never copied. The
+// decision uses global shapes, specs and op args only (every coordinate's
+// taps are checked), so every rank takes the same path. Per sharded dim,
+// every piece [off, off + n) and output block [o0, o0 + cnt) is non-empty
+// and the block's interior [ia, ib) (outputs whose taps all lie inside the
+// piece; taps are monotone in o, so it is a range) is non-empty, and
+// libtorch's kernel, run on an input range [a, b) with output extent
+// s * (b - a) and scale s, computes the global taps shifted by a for: the
+// interior outputs on the piece itself; the left boundary [o0, ia) and the
+// right boundary [ib, o0 + cnt) on their taps' hulls; and, with several
+// sharded dims, the whole block on its hull. Then (the scheme of Note
+// [split-phase pool]) the halo strips, the rows left and right of each piece
+// that its block reads, are posted (comm::gather_range_start; edge
+// replication, though the taps never leave [0, N)), libtorch's kernel runs on
+// the whole local piece while they travel (its outputs next to the piece's
+// edges, which clamp at the local edge, are wrong and get replaced), and the
+// boundary outputs are computed from strips with the same kernel: along
+// sharded dim j, the boundary outputs of j crossed with the whole block of
+// earlier sharded dims and the interior of later ones (every output written
+// once), each strip assembled from narrowed blocks (halo rows + the few local
+// rows the boundary taps read; corners come from a second-level exchange of
+// the first-level blocks, as in the pool). When the interior kernel's output
+// is exactly the block (o0 = s * off and cnt = s * n on every sharded dim: the
+// even U-Net pieces), it is the output and the boundary rows are written into
+// it; otherwise the interior is copied into an output-sized tensor. Nearest
+// modes on aligned blocks read no halo at all: no message is sent.
+// Backward (autograd through at::upsample_*, narrow, cat and the in-place
+// writes): libtorch's own upsample backward kernels (they save no input) and
+// the halo strips' adjoint; no halo-extended copy is saved.
+// SHARDTENSOR_INTERP_SPLIT=0 turns the split path off (for comparisons; the
+// test Interp.SplitPhaseHoldsNoPaddedCopy then fails). Everything else (empty
+// pieces or blocks, no interior, taps that do not match) takes Note [native
+// interpolation on pieces] or the weighted gathers.
+struct SplitDim {
+  int64_t si = 0, dim = 0, mesh_dim = 0, s = 1;
+  std::vector<int64_t> in_sizes;
+  std::vector<stencil::Range> left, right;  // per coordinate: the halo ranges
+  // This rank: piece, block, interior, the hulls of the boundaries and the block.
+  int64_t off = 0, n = 0, o0 = 0, cnt = 0, ia = 0, ib = 0;
+  stencil::Range lhull, rhull, hull;
+};
+
+// The taps' hull of outputs [a, b) (a < b).
+stencil::Range taps_hull(const Taps& t, int64_t a, int64_t b) {
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+  for (int64_t j = 0; j < t.n; ++j) {
+    for (int64_t o = a; o < b; ++o) {
+      lo = std::min(lo, t.idx[j][o]);
+      hi = std::max(hi, t.idx[j][o] + 1);
+    }
+  }
+  return {lo, hi};
+}
+
+// Whether libtorch's kernel on the input range [a, b) (output extent
+// s * (b - a), scale s) computes outputs [oa, ob) with the global taps `t`.
+bool kernel_fits(Mode mode, bool dbl, const Taps& t, int64_t s, stencil::Range in, int64_t oa,
+                 int64_t ob) {
+  const int64_t m = in.second - in.first;
+  if (m <= 0 || oa >= ob) return false;
+  const int64_t start = oa - s * in.first;
+  if (start < 0 || start + (ob - oa) > s * m) return false;
+  const Taps lt = dbl ? compute_taps<double>(mode, m, s * m, false, double(s))
+                      : compute_taps<float>(mode, m, s * m, false, double(s));
+  return same_taps(t, oa, lt, start, in.first, ob - oa);
+}
+
+std::optional<std::vector<SplitDim>> split_plan(
+    const InterpOp& p, bool dbl, bool ac, const std::vector<stencil::DimPlan>& plans,
+    const std::vector<Taps>& taps, c10::IntArrayRef shape, const std::vector<int64_t>& out_ext,
+    const std::vector<std::optional<double>>& scales, const DeviceMesh& mesh) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("SHARDTENSOR_INTERP_SPLIT");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!enabled || ac || plans.empty()) return std::nullopt;
+  for (int64_t e : shape) {
+    if (e == 0) return std::nullopt;
+  }
+  const bool several = plans.size() > 1;
+  std::vector<SplitDim> out;
+  for (const auto& pl : plans) {
+    SplitDim sd;
+    sd.dim = pl.dim;
+    sd.si = pl.dim - 2;
+    sd.mesh_dim = pl.mesh_dim;
+    sd.in_sizes = pl.in_sizes;
+    const int64_t i = sd.si, N = shape[pl.dim], out_n = out_ext[i];
+    if (out_n % N != 0) return std::nullopt;
+    const int64_t s = out_n / N;
+    if (scales[i] && *scales[i] != static_cast<double>(s)) return std::nullopt;
+    sd.s = s;
+    const Taps& t = taps[i];
+    const int64_t me = mesh.coordinate()[pl.mesh_dim];
+    int64_t off = 0, o0 = 0;
+    for (size_t c = 0; c < pl.in_sizes.size(); ++c) {
+      const int64_t n = pl.in_sizes[c], cnt = pl.out_sizes[c];
+      if (n == 0 || cnt == 0) return std::nullopt;
+      // Interior: taps inside [off, off + n); monotone taps make it a range.
+      int64_t ia = -1, ib = -1;
+      for (int64_t o = o0; o < o0 + cnt; ++o) {
+        bool in = true;
+        for (int64_t j = 0; j < t.n && in; ++j) in = t.idx[j][o] >= off && t.idx[j][o] < off + n;
+        if (!in) {
+          if (ia >= 0 && ib < 0) ib = o;
+          continue;
+        }
+        if (ib >= 0) return std::nullopt;  // not a range
+        if (ia < 0) ia = o;
+      }
+      if (ia < 0) return std::nullopt;
+      if (ib < 0) ib = o0 + cnt;
+      if (!kernel_fits(p.mode, dbl, t, s, {off, off + n}, ia, ib)) return std::nullopt;
+      stencil::Range lh{off, off}, rh{off + n, off + n};
+      if (o0 < ia) {
+        lh = taps_hull(t, o0, ia);
+        if (lh.second > off + n || !kernel_fits(p.mode, dbl, t, s, lh, o0, ia)) {
+          return std::nullopt;
+        }
+      }
+      if (ib < o0 + cnt) {
+        rh = taps_hull(t, ib, o0 + cnt);
+        if (rh.first < off || !kernel_fits(p.mode, dbl, t, s, rh, ib, o0 + cnt)) {
+          return std::nullopt;
+        }
+      }
+      const stencil::Range hull = pl.ranges[c];
+      if (several && !kernel_fits(p.mode, dbl, t, s, hull, o0, o0 + cnt)) return std::nullopt;
+      sd.left.emplace_back(std::min(hull.first, off), off);
+      sd.right.emplace_back(off + n, std::max(hull.second, off + n));
+      if (static_cast<int64_t>(c) == me) {
+        sd.off = off;
+        sd.n = n;
+        sd.o0 = o0;
+        sd.cnt = cnt;
+        sd.ia = ia;
+        sd.ib = ib;
+        sd.lhull = lh;
+        sd.rhull = rh;
+        sd.hull = hull;
+      }
+      off += n;
+      o0 += cnt;
+    }
+    out.push_back(std::move(sd));
+  }
+  return out;
+}
+
+// Note [split-phase interpolation]: the forward of the split path; this
+// rank's output block (shape out_local).
+at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMesh& mesh,
+                         const std::vector<SplitDim>& sd, const std::vector<int64_t>& out_ext,
+                         const std::vector<std::optional<double>>& scales,
+                         const std::vector<int64_t>& out_local) {
+  const int64_t D = static_cast<int64_t>(sd.size());
+  int64_t nblocks = 1;
+  for (int64_t j = 0; j < D; ++j) nblocks *= 3;
+  // Block b: side of dim j = (b / 3^(D-1-j)) % 3, 0 left halo, 1 own rows, 2 right halo.
+  auto side = [&](int64_t b, int64_t j) {
+    for (int64_t r = j + 1; r < D; ++r) b /= 3;
+    return b % 3;
+  };
+  auto with_side = [&](int64_t b, int64_t j, int64_t v) {
+    int64_t pw = 1;
+    for (int64_t r = j + 1; r < D; ++r) pw *= 3;
+    return b + (v - side(b, j)) * pw;
+  };
+  auto level = [&](int64_t b) {
+    int64_t l = 0;
+    for (int64_t j = 0; j < D; ++j) l += side(b, j) != 1 ? 1 : 0;
+    return l;
+  };
+  auto span = [&](int64_t j, int64_t v) -> stencil::Range {
+    const int64_t me = mesh.coordinate()[sd[j].mesh_dim];
+    if (v == 0) return sd[j].left[me];
+    if (v == 2) return sd[j].right[me];
+    return {sd[j].off, sd[j].off + sd[j].n};
+  };
+  std::vector<at::Tensor> blocks(nblocks);
+  std::vector<std::optional<comm::HaloExchangeInFlight>> pending(nblocks);
+  std::vector<char> exchanged(nblocks, 0), used(nblocks, 0);
+  int64_t own = 0;
+  for (int64_t j = 0; j < D; ++j) own = own * 3 + 1;
+  blocks[own] = x;
+  auto start_level = [&](int64_t l) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      if (level(b) != l) continue;
+      int64_t j = D - 1;
+      while (side(b, j) == 1) --j;  // the last dim with a halo side
+      const at::Tensor& parent = blocks[with_side(b, j, 1)];
+      const auto& ranges = side(b, j) == 0 ? sd[j].left : sd[j].right;
+      bool any = false;
+      for (const auto& r : ranges) any = any || r.first < r.second;
+      const auto sp = span(j, side(b, j));
+      // Both decided identically by the mesh dim's peers (same parent shape
+      // off this dim, same ranges).
+      if (!any || parent.numel() == 0) {
+        std::vector<int64_t> shp = parent.sizes().vec();
+        shp[sd[j].dim] = sp.second - sp.first;
+        blocks[b] = at::zeros(shp, parent.options());
+        continue;
+      }
+      exchanged[b] = 1;
+      pending[b].emplace(comm::gather_range_start(parent, mesh, sd[j].mesh_dim, sd[j].dim,
+                                                  sd[j].in_sizes, ranges, PadMode::Replicate));
+    }
+  };
+  auto finish_level = [&](int64_t l) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      if (level(b) == l && pending[b]) {
+        blocks[b] = pending[b]->finish();
+        pending[b].reset();
+      }
+    }
+  };
+  // The global input range `want` as one tensor, from the narrowed blocks.
+  std::vector<stencil::Range> want(D);
+  std::vector<std::pair<int64_t, stencil::Range>> part(D);
+  std::function<at::Tensor(int64_t)> region = [&](int64_t j) -> at::Tensor {
+    if (j == D) {
+      int64_t b = 0;
+      for (int64_t r = 0; r < D; ++r) b = b * 3 + part[r].first;
+      at::Tensor t = blocks[b];
+      used[b] = 1;
+      for (int64_t r = 0; r < D; ++r) {
+        const int64_t s0 = span(r, part[r].first).first;
+        t = t.narrow(sd[r].dim, part[r].second.first - s0,
+                     part[r].second.second - part[r].second.first);
+      }
+      return t;
+    }
+    std::vector<at::Tensor> pieces;
+    for (int64_t v = 0; v < 3; ++v) {
+      const auto sp = span(j, v);
+      const int64_t a = std::max(want[j].first, sp.first);
+      const int64_t e = std::min(want[j].second, sp.second);
+      if (a >= e) continue;
+      part[j] = {v, {a, e}};
+      pieces.push_back(region(j + 1));
+    }
+    TORCH_INTERNAL_ASSERT(!pieces.empty());
+    return pieces.size() == 1 ? pieces[0] : at::cat(pieces, sd[j].dim);
+  };
+  // libtorch's kernel on g, which holds the global input ranges `in` along the
+  // sharded dims; extent s * |in| and scale s there, the caller's elsewhere.
+  auto kernel = [&](const at::Tensor& g, const std::vector<stencil::Range>& in) {
+    std::vector<int64_t> co(out_ext);
+    std::vector<std::optional<double>> cs(scales);
+    for (int64_t r = 0; r < D; ++r) {
+      TORCH_INTERNAL_ASSERT(g.size(sd[r].dim) == in[r].second - in[r].first);
+      co[sd[r].si] = sd[r].s * (in[r].second - in[r].first);
+      cs[sd[r].si] = static_cast<double>(sd[r].s);
+    }
+    return upsample(p, g, co, false, cs);
+  };
+
+  start_level(1);
+  // Interior: libtorch's kernel on the whole local piece.
+  std::vector<stencil::Range> piece(D);
+  bool exact = true;
+  for (int64_t r = 0; r < D; ++r) {
+    piece[r] = {sd[r].off, sd[r].off + sd[r].n};
+    exact = exact && sd[r].o0 == sd[r].s * sd[r].off && sd[r].cnt == sd[r].s * sd[r].n;
+  }
+  at::Tensor yi = kernel(x, piece);
+  at::Tensor out;
+  if (exact) {
+    out = yi;
+  } else {
+    out = at::empty(out_local, yi.options());
+    at::Tensor src = yi, dst = out;
+    for (const auto& d : sd) {
+      src = src.narrow(d.dim, d.ia - d.s * d.off, d.ib - d.ia);
+      dst = dst.narrow(d.dim, d.ia - d.o0, d.ib - d.ia);
+    }
+    dst.copy_(src);
+  }
+  yi = at::Tensor();
+  for (int64_t l = 1; l <= D; ++l) {
+    finish_level(l);
+    if (l < D) start_level(l + 1);
+    // Box l-1: boundary outputs of sharded dim l-1, the whole block of
+    // earlier sharded dims, the interior of later ones.
+    const int64_t j = l - 1;
+    const SplitDim& dj = sd[j];
+    for (int64_t sideb = 0; sideb < 2; ++sideb) {
+      const stencil::Range ob =
+          sideb == 0 ? stencil::Range{dj.o0, dj.ia} : stencil::Range{dj.ib, dj.o0 + dj.cnt};
+      if (ob.first >= ob.second) continue;
+      std::vector<stencil::Range> outs(D);
+      for (int64_t r = 0; r < D; ++r) {
+        if (r < j) {
+          outs[r] = {sd[r].o0, sd[r].o0 + sd[r].cnt};
+          want[r] = sd[r].hull;
+        } else if (r == j) {
+          outs[r] = ob;
+          want[r] = sideb == 0 ? dj.lhull : dj.rhull;
+        } else {
+          outs[r] = {sd[r].ia, sd[r].ib};
+          want[r] = piece[r];
+        }
+      }
+      at::Tensor v = kernel(region(0), want);
+      at::Tensor dst = out;
+      for (int64_t r = 0; r < D; ++r) {
+        const int64_t len = outs[r].second - outs[r].first;
+        v = v.narrow(sd[r].dim, outs[r].first - sd[r].s * want[r].first, len);
+        dst = dst.narrow(sd[r].dim, outs[r].first - sd[r].o0, len);
+      }
+      dst.copy_(v);
+    }
+  }
+  // A block that came through an exchange but feeds no strip (an empty halo
+  // next to a rank whose neighbour does read from it) must still run its
+  // adjoint in backward (collective): attached to the output by an empty
+  // in-place copy, as in Note [split-phase pool].
+  for (int64_t b = 0; b < nblocks; ++b) {
+    if (!exchanged[b] || used[b]) continue;
+    at::Tensor dst = out.narrow(sd[0].dim, 0, 0);
+    dst.copy_(blocks[b].sum().to(dst.scalar_type()).expand(dst.sizes()));
+  }
+  return out;
+}
+
 void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
   auto args = pop_args(op, stack);
   const auto& schema = op.schema();
@@ -399,6 +731,20 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
   SpecPtr out_spec = stencil::output_spec(*in_spec, out_shape, plans);
 
   at::Tensor local = to_layout(x, *in_spec, *in_spec);
+  // Note [split-phase interpolation].
+  {
+    const std::vector<int64_t> out_local = out_spec->local_shape();
+    int64_t out_numel = 1;
+    for (int64_t v : out_local) out_numel *= v;
+    // out_numel == 0 here means an empty leading dim, the same on every peer.
+    const auto split = split_plan(p, dbl, p.has_align && align_corners, plans, taps, shape, out_ext,
+                                  scales, in_spec->mesh());
+    if (split && out_numel > 0) {
+      at::Tensor y = split_forward(p, local, in_spec->mesh(), *split, out_ext, scales, out_local);
+      stack->push_back(wrap(y, out_spec));
+      return;
+    }
+  }
   at::Tensor g = stencil::gather_plans(local, in_spec->mesh(), plans, PadMode::Replicate);
 
   // Note [native interpolation on pieces]: libtorch's own upsample kernel on
