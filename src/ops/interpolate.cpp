@@ -308,16 +308,31 @@ stencil::Range taps_hull(const Taps& t, int64_t a, int64_t b) {
   return {lo, hi};
 }
 
-// Whether libtorch's kernel on the input range [a, b) (output extent
-// s * (b - a), scale s) computes outputs [oa, ob) with the global taps `t`.
+// Note [split-phase interpolation]: the output extent of libtorch's kernel
+// on m input rows (scale s given) whose outputs [0, end) are wanted: s * m
+// when `full`, else `end` (the scale, not the extent, places the taps), except
+// where libtorch special-cases the extent: out == in (linear copies, nearest's
+// backward is the identity) and out == 2 * in with s != 2 (nearest's backward
+// takes o / 2).
+int64_t call_extent(int64_t s, int64_t m, int64_t end, bool full) {
+  if (full || s == 1) return s * m;
+  int64_t e = end;
+  if (e == m) ++e;
+  if (e == 2 * m && s != 2) ++e;
+  return std::min(e, s * m);
+}
+
+// Whether libtorch's kernel on the input range `in` (scale s, output extent
+// call_extent) computes outputs [oa, ob) with the global taps `t`.
 bool kernel_fits(Mode mode, bool dbl, const Taps& t, int64_t s, stencil::Range in, int64_t oa,
-                 int64_t ob) {
+                 int64_t ob, bool full) {
   const int64_t m = in.second - in.first;
   if (m <= 0 || oa >= ob) return false;
   const int64_t start = oa - s * in.first;
-  if (start < 0 || start + (ob - oa) > s * m) return false;
-  const Taps lt = dbl ? compute_taps<double>(mode, m, s * m, false, double(s))
-                      : compute_taps<float>(mode, m, s * m, false, double(s));
+  if (start < 0 || ob - s * in.first > s * m) return false;
+  const int64_t e = call_extent(s, m, ob - s * in.first, full);
+  const Taps lt = dbl ? compute_taps<double>(mode, m, e, false, double(s))
+                      : compute_taps<float>(mode, m, e, false, double(s));
   return same_taps(t, oa, lt, start, in.first, ob - oa);
 }
 
@@ -366,22 +381,25 @@ std::optional<std::vector<SplitDim>> split_plan(
       }
       if (ia < 0) return std::nullopt;
       if (ib < 0) ib = o0 + cnt;
-      if (!kernel_fits(p.mode, dbl, t, s, {off, off + n}, ia, ib)) return std::nullopt;
+      // The interior kernel: the whole block when it is s times the piece.
+      const bool exact = o0 == s * off && cnt == s * n;
+      if (!kernel_fits(p.mode, dbl, t, s, {off, off + n}, ia, ib, exact)) return std::nullopt;
       stencil::Range lh{off, off}, rh{off + n, off + n};
       if (o0 < ia) {
         lh = taps_hull(t, o0, ia);
-        if (lh.second > off + n || !kernel_fits(p.mode, dbl, t, s, lh, o0, ia)) {
+        if (lh.second > off + n || !kernel_fits(p.mode, dbl, t, s, lh, o0, ia, false)) {
           return std::nullopt;
         }
       }
       if (ib < o0 + cnt) {
         rh = taps_hull(t, ib, o0 + cnt);
-        if (rh.first < off || !kernel_fits(p.mode, dbl, t, s, rh, ib, o0 + cnt)) {
+        if (rh.first < off || !kernel_fits(p.mode, dbl, t, s, rh, ib, o0 + cnt, false)) {
           return std::nullopt;
         }
       }
       const stencil::Range hull = pl.ranges[c];
-      if (several && !kernel_fits(p.mode, dbl, t, s, hull, o0, o0 + cnt)) return std::nullopt;
+      if (several && !kernel_fits(p.mode, dbl, t, s, hull, o0, o0 + cnt, false))
+        return std::nullopt;
       sd.left.emplace_back(std::min(hull.first, off), off);
       sd.right.emplace_back(off + n, std::max(hull.second, off + n));
       if (static_cast<int64_t>(c) == me) {
@@ -499,14 +517,17 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
     return pieces.size() == 1 ? pieces[0] : at::cat(pieces, sd[j].dim);
   };
   // libtorch's kernel on g, which holds the global input ranges `in` along the
-  // sharded dims; extent s * |in| and scale s there, the caller's elsewhere.
-  auto kernel = [&](const at::Tensor& g, const std::vector<stencil::Range>& in) {
+  // sharded dims, for the global outputs before `end` there (scale s, extent
+  // call_extent); the caller's extent and scale on the other dims.
+  auto kernel = [&](const at::Tensor& g, const std::vector<stencil::Range>& in,
+                    const std::vector<int64_t>& end, const std::vector<char>& full) {
     std::vector<int64_t> co(out_ext);
     std::vector<std::optional<double>> cs(scales);
     for (int64_t r = 0; r < D; ++r) {
-      TORCH_INTERNAL_ASSERT(g.size(sd[r].dim) == in[r].second - in[r].first);
-      co[sd[r].si] = sd[r].s * (in[r].second - in[r].first);
-      cs[sd[r].si] = static_cast<double>(sd[r].s);
+      const int64_t m = in[r].second - in[r].first, s = sd[r].s;
+      TORCH_INTERNAL_ASSERT(g.size(sd[r].dim) == m);
+      co[sd[r].si] = call_extent(s, m, end[r] - s * in[r].first, full[r]);
+      cs[sd[r].si] = static_cast<double>(s);
     }
     return upsample(p, g, co, false, cs);
   };
@@ -514,12 +535,16 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
   start_level(1);
   // Interior: libtorch's kernel on the whole local piece.
   std::vector<stencil::Range> piece(D);
+  std::vector<int64_t> iend(D);
+  std::vector<char> full(D);
   bool exact = true;
   for (int64_t r = 0; r < D; ++r) {
     piece[r] = {sd[r].off, sd[r].off + sd[r].n};
-    exact = exact && sd[r].o0 == sd[r].s * sd[r].off && sd[r].cnt == sd[r].s * sd[r].n;
+    iend[r] = sd[r].ib;
+    full[r] = sd[r].o0 == sd[r].s * sd[r].off && sd[r].cnt == sd[r].s * sd[r].n;
+    exact = exact && full[r];
   }
-  at::Tensor yi = kernel(x, piece);
+  at::Tensor yi = kernel(x, piece, iend, full);
   at::Tensor out;
   if (exact) {
     out = yi;
@@ -545,6 +570,8 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
           sideb == 0 ? stencil::Range{dj.o0, dj.ia} : stencil::Range{dj.ib, dj.o0 + dj.cnt};
       if (ob.first >= ob.second) continue;
       std::vector<stencil::Range> outs(D);
+      std::vector<int64_t> end(D);
+      std::vector<char> fr(D, 0);
       for (int64_t r = 0; r < D; ++r) {
         if (r < j) {
           outs[r] = {sd[r].o0, sd[r].o0 + sd[r].cnt};
@@ -555,9 +582,11 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
         } else {
           outs[r] = {sd[r].ia, sd[r].ib};
           want[r] = piece[r];
+          fr[r] = full[r];  // as the interior kernel (checked so by split_plan)
         }
+        end[r] = outs[r].second;
       }
-      at::Tensor v = kernel(region(0), want);
+      at::Tensor v = kernel(region(0), want, end, fr);
       at::Tensor dst = out;
       for (int64_t r = 0; r < D; ++r) {
         const int64_t len = outs[r].second - outs[r].first;
