@@ -363,14 +363,14 @@ TEST_F(Interp, SplitPhaseSmallPieces) {
 
 // The split path holds no piece-sized copy: the sharded forward's scratch
 // (peak minus the output) against libtorch's own upsample on a copy of the
-// piece. Even pieces (192 x 192 on up to 4 ranks or 2x2) make the
+// piece. Even pieces (384 x 384 on up to 4 ranks or 2x2) make the
 // local kernel's output exactly the block, so only the strips are extra. The
 // general path (SHARDTENSOR_INTERP_SPLIT=0) holds the halo-extended piece and
 // the kernel's output on it: more than half a piece extra, failing here. With
 // autograd on, what the forward leaves alive beyond the output (the saved
 // tensors) is small too: no halo-extended copy is saved.
 TEST_F(Interp, SplitPhaseHoldsNoPaddedCopy) {
-  const int64_t C = 4, H = 192, W = 192;
+  const int64_t C = 2, H = 384, W = 384;
   auto x = rnd({1, C, H, W}, 26);
   for (const P& want : {P{S2, R}, P{S2, S3}, P{S3, S2}}) {
     const P pl = fit_placements(mesh, want);

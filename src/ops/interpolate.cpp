@@ -21,6 +21,7 @@
 // (up to summation order). All decisions depend on global shapes, specs and
 // op args only.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -421,6 +422,80 @@ std::optional<std::vector<SplitDim>> split_plan(
   return out;
 }
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Note [split-phase interpolation]: writes the values into the output block,
+// in one autograd node (a copy_ per value would make one CopySlices each,
+// every one cloning the block's whole gradient). `base`, when defined, is the
+// interior kernel's output, already the block: the values are written into
+// it (marked dirty). Otherwise the block is allocated (`shape`). `boxes`: per
+// value, per sharded dim, (dim, start, length) in the block. `list` holds the
+// `nvals` values, then the ties: exchanged blocks that feed no value, whose
+// (zero, empty in practice) gradient must still reach their halo adjoint,
+// which is collective. Backward: the block's gradient narrowed for each value
+// (no copy), and for `base` one clone with the values' boxes zeroed.
+struct AssembleFn : torch::autograd::Function<AssembleFn> {
+  static at::Tensor forward(AutogradContext* ctx, const c10::optional<at::Tensor>& base_opt,
+                            at::TensorList list, std::vector<int64_t> boxes, int64_t nvals,
+                            std::vector<int64_t> shape) {
+    const int64_t nb = static_cast<int64_t>(boxes.size()) / (3 * std::max<int64_t>(nvals, 1));
+    const at::Tensor base = base_opt.value_or(at::Tensor());
+    at::Tensor out = base.defined() ? base : at::empty(shape, list[0].options());
+    for (int64_t i = 0; i < nvals; ++i) {
+      at::Tensor dst = out;
+      for (int64_t r = 0; r < nb; ++r) {
+        const int64_t* b = &boxes[3 * (i * nb + r)];
+        dst = dst.narrow(b[0], b[1], b[2]);
+      }
+      dst.copy_(list[i]);
+    }
+    if (base.defined()) ctx->mark_dirty({base});
+    std::vector<int64_t> ties;  // per tie: ndim, sizes
+    for (size_t i = nvals; i < list.size(); ++i) {
+      ties.push_back(list[i].dim());
+      for (int64_t e : list[i].sizes()) ties.push_back(e);
+    }
+    ctx->saved_data["boxes"] = std::move(boxes);
+    ctx->saved_data["nvals"] = nvals;
+    ctx->saved_data["ties"] = std::move(ties);
+    ctx->saved_data["base"] = base.defined();
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto boxes = ctx->saved_data.at("boxes").toIntVector();
+    const auto ties = ctx->saved_data.at("ties").toIntVector();
+    const int64_t nvals = ctx->saved_data.at("nvals").toInt();
+    const bool has_base = ctx->saved_data.at("base").toBool();
+    const int64_t nb = static_cast<int64_t>(boxes.size()) / (3 * std::max<int64_t>(nvals, 1));
+    const at::Tensor& g = grads[0];
+    auto box = [&](at::Tensor t, int64_t i) {
+      for (int64_t r = 0; r < nb; ++r) {
+        const int64_t* b = &boxes[3 * (i * nb + r)];
+        t = t.narrow(b[0], b[1], b[2]);
+      }
+      return t;
+    };
+    variable_list res;
+    if (has_base && g.defined()) {
+      at::Tensor gb = g.clone();
+      for (int64_t i = 0; i < nvals; ++i) box(gb, i).zero_();
+      res.push_back(gb);
+    } else {
+      res.emplace_back();
+    }
+    for (int64_t i = 0; i < nvals; ++i) res.push_back(g.defined() ? box(g, i) : at::Tensor());
+    for (size_t k = 0; k < ties.size();) {
+      const int64_t nd = ties[k];
+      std::vector<int64_t> sz(ties.begin() + k + 1, ties.begin() + k + 1 + nd);
+      res.push_back(g.defined() ? at::zeros(sz, g.options()) : at::Tensor());
+      k += 1 + nd;
+    }
+    res.resize(res.size() + 3);  // boxes, nvals, shape
+    return res;
+  }
+};
+
 // Note [split-phase interpolation]: the forward of the split path; this
 // rank's output block (shape out_local).
 at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMesh& mesh,
@@ -545,19 +620,17 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
     exact = exact && full[r];
   }
   at::Tensor yi = kernel(x, piece, iend, full);
-  at::Tensor out;
-  if (exact) {
-    out = yi;
-  } else {
-    out = at::empty(out_local, yi.options());
-    at::Tensor src = yi, dst = out;
+  // The values written into the block (AssembleFn) and their boxes.
+  std::vector<at::Tensor> vals;
+  std::vector<int64_t> boxes;
+  if (!exact) {
+    at::Tensor src = yi;
     for (const auto& d : sd) {
       src = src.narrow(d.dim, d.ia - d.s * d.off, d.ib - d.ia);
-      dst = dst.narrow(d.dim, d.ia - d.o0, d.ib - d.ia);
+      boxes.insert(boxes.end(), {d.dim, d.ia - d.o0, d.ib - d.ia});
     }
-    dst.copy_(src);
+    vals.push_back(src);
   }
-  yi = at::Tensor();
   for (int64_t l = 1; l <= D; ++l) {
     finish_level(l);
     if (l < D) start_level(l + 1);
@@ -587,24 +660,25 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
         end[r] = outs[r].second;
       }
       at::Tensor v = kernel(region(0), want, end, fr);
-      at::Tensor dst = out;
       for (int64_t r = 0; r < D; ++r) {
         const int64_t len = outs[r].second - outs[r].first;
         v = v.narrow(sd[r].dim, outs[r].first - sd[r].s * want[r].first, len);
-        dst = dst.narrow(sd[r].dim, outs[r].first - sd[r].o0, len);
+        boxes.insert(boxes.end(), {sd[r].dim, outs[r].first - sd[r].o0, len});
       }
-      dst.copy_(v);
+      // Compact: the kernel's output (a few rows more) is freed at once.
+      vals.push_back(v.contiguous());
     }
   }
   // A block that came through an exchange but feeds no strip (an empty halo
   // next to a rank whose neighbour does read from it) must still run its
-  // adjoint in backward (collective): attached to the output by an empty
-  // in-place copy, as in Note [split-phase pool].
+  // adjoint in backward (collective): a tie of AssembleFn.
+  const int64_t nvals = static_cast<int64_t>(vals.size());
   for (int64_t b = 0; b < nblocks; ++b) {
-    if (!exchanged[b] || used[b]) continue;
-    at::Tensor dst = out.narrow(sd[0].dim, 0, 0);
-    dst.copy_(blocks[b].sum().to(dst.scalar_type()).expand(dst.sizes()));
+    if (exchanged[b] && !used[b]) vals.push_back(blocks[b]);
   }
+  if (vals.empty()) return yi;  // the block itself: nothing exchanged, no boundary
+  at::Tensor out = AssembleFn::apply(exact ? c10::optional<at::Tensor>(yi) : c10::nullopt,
+                                     at::TensorList(vals), std::move(boxes), nvals, out_local);
   return out;
 }
 
