@@ -488,7 +488,9 @@ struct AssembleFn : torch::autograd::Function<AssembleFn> {
     for (size_t k = 0; k < ties.size();) {
       const int64_t nd = ties[k];
       std::vector<int64_t> sz(ties.begin() + k + 1, ties.begin() + k + 1 + nd);
-      res.push_back(g.defined() ? at::zeros(sz, g.options()) : at::Tensor());
+      // Zero, but computed from g: under create_graph the halo adjoint's own
+      // backward (collective) must run on every rank (Note [differentiable adjoints]).
+      res.push_back(g.defined() ? g.narrow(0, 0, 0).sum().expand(sz) : at::Tensor());
       k += 1 + nd;
     }
     res.resize(res.size() + 3);  // boxes, nvals, shape
