@@ -205,13 +205,9 @@ bool same_taps(const Taps& a, int64_t a0, const Taps& b, int64_t b0, int64_t shi
 // are passed the global output extent and the caller's scale unchanged. The
 // result is narrowed to the block; backward is libtorch's upsample backward
 // (which saves no input) followed by gather_range's halo accumulate.
-// Not split-phase yet (issue 13; Note [split-phase pool] is the model): the
-// gather of [L, H) is blocking and makes a piece-sized copy. Measured (bench
-// profile unet2d train 512x512, P = 2, 3 upsample_bilinear2d x2, CPU load ~4
-// on 2 cores): forward 34-43 ms per step of which 5-13 ms comm (96 KiB, 3
-// messages; the wait includes rank skew), backward adjoint 12-15 ms
-// (GatherRangeFn (bwd)): the exchange is not a tiny fraction, so the
-// interior/boundary split would pay here.
+// This path runs where the split (Note [split-phase interpolation]) does not
+// apply: the gather of [L, H) is blocking and makes a piece-sized copy, and
+// the narrowed result is copied once more.
 at::Tensor native_on_piece(const InterpOp& p, const at::Tensor& g, const ShardSpec& in,
                            const std::vector<stencil::DimPlan>& plans,
                            const std::vector<Taps>& taps, const std::vector<int64_t>& shape,
@@ -257,37 +253,57 @@ at::Tensor native_on_piece(const InterpOp& p, const at::Tensor& g, const ShardSp
 // sharded dim, libtorch's kernel computing the global taps on a sub-range),
 // the halo exchange overlaps compute and the piece is never copied. The
 // decision uses global shapes, specs and op args only (every coordinate's
-// taps are checked), so every rank takes the same path. Per sharded dim,
-// every piece [off, off + n) and output block [o0, o0 + cnt) is non-empty
-// and the block's interior [ia, ib) (outputs whose taps all lie inside the
-// piece; taps are monotone in o, so it is a range) is non-empty, and
-// libtorch's kernel, run on an input range [a, b) with output extent
-// s * (b - a) and scale s, computes the global taps shifted by a for: the
+// taps are checked, not only this rank's), so every rank takes the same path.
+// Per sharded dim, every piece [off, off + n) and output block [o0, o0 + cnt)
+// is non-empty and the block's interior [ia, ib) (outputs whose taps all lie
+// inside the piece; taps are monotone in o, so it is a range) is non-empty,
+// and libtorch's kernel, run on an input range [a, b) with scale s (output
+// extent call_extent), computes the global taps shifted by a for: the
 // interior outputs on the piece itself; the left boundary [o0, ia) and the
 // right boundary [ib, o0 + cnt) on their taps' hulls; and, with several
-// sharded dims, the whole block on its hull. Then (the scheme of Note
-// [split-phase pool]) the halo strips, the rows left and right of each piece
-// that its block reads, are posted (comm::gather_range_start; edge
-// replication, though the taps never leave [0, N)), libtorch's kernel runs on
-// the whole local piece while they travel (its outputs next to the piece's
-// edges, which clamp at the local edge, are wrong and get replaced), and the
-// boundary outputs are computed from strips with the same kernel: along
-// sharded dim j, the boundary outputs of j crossed with the whole block of
-// earlier sharded dims and the interior of later ones (every output written
-// once), each strip assembled from narrowed blocks (halo rows + the few local
-// rows the boundary taps read; corners come from a second-level exchange of
-// the first-level blocks, as in the pool). When the interior kernel's output
-// is exactly the block (o0 = s * off and cnt = s * n on every sharded dim: the
-// even U-Net pieces), it is the output and the boundary rows are written into
-// it; otherwise the interior is copied into an output-sized tensor. Nearest
-// modes on aligned blocks read no halo at all: no message is sent.
-// Backward (autograd through at::upsample_*, narrow, cat and the in-place
-// writes): libtorch's own upsample backward kernels (they save no input) and
-// the halo strips' adjoint; no halo-extended copy is saved.
+// sharded dims, the whole block on its hull. Bit-equal taps need s * (1/s)
+// products that round alike at o and o - s a: s a power of two in practice
+// (s = 3 linear / cubic weights differ in the last bit, so those take the
+// weighted gathers; nearest s = 3 splits). Then (the scheme of Note
+// [split-phase pool], several sharded dims included: the 2x2 mesh) the halo
+// strips, the rows left and right of each piece that its block reads, are
+// posted (comm::gather_range_start; edge replication, though the taps never
+// leave [0, N)), libtorch's kernel runs on the whole local piece while they
+// travel (its outputs next to the piece's edges, which clamp at the local
+// edge, are wrong and get replaced), and the boundary outputs are computed
+// from strips with the same kernel: along sharded dim j, the boundary
+// outputs of j crossed with the whole block of earlier sharded dims and the
+// interior of later ones (every output written once), each strip assembled
+// from narrowed blocks (halo rows + the few local rows the boundary taps
+// read; corners come from a second-level exchange of the first-level blocks,
+// as in the pool). When the interior kernel's output is exactly the block
+// (o0 = s * off and cnt = s * n on every sharded dim: the even U-Net pieces),
+// it is the output and the boundary rows are written into it; otherwise the
+// interior is copied into an output-sized tensor. Nearest modes on aligned
+// blocks read no halo at all: no message is sent, no copy is made.
+// Backward: libtorch's own upsample backward kernels (they save no input),
+// AssembleFn's (the block's gradient narrowed per strip; one clone with the
+// strips' rows zeroed for the interior kernel when it wrote the block: a
+// copy_ per strip would make one CopySlices each, each cloning the whole
+// gradient) and the halo strips' adjoint; no halo-extended copy is saved.
 // SHARDTENSOR_INTERP_SPLIT=0 turns the split path off (for comparisons; the
-// test Interp.SplitPhaseHoldsNoPaddedCopy then fails). Everything else (empty
-// pieces or blocks, no interior, taps that do not match) takes Note [native
-// interpolation on pieces] or the weighted gathers.
+// test Interp.SplitPhaseHoldsNoPaddedCopy then fails: the general path holds
+// the halo-extended piece and the kernel's output on it, ~5x the piece at
+// x2 in 2-D). Everything else (empty pieces or blocks, no interior, taps
+// that do not match) takes Note [native interpolation on pieces] or the
+// weighted gathers.
+// Measured (bench profile unet2d train 512x512, P = 2, 3 upsample_bilinear2d
+// x2, ms per step on the slowest rank, four alternating pairs off -> on, CPU
+// load 4-6 on 2 shared cores, times indicative): forward
+// aten::upsample_bilinear2d 32-50 -> 29-47 (three of four pairs 29-30; its
+// comm, the finish's wait with rank skew, 7-13 -> 8-15); backward
+// UpsampleBilinear2DBackward0 + SliceBackward0 + GatherRangeFn 82-155 (three
+// of four 82-91) -> UpsampleBilinear2DBackward0 (6 calls: interior + strip)
+// + AssembleFn + SliceBackward0 + HaloEndFn 92-156 (three of four 92-98;
+// AssembleFn's clone 11-17 replaces SliceBackward0's 14-32, and the halo
+// adjoint's 13-40 of comm is mostly waiting for the other rank): the forward
+// gains and holds no piece-sized copy, the backward is a wash at this noise.
+// Bytes unchanged: 96 KiB, 3 messages each way.
 struct SplitDim {
   int64_t si = 0, dim = 0, mesh_dim = 0, s = 1;
   std::vector<int64_t> in_sizes;
