@@ -198,7 +198,8 @@ bool same_taps(const Taps& a, int64_t a0, const Taps& b, int64_t b0, int64_t shi
 // It holds for linear and cubic modes with align_corners = false (the source
 // coordinate (o + 1/2)/s - 1/2 is affine with slope 1/s; local clamping at 0
 // and n - 1 only happens where the global one does, because [L, H) holds every
-// tap), and for nearest modes wherever float rounding of o * (1/s) does not
+// tap) where the weights round alike at o and o - s L (s a power of two; not
+// s = 3), and for nearest modes wherever float rounding of o * (1/s) does not
 // move an index across an integer (always for s a power of two). It fails for
 // align_corners = true (scale (in - 1)/(out - 1) depends on the extent) and
 // non-integer scales; those keep the weighted gathers below. Unsharded dims
