@@ -312,6 +312,25 @@ TEST_F(DoubleBackward, InterpolationNearestAndLinear) {
                                            .align_corners(true));
         },
         x2, {{S2, S3}});
+  // Note [split-phase interpolation]: strips, the block assembly (AssembleFn)
+  // and its ties; two sharded dims on the 2x2 mesh.
+  const at::Tensor x3 = seeded({1, 2, 9, 8}, 17);
+  sweep("bilinear x2 split",
+        [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return F::interpolate(in[0], F::InterpolateFuncOptions()
+                                           .scale_factor(std::vector<double>{2.0, 2.0})
+                                           .mode(torch::kBilinear)
+                                           .align_corners(false));
+        },
+        x3, {{S2, S3}, {S3, S2}});
+  sweep("bicubic x2 split",
+        [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return F::interpolate(in[0], F::InterpolateFuncOptions()
+                                           .scale_factor(std::vector<double>{2.0, 2.0})
+                                           .mode(torch::kBicubic)
+                                           .align_corners(false));
+        },
+        x3, {{S2, S3}});
 }
 
 // A plain attention from its definition, the reference.

@@ -298,3 +298,135 @@ TEST_F(Interp, Errors) {
   EXPECT_TRUE(
       all_close(gathered(out), at::upsample_nearest2d(x, {26, 10}, c10::nullopt, c10::nullopt)));
 }
+
+// Note [split-phase interpolation] (src/ops/interpolate.cpp): integer scales
+// with align_corners = false run libtorch's kernel on the local piece while
+// the halo strips travel, then the boundary rows from strips. Extents 13 and
+// 10 give uneven pieces (13 on 4 ranks: 4, 3, 3, 3; the output-first blocks
+// 7, 7, 6, 6 are not s times the pieces, so the interior is copied into the
+// block), the empty(...) inputs an empty first piece (no split: the general
+// path), and both float32 and float64 (the taps are checked in the input's
+// precision). align_corners = true keeps the weighted gathers.
+TEST_F(Interp, SplitPhase2d) {
+  const auto xf = rnd({2, 3, 13, 10}, 21);
+  const std::vector<Case> cases = {{std::vector<int64_t>{26, 20}},
+                                   {std::nullopt, std::vector<double>{2.0, 2.0}},
+                                   {std::vector<int64_t>{39, 30}},
+                                   {std::nullopt, std::vector<double>{3.0, 3.0}},
+                                   {std::nullopt, std::vector<double>{2.0, 3.0}},
+                                   {std::vector<int64_t>{13, 20}}};
+  const std::vector<P> layouts = {{S2, S3}, {S3, S2}, {S2, S0}, {S1, S3}};
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    SCOPED_TRACE(dtype == at::kFloat ? "float32" : "float64");
+    const auto x = xf.to(dtype);
+    sweep(torch::kNearest, x, cases, layouts);
+    sweep(torch::kNearestExact, x, cases, layouts);
+    sweep(torch::kBilinear, x, cases, layouts, kBothAlign);
+    sweep(torch::kBicubic, x, cases, layouts, {false}, kCubicAtol);
+  }
+}
+
+TEST_F(Interp, SplitPhase1d3d) {
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    SCOPED_TRACE(dtype == at::kFloat ? "float32" : "float64");
+    const auto x1 = rnd({2, 3, 13}, 22).to(dtype);
+    const std::vector<Case> c1 = {{std::vector<int64_t>{26}},
+                                  {std::nullopt, std::vector<double>{2.0}},
+                                  {std::vector<int64_t>{39}},
+                                  {std::nullopt, std::vector<double>{3.0}}};
+    sweep(torch::kNearest, x1, c1, {{S2}, {S2, S0}});
+    sweep(torch::kNearestExact, x1, c1, {{S2}});
+    sweep(torch::kLinear, x1, c1, {{S2}, {S2, S1}}, {false});
+    const auto x3 = rnd({1, 2, 13, 6, 5}, 23).to(dtype);
+    const std::vector<Case> c3 = {{std::vector<int64_t>{26, 12, 10}},
+                                  {std::nullopt, std::vector<double>{2.0, 2.0, 2.0}},
+                                  {std::nullopt, std::vector<double>{3.0, 2.0, 3.0}}};
+    sweep(torch::kTrilinear, x3, c3, {{S2, S3}, {S4, S2}}, {false});
+    sweep(torch::kNearest, x3, c3, {{S2, S3}, {S4, S2}});
+  }
+}
+
+TEST_F(Interp, SplitPhaseSmallPieces) {
+  // Pieces of 0-2 rows: bicubic blocks with no interior (and empty pieces)
+  // must take the general path on every rank; bilinear / nearest may split
+  // where every piece has an interior.
+  const auto x = rnd({1, 2, 3, 5}, 24);
+  const std::vector<Case> cases = {{std::nullopt, std::vector<double>{2.0, 2.0}},
+                                   {std::vector<int64_t>{9, 15}}};
+  sweep(torch::kBicubic, x, cases, {{S2, S3}, {S3, S2}}, {false}, kCubicAtol);
+  sweep(torch::kBilinear, x, cases, {{S2, S3}, {S3, S2}}, {false});
+  sweep(torch::kNearest, x, cases, {{S2, S3}, {S3, S2}});
+  const auto y = rnd({1, 2, 5, 4}, 25);
+  sweep(torch::kBicubic, y, cases, {{S2, S3}}, {false}, kCubicAtol);
+  sweep(torch::kBilinear, y, cases, {{S2, S3}}, {false});
+}
+
+// The split path holds no piece-sized copy: the sharded forward's scratch
+// (peak minus the output) against libtorch's own upsample on a copy of the
+// piece. Even pieces (384 x 384 on up to 4 ranks or 2x2) make the
+// local kernel's output exactly the block, so only the strips are extra. The
+// general path (SHARDTENSOR_INTERP_SPLIT=0) holds the halo-extended piece and
+// the kernel's output on it: more than half a piece extra, failing here. With
+// autograd on, what the forward leaves alive beyond the output (the saved
+// tensors) is small too: no halo-extended copy is saved.
+TEST_F(Interp, SplitPhaseHoldsNoPaddedCopy) {
+  const int64_t C = 2, H = 384, W = 384;
+  auto x = rnd({1, C, H, W}, 26);
+  for (const P& want : {P{S2, R}, P{S2, S3}, P{S3, S2}}) {
+    const P pl = fit_placements(mesh, want);
+    for (int mode = 0; mode < 3; ++mode) {
+      SCOPED_TRACE(st::to_string(pl) + " mode " + std::to_string(mode));
+      auto fn = [mode](const at::Tensor& t) {
+        auto o = F::InterpolateFuncOptions().scale_factor(std::vector<double>{2.0, 2.0});
+        if (mode == 0) return F::interpolate(t, o.mode(torch::kBilinear).align_corners(false));
+        if (mode == 1) return F::interpolate(t, o.mode(torch::kBicubic).align_corners(false));
+        return F::interpolate(t, o.mode(torch::kNearest));
+      };
+      auto sx = st::distribute_tensor(x, mesh, pl, false);
+      at::Tensor piece = st::ShardTensor(sx).local().clone();
+      const int64_t piece_bytes = piece.numel() * static_cast<int64_t>(sizeof(float));
+      // One output row or column of the piece's block (the widest).
+      const int64_t row_bytes =
+          C * 2 * std::max(piece.size(2), piece.size(3)) * static_cast<int64_t>(sizeof(float));
+      int64_t plain_extra = 0, extra = 0;
+      {
+        torch::NoGradGuard no_grad;
+        const int64_t base = st::memory_stats().current_bytes;
+        st::reset_peak_memory_stats();
+        at::Tensor out = fn(piece);
+        plain_extra = st::memory_stats().peak_bytes - base -
+                      out.numel() * static_cast<int64_t>(sizeof(float));
+      }
+      at::Tensor out;
+      {
+        torch::NoGradGuard no_grad;
+        const int64_t base = st::memory_stats().current_bytes;
+        st::reset_peak_memory_stats();
+        out = fn(sx);
+        extra = st::memory_stats().peak_bytes - base -
+                st::ShardTensor(out).local().numel() * static_cast<int64_t>(sizeof(float));
+      }
+      if (mesh.rank() == 0) {
+        std::printf(
+            "[ split interp ] P=%lld %s mode %d forward scratch: sharded %.3f MB, plain on the "
+            "piece %.3f MB (piece %.3f MB)\n",
+            static_cast<long long>(mesh.size()), st::to_string(pl).c_str(), mode, extra / 1e6,
+            plain_extra / 1e6, piece_bytes / 1e6);
+      }
+      // Strips: a few input rows each, their kernel outputs (s times as many rows).
+      EXPECT_TRUE(all_ranks(extra - plain_extra <= 24 * row_bytes))
+          << "sharded extra " << extra << " plain extra " << plain_extra << " row " << row_bytes;
+      EXPECT_TRUE(all_ranks(mesh.size() == 1 || extra - plain_extra < piece_bytes / 2));
+      EXPECT_TRUE(all_close(gathered(out), fn(x), kRtol, mode == 1 ? kCubicAtol : kAtol));
+      out = at::Tensor();
+      // Saved for backward: nothing piece-sized beyond the output.
+      auto sxg = st::distribute_tensor(x, mesh, pl, true);
+      const int64_t base = st::memory_stats().current_bytes;
+      at::Tensor y = fn(sxg);
+      const int64_t held = st::memory_stats().current_bytes - base -
+                           st::ShardTensor(y).local().numel() * static_cast<int64_t>(sizeof(float));
+      EXPECT_TRUE(all_ranks(held <= 8 * row_bytes)) << "held " << held << " row " << row_bytes;
+      y.sum().backward();
+    }
+  }
+}

@@ -21,8 +21,13 @@
 // (up to summation order). All decisions depend on global shapes, specs and
 // op args only.
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -193,20 +198,17 @@ bool same_taps(const Taps& a, int64_t a0, const Taps& b, int64_t b0, int64_t shi
 // It holds for linear and cubic modes with align_corners = false (the source
 // coordinate (o + 1/2)/s - 1/2 is affine with slope 1/s; local clamping at 0
 // and n - 1 only happens where the global one does, because [L, H) holds every
-// tap), and for nearest modes wherever float rounding of o * (1/s) does not
+// tap) where the weights round alike at o and o - s L (s a power of two; not
+// s = 3), and for nearest modes wherever float rounding of o * (1/s) does not
 // move an index across an integer (always for s a power of two). It fails for
 // align_corners = true (scale (in - 1)/(out - 1) depends on the extent) and
 // non-integer scales; those keep the weighted gathers below. Unsharded dims
 // are passed the global output extent and the caller's scale unchanged. The
 // result is narrowed to the block; backward is libtorch's upsample backward
 // (which saves no input) followed by gather_range's halo accumulate.
-// Not split-phase yet (issue 13; Note [split-phase pool] is the model): the
-// gather of [L, H) is blocking and makes a piece-sized copy. Measured (bench
-// profile unet2d train 512x512, P = 2, 3 upsample_bilinear2d x2, CPU load ~4
-// on 2 cores): forward 34-43 ms per step of which 5-13 ms comm (96 KiB, 3
-// messages; the wait includes rank skew), backward adjoint 12-15 ms
-// (GatherRangeFn (bwd)): the exchange is not a tiny fraction, so the
-// interior/boundary split would pay here.
+// This path runs where the split (Note [split-phase interpolation]) does not
+// apply: the gather of [L, H) is blocking and makes a piece-sized copy, and
+// the narrowed result is copied once more.
 at::Tensor native_on_piece(const InterpOp& p, const at::Tensor& g, const ShardSpec& in,
                            const std::vector<stencil::DimPlan>& plans,
                            const std::vector<Taps>& taps, const std::vector<int64_t>& shape,
@@ -245,6 +247,458 @@ at::Tensor native_on_piece(const InterpOp& p, const at::Tensor& g, const ShardSp
     if (narrow[i].second >= 0) y = y.narrow(i + 2, narrow[i].first, narrow[i].second);
   }
   return y.contiguous();
+}
+
+// Note [split-phase interpolation]: with the same condition as Note [native
+// interpolation on pieces] (align_corners = false, integer scale s per
+// sharded dim, libtorch's kernel computing the global taps on a sub-range),
+// the halo exchange overlaps compute and the piece is never copied. The
+// decision uses global shapes, specs and op args only (every coordinate's
+// taps are checked, not only this rank's), so every rank takes the same path.
+// Per sharded dim, every piece [off, off + n) and output block [o0, o0 + cnt)
+// is non-empty and the block's interior [ia, ib) (outputs whose taps all lie
+// inside the piece; taps are monotone in o, so it is a range) is non-empty,
+// and libtorch's kernel, run on an input range [a, b) with scale s (output
+// extent call_extent), computes the global taps shifted by a for: the
+// interior outputs on the piece itself; the left boundary [o0, ia) and the
+// right boundary [ib, o0 + cnt) on their taps' hulls; and, with several
+// sharded dims, the whole block on its hull. Bit-equal taps need s * (1/s)
+// products that round alike at o and o - s a: s a power of two in practice
+// (s = 3 linear / cubic weights differ in the last bit, so those take the
+// weighted gathers; nearest s = 3 splits). Then (the scheme of Note
+// [split-phase pool], several sharded dims included: the 2x2 mesh) the halo
+// strips, the rows left and right of each piece that its block reads, are
+// posted (comm::gather_range_start; edge replication, though the taps never
+// leave [0, N)), libtorch's kernel runs on the whole local piece while they
+// travel (its outputs next to the piece's edges, which clamp at the local
+// edge, are wrong and get replaced), and the boundary outputs are computed
+// from strips with the same kernel: along sharded dim j, the boundary
+// outputs of j crossed with the whole block of earlier sharded dims and the
+// interior of later ones (every output written once), each strip assembled
+// from narrowed blocks (halo rows + the few local rows the boundary taps
+// read; corners come from a second-level exchange of the first-level blocks,
+// as in the pool). When the interior kernel's output is exactly the block
+// (o0 = s * off and cnt = s * n on every sharded dim: the even U-Net pieces),
+// it is the output and the boundary rows are written into it; otherwise the
+// interior is copied into an output-sized tensor. Nearest modes on aligned
+// blocks read no halo at all: no message is sent, no copy is made.
+// Backward: libtorch's own upsample backward kernels (they save no input),
+// AssembleFn's (the block's gradient narrowed per strip; one clone with the
+// strips' rows zeroed for the interior kernel when it wrote the block: a
+// copy_ per strip would make one CopySlices each, each cloning the whole
+// gradient) and the halo strips' adjoint; no halo-extended copy is saved.
+// SHARDTENSOR_INTERP_SPLIT=0 turns the split path off (for comparisons; the
+// test Interp.SplitPhaseHoldsNoPaddedCopy then fails: the general path holds
+// the halo-extended piece and the kernel's output on it, ~5x the piece at
+// x2 in 2-D). Everything else (empty pieces or blocks, no interior, taps
+// that do not match) takes Note [native interpolation on pieces] or the
+// weighted gathers.
+// Measured (bench profile unet2d train 512x512, P = 2, 3 upsample_bilinear2d
+// x2, ms per step on the slowest rank, four alternating pairs off -> on, CPU
+// load 4-6 on 2 shared cores, times indicative): forward
+// aten::upsample_bilinear2d 32-50 -> 29-47 (three of four pairs 29-30; its
+// comm, the finish's wait with rank skew, 7-13 -> 8-15); backward
+// UpsampleBilinear2DBackward0 + SliceBackward0 + GatherRangeFn 82-155 (three
+// of four 82-91) -> UpsampleBilinear2DBackward0 (6 calls: interior + strip)
+// + AssembleFn + SliceBackward0 + HaloEndFn 92-156 (three of four 92-98;
+// AssembleFn's clone 11-17 replaces SliceBackward0's 14-32, and the halo
+// adjoint's 13-40 of comm is mostly waiting for the other rank): the forward
+// gains and holds no piece-sized copy, the backward is a wash at this noise.
+// Bytes unchanged: 96 KiB, 3 messages each way.
+struct SplitDim {
+  int64_t si = 0, dim = 0, mesh_dim = 0, s = 1;
+  std::vector<int64_t> in_sizes;
+  std::vector<stencil::Range> left, right;  // per coordinate: the halo ranges
+  // This rank: piece, block, interior, the hulls of the boundaries and the block.
+  int64_t off = 0, n = 0, o0 = 0, cnt = 0, ia = 0, ib = 0;
+  stencil::Range lhull, rhull, hull;
+};
+
+// The taps' hull of outputs [a, b) (a < b).
+stencil::Range taps_hull(const Taps& t, int64_t a, int64_t b) {
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+  for (int64_t j = 0; j < t.n; ++j) {
+    for (int64_t o = a; o < b; ++o) {
+      lo = std::min(lo, t.idx[j][o]);
+      hi = std::max(hi, t.idx[j][o] + 1);
+    }
+  }
+  return {lo, hi};
+}
+
+// Note [split-phase interpolation]: the output extent of libtorch's kernel
+// on m input rows (scale s given) whose outputs [0, end) are wanted: s * m
+// when `full`, else `end` (the scale, not the extent, places the taps), except
+// where libtorch special-cases the extent: out == in (linear copies, nearest's
+// backward is the identity) and out == 2 * in with s != 2 (nearest's backward
+// takes o / 2).
+int64_t call_extent(int64_t s, int64_t m, int64_t end, bool full) {
+  if (full || s == 1) return s * m;
+  int64_t e = end;
+  if (e == m) ++e;
+  if (e == 2 * m && s != 2) ++e;
+  return std::min(e, s * m);
+}
+
+// Whether libtorch's kernel on the input range `in` (scale s, output extent
+// call_extent) computes outputs [oa, ob) with the global taps `t`.
+bool kernel_fits(Mode mode, bool dbl, const Taps& t, int64_t s, stencil::Range in, int64_t oa,
+                 int64_t ob, bool full) {
+  const int64_t m = in.second - in.first;
+  if (m <= 0 || oa >= ob) return false;
+  const int64_t start = oa - s * in.first;
+  if (start < 0 || ob - s * in.first > s * m) return false;
+  const int64_t e = call_extent(s, m, ob - s * in.first, full);
+  const Taps lt = dbl ? compute_taps<double>(mode, m, e, false, double(s))
+                      : compute_taps<float>(mode, m, e, false, double(s));
+  return same_taps(t, oa, lt, start, in.first, ob - oa);
+}
+
+std::optional<std::vector<SplitDim>> split_plan(
+    const InterpOp& p, bool dbl, bool ac, const std::vector<stencil::DimPlan>& plans,
+    const std::vector<Taps>& taps, c10::IntArrayRef shape, const std::vector<int64_t>& out_ext,
+    const std::vector<std::optional<double>>& scales, const DeviceMesh& mesh) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("SHARDTENSOR_INTERP_SPLIT");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  if (!enabled || ac || plans.empty()) return std::nullopt;
+  for (int64_t e : shape) {
+    if (e == 0) return std::nullopt;
+  }
+  const bool several = plans.size() > 1;
+  std::vector<SplitDim> out;
+  for (const auto& pl : plans) {
+    SplitDim sd;
+    sd.dim = pl.dim;
+    sd.si = pl.dim - 2;
+    sd.mesh_dim = pl.mesh_dim;
+    sd.in_sizes = pl.in_sizes;
+    const int64_t i = sd.si, N = shape[pl.dim], out_n = out_ext[i];
+    if (out_n % N != 0) return std::nullopt;
+    const int64_t s = out_n / N;
+    if (scales[i] && *scales[i] != static_cast<double>(s)) return std::nullopt;
+    sd.s = s;
+    const Taps& t = taps[i];
+    const int64_t me = mesh.coordinate()[pl.mesh_dim];
+    int64_t off = 0, o0 = 0;
+    for (size_t c = 0; c < pl.in_sizes.size(); ++c) {
+      const int64_t n = pl.in_sizes[c], cnt = pl.out_sizes[c];
+      if (n == 0 || cnt == 0) return std::nullopt;
+      // Interior: taps inside [off, off + n); monotone taps make it a range.
+      int64_t ia = -1, ib = -1;
+      for (int64_t o = o0; o < o0 + cnt; ++o) {
+        bool in = true;
+        for (int64_t j = 0; j < t.n && in; ++j) in = t.idx[j][o] >= off && t.idx[j][o] < off + n;
+        if (!in) {
+          if (ia >= 0 && ib < 0) ib = o;
+          continue;
+        }
+        if (ib >= 0) return std::nullopt;  // not a range
+        if (ia < 0) ia = o;
+      }
+      if (ia < 0) return std::nullopt;
+      if (ib < 0) ib = o0 + cnt;
+      // The interior kernel: the whole block when it is s times the piece.
+      const bool exact = o0 == s * off && cnt == s * n;
+      if (!kernel_fits(p.mode, dbl, t, s, {off, off + n}, ia, ib, exact)) return std::nullopt;
+      stencil::Range lh{off, off}, rh{off + n, off + n};
+      if (o0 < ia) {
+        lh = taps_hull(t, o0, ia);
+        if (lh.second > off + n || !kernel_fits(p.mode, dbl, t, s, lh, o0, ia, false)) {
+          return std::nullopt;
+        }
+      }
+      if (ib < o0 + cnt) {
+        rh = taps_hull(t, ib, o0 + cnt);
+        if (rh.first < off || !kernel_fits(p.mode, dbl, t, s, rh, ib, o0 + cnt, false)) {
+          return std::nullopt;
+        }
+      }
+      const stencil::Range hull = pl.ranges[c];
+      if (several && !kernel_fits(p.mode, dbl, t, s, hull, o0, o0 + cnt, false))
+        return std::nullopt;
+      sd.left.emplace_back(std::min(hull.first, off), off);
+      sd.right.emplace_back(off + n, std::max(hull.second, off + n));
+      if (static_cast<int64_t>(c) == me) {
+        sd.off = off;
+        sd.n = n;
+        sd.o0 = o0;
+        sd.cnt = cnt;
+        sd.ia = ia;
+        sd.ib = ib;
+        sd.lhull = lh;
+        sd.rhull = rh;
+        sd.hull = hull;
+      }
+      off += n;
+      o0 += cnt;
+    }
+    out.push_back(std::move(sd));
+  }
+  return out;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Note [split-phase interpolation]: writes the values into the output block,
+// in one autograd node (a copy_ per value would make one CopySlices each,
+// every one cloning the block's whole gradient). `base`, when defined, is the
+// interior kernel's output, already the block: the values are written into
+// it (marked dirty). Otherwise the block is allocated (`shape`). `boxes`: per
+// value, per sharded dim, (dim, start, length) in the block. `list` holds the
+// `nvals` values, then the ties: exchanged blocks that feed no value, whose
+// (zero, empty in practice) gradient must still reach their halo adjoint,
+// which is collective. Backward: the block's gradient narrowed for each value
+// (no copy), and for `base` one clone with the values' boxes zeroed.
+struct AssembleFn : torch::autograd::Function<AssembleFn> {
+  static at::Tensor forward(AutogradContext* ctx, const c10::optional<at::Tensor>& base_opt,
+                            at::TensorList list, std::vector<int64_t> boxes, int64_t nvals,
+                            std::vector<int64_t> shape) {
+    const int64_t nb = static_cast<int64_t>(boxes.size()) / (3 * std::max<int64_t>(nvals, 1));
+    const at::Tensor base = base_opt.value_or(at::Tensor());
+    at::Tensor out = base.defined() ? base : at::empty(shape, list[0].options());
+    for (int64_t i = 0; i < nvals; ++i) {
+      at::Tensor dst = out;
+      for (int64_t r = 0; r < nb; ++r) {
+        const int64_t* b = &boxes[3 * (i * nb + r)];
+        dst = dst.narrow(b[0], b[1], b[2]);
+      }
+      dst.copy_(list[i]);
+    }
+    if (base.defined()) ctx->mark_dirty({base});
+    std::vector<int64_t> ties;  // per tie: ndim, sizes
+    for (size_t i = nvals; i < list.size(); ++i) {
+      ties.push_back(list[i].dim());
+      for (int64_t e : list[i].sizes()) ties.push_back(e);
+    }
+    ctx->saved_data["boxes"] = std::move(boxes);
+    ctx->saved_data["nvals"] = nvals;
+    ctx->saved_data["ties"] = std::move(ties);
+    ctx->saved_data["base"] = base.defined();
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto boxes = ctx->saved_data.at("boxes").toIntVector();
+    const auto ties = ctx->saved_data.at("ties").toIntVector();
+    const int64_t nvals = ctx->saved_data.at("nvals").toInt();
+    const bool has_base = ctx->saved_data.at("base").toBool();
+    const int64_t nb = static_cast<int64_t>(boxes.size()) / (3 * std::max<int64_t>(nvals, 1));
+    const at::Tensor& g = grads[0];
+    auto box = [&](at::Tensor t, int64_t i) {
+      for (int64_t r = 0; r < nb; ++r) {
+        const int64_t* b = &boxes[3 * (i * nb + r)];
+        t = t.narrow(b[0], b[1], b[2]);
+      }
+      return t;
+    };
+    variable_list res;
+    if (has_base && g.defined()) {
+      at::Tensor gb = g.clone();
+      for (int64_t i = 0; i < nvals; ++i) box(gb, i).zero_();
+      res.push_back(gb);
+    } else {
+      res.emplace_back();
+    }
+    for (int64_t i = 0; i < nvals; ++i) res.push_back(g.defined() ? box(g, i) : at::Tensor());
+    for (size_t k = 0; k < ties.size();) {
+      const int64_t nd = ties[k];
+      std::vector<int64_t> sz(ties.begin() + k + 1, ties.begin() + k + 1 + nd);
+      // Zero, but computed from g: under create_graph the halo adjoint's own
+      // backward (collective) must run on every rank (Note [differentiable adjoints]).
+      res.push_back(g.defined() ? g.narrow(0, 0, 0).sum().expand(sz) : at::Tensor());
+      k += 1 + nd;
+    }
+    res.resize(res.size() + 3);  // boxes, nvals, shape
+    return res;
+  }
+};
+
+// Note [split-phase interpolation]: the forward of the split path; this
+// rank's output block (shape out_local).
+at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMesh& mesh,
+                         const std::vector<SplitDim>& sd, const std::vector<int64_t>& out_ext,
+                         const std::vector<std::optional<double>>& scales,
+                         const std::vector<int64_t>& out_local) {
+  const int64_t D = static_cast<int64_t>(sd.size());
+  int64_t nblocks = 1;
+  for (int64_t j = 0; j < D; ++j) nblocks *= 3;
+  // Block b: side of dim j = (b / 3^(D-1-j)) % 3, 0 left halo, 1 own rows, 2 right halo.
+  auto side = [&](int64_t b, int64_t j) {
+    for (int64_t r = j + 1; r < D; ++r) b /= 3;
+    return b % 3;
+  };
+  auto with_side = [&](int64_t b, int64_t j, int64_t v) {
+    int64_t pw = 1;
+    for (int64_t r = j + 1; r < D; ++r) pw *= 3;
+    return b + (v - side(b, j)) * pw;
+  };
+  auto level = [&](int64_t b) {
+    int64_t l = 0;
+    for (int64_t j = 0; j < D; ++j) l += side(b, j) != 1 ? 1 : 0;
+    return l;
+  };
+  auto span = [&](int64_t j, int64_t v) -> stencil::Range {
+    const int64_t me = mesh.coordinate()[sd[j].mesh_dim];
+    if (v == 0) return sd[j].left[me];
+    if (v == 2) return sd[j].right[me];
+    return {sd[j].off, sd[j].off + sd[j].n};
+  };
+  std::vector<at::Tensor> blocks(nblocks);
+  std::vector<std::optional<comm::HaloExchangeInFlight>> pending(nblocks);
+  std::vector<char> exchanged(nblocks, 0), used(nblocks, 0);
+  int64_t own = 0;
+  for (int64_t j = 0; j < D; ++j) own = own * 3 + 1;
+  blocks[own] = x;
+  auto start_level = [&](int64_t l) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      if (level(b) != l) continue;
+      int64_t j = D - 1;
+      while (side(b, j) == 1) --j;  // the last dim with a halo side
+      const at::Tensor& parent = blocks[with_side(b, j, 1)];
+      const auto& ranges = side(b, j) == 0 ? sd[j].left : sd[j].right;
+      bool any = false;
+      for (const auto& r : ranges) any = any || r.first < r.second;
+      const auto sp = span(j, side(b, j));
+      // Both decided identically by the mesh dim's peers (same parent shape
+      // off this dim, same ranges).
+      if (!any || parent.numel() == 0) {
+        std::vector<int64_t> shp = parent.sizes().vec();
+        shp[sd[j].dim] = sp.second - sp.first;
+        blocks[b] = at::zeros(shp, parent.options());
+        continue;
+      }
+      exchanged[b] = 1;
+      pending[b].emplace(comm::gather_range_start(parent, mesh, sd[j].mesh_dim, sd[j].dim,
+                                                  sd[j].in_sizes, ranges, PadMode::Replicate));
+    }
+  };
+  auto finish_level = [&](int64_t l) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      if (level(b) == l && pending[b]) {
+        blocks[b] = pending[b]->finish();
+        pending[b].reset();
+      }
+    }
+  };
+  // The global input range `want` as one tensor, from the narrowed blocks.
+  std::vector<stencil::Range> want(D);
+  std::vector<std::pair<int64_t, stencil::Range>> part(D);
+  std::function<at::Tensor(int64_t)> region = [&](int64_t j) -> at::Tensor {
+    if (j == D) {
+      int64_t b = 0;
+      for (int64_t r = 0; r < D; ++r) b = b * 3 + part[r].first;
+      at::Tensor t = blocks[b];
+      used[b] = 1;
+      for (int64_t r = 0; r < D; ++r) {
+        const int64_t s0 = span(r, part[r].first).first;
+        t = t.narrow(sd[r].dim, part[r].second.first - s0,
+                     part[r].second.second - part[r].second.first);
+      }
+      return t;
+    }
+    std::vector<at::Tensor> pieces;
+    for (int64_t v = 0; v < 3; ++v) {
+      const auto sp = span(j, v);
+      const int64_t a = std::max(want[j].first, sp.first);
+      const int64_t e = std::min(want[j].second, sp.second);
+      if (a >= e) continue;
+      part[j] = {v, {a, e}};
+      pieces.push_back(region(j + 1));
+    }
+    TORCH_INTERNAL_ASSERT(!pieces.empty());
+    return pieces.size() == 1 ? pieces[0] : at::cat(pieces, sd[j].dim);
+  };
+  // libtorch's kernel on g, which holds the global input ranges `in` along the
+  // sharded dims, for the global outputs before `end` there (scale s, extent
+  // call_extent); the caller's extent and scale on the other dims.
+  auto kernel = [&](const at::Tensor& g, const std::vector<stencil::Range>& in,
+                    const std::vector<int64_t>& end, const std::vector<char>& full) {
+    std::vector<int64_t> co(out_ext);
+    std::vector<std::optional<double>> cs(scales);
+    for (int64_t r = 0; r < D; ++r) {
+      const int64_t m = in[r].second - in[r].first, s = sd[r].s;
+      TORCH_INTERNAL_ASSERT(g.size(sd[r].dim) == m);
+      co[sd[r].si] = call_extent(s, m, end[r] - s * in[r].first, full[r]);
+      cs[sd[r].si] = static_cast<double>(s);
+    }
+    return upsample(p, g, co, false, cs);
+  };
+
+  start_level(1);
+  // Interior: libtorch's kernel on the whole local piece.
+  std::vector<stencil::Range> piece(D);
+  std::vector<int64_t> iend(D);
+  std::vector<char> full(D);
+  bool exact = true;
+  for (int64_t r = 0; r < D; ++r) {
+    piece[r] = {sd[r].off, sd[r].off + sd[r].n};
+    iend[r] = sd[r].ib;
+    full[r] = sd[r].o0 == sd[r].s * sd[r].off && sd[r].cnt == sd[r].s * sd[r].n;
+    exact = exact && full[r];
+  }
+  at::Tensor yi = kernel(x, piece, iend, full);
+  // The values written into the block (AssembleFn) and their boxes.
+  std::vector<at::Tensor> vals;
+  std::vector<int64_t> boxes;
+  if (!exact) {
+    at::Tensor src = yi;
+    for (const auto& d : sd) {
+      src = src.narrow(d.dim, d.ia - d.s * d.off, d.ib - d.ia);
+      boxes.insert(boxes.end(), {d.dim, d.ia - d.o0, d.ib - d.ia});
+    }
+    vals.push_back(src);
+  }
+  for (int64_t l = 1; l <= D; ++l) {
+    finish_level(l);
+    if (l < D) start_level(l + 1);
+    // Box l-1: boundary outputs of sharded dim l-1, the whole block of
+    // earlier sharded dims, the interior of later ones.
+    const int64_t j = l - 1;
+    const SplitDim& dj = sd[j];
+    for (int64_t sideb = 0; sideb < 2; ++sideb) {
+      const stencil::Range ob =
+          sideb == 0 ? stencil::Range{dj.o0, dj.ia} : stencil::Range{dj.ib, dj.o0 + dj.cnt};
+      if (ob.first >= ob.second) continue;
+      std::vector<stencil::Range> outs(D);
+      std::vector<int64_t> end(D);
+      std::vector<char> fr(D, 0);
+      for (int64_t r = 0; r < D; ++r) {
+        if (r < j) {
+          outs[r] = {sd[r].o0, sd[r].o0 + sd[r].cnt};
+          want[r] = sd[r].hull;
+        } else if (r == j) {
+          outs[r] = ob;
+          want[r] = sideb == 0 ? dj.lhull : dj.rhull;
+        } else {
+          outs[r] = {sd[r].ia, sd[r].ib};
+          want[r] = piece[r];
+          fr[r] = full[r];  // as the interior kernel (checked so by split_plan)
+        }
+        end[r] = outs[r].second;
+      }
+      at::Tensor v = kernel(region(0), want, end, fr);
+      for (int64_t r = 0; r < D; ++r) {
+        const int64_t len = outs[r].second - outs[r].first;
+        v = v.narrow(sd[r].dim, outs[r].first - sd[r].s * want[r].first, len);
+        boxes.insert(boxes.end(), {sd[r].dim, outs[r].first - sd[r].o0, len});
+      }
+      // Compact: the kernel's output (a few rows more) is freed at once.
+      vals.push_back(v.contiguous());
+    }
+  }
+  // A block that came through an exchange but feeds no strip (an empty halo
+  // next to a rank whose neighbour does read from it) must still run its
+  // adjoint in backward (collective): a tie of AssembleFn.
+  const int64_t nvals = static_cast<int64_t>(vals.size());
+  for (int64_t b = 0; b < nblocks; ++b) {
+    if (exchanged[b] && !used[b]) vals.push_back(blocks[b]);
+  }
+  if (vals.empty()) return yi;  // the block itself: nothing exchanged, no boundary
+  at::Tensor out = AssembleFn::apply(exact ? c10::optional<at::Tensor>(yi) : c10::nullopt,
+                                     at::TensorList(vals), std::move(boxes), nvals, out_local);
+  return out;
 }
 
 void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
@@ -399,6 +853,20 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
   SpecPtr out_spec = stencil::output_spec(*in_spec, out_shape, plans);
 
   at::Tensor local = to_layout(x, *in_spec, *in_spec);
+  // Note [split-phase interpolation].
+  {
+    const std::vector<int64_t> out_local = out_spec->local_shape();
+    int64_t out_numel = 1;
+    for (int64_t v : out_local) out_numel *= v;
+    // out_numel == 0 here means an empty leading dim, the same on every peer.
+    const auto split = split_plan(p, dbl, p.has_align && align_corners, plans, taps, shape, out_ext,
+                                  scales, in_spec->mesh());
+    if (split && out_numel > 0) {
+      at::Tensor y = split_forward(p, local, in_spec->mesh(), *split, out_ext, scales, out_local);
+      stack->push_back(wrap(y, out_spec));
+      return;
+    }
+  }
   at::Tensor g = stencil::gather_plans(local, in_spec->mesh(), plans, PadMode::Replicate);
 
   // Note [native interpolation on pieces]: libtorch's own upsample kernel on
