@@ -693,6 +693,61 @@ TEST(CommRepartition, SeveralRunsPerRankForwardAndAdjoint) {
   }
 }
 
+// Plans are built once per layout and reused, the adjoint's inverse plan too
+// (Note [repartition plan cache]); the dtype and the other extents are not
+// part of a plan.
+TEST(CommRepartition, PlansAreCached) {
+  auto mesh = test_mesh();
+  for (const Axis& a : axes(mesh)) {
+    const int64_t P = a.P, n = 2 * P + 1;
+    SCOPED_TRACE("mesh dim " + std::to_string(a.mesh_dim));
+    auto seg = dealt(
+        n, P, [P](int64_t k) { return (k + 1) % P; }, /*reverse=*/true);
+    const auto dst = balanced(n, P);
+    const auto doff = offsets(dst);
+    const auto src = balanced(3 * P + 2, P);  // for all_to_all: Shard(0) -> Shard(1)
+    const auto soff = offsets(src);
+    const auto dst2 = balanced(n, P);
+    auto step = [&](at::ScalarType dtype, int64_t extent) {
+      // repartition, forward and backward.
+      at::Tensor full = seeded_randn({extent, n}, 1400).to(dtype);
+      at::Tensor x = take_runs(full, 1, seg[a.me]).detach().requires_grad_(true);
+      at::Tensor out = comm::repartition(x, mesh, a.mesh_dim, 1, seg, dst);
+      EXPECT_TRUE(all_close(out, full.narrow(1, doff[a.me], dst[a.me])));
+      at::Tensor w = seeded_randn({extent, n}, 1410).to(dtype);
+      (out * w.narrow(1, doff[a.me], dst[a.me])).sum().backward();
+      EXPECT_TRUE(all_close(x.grad(), take_runs(w, 1, seg[a.me])));
+      // all_to_all Shard(0) -> Shard(1), forward and backward.
+      at::Tensor full2 = seeded_randn({3 * P + 2, n, extent}, 1420).to(dtype);
+      at::Tensor x2 = full2.narrow(0, soff[a.me], src[a.me]).detach().requires_grad_(true);
+      at::Tensor out2 = comm::all_to_all(x2, mesh, a.mesh_dim, 0, src, 1, dst2);
+      EXPECT_TRUE(all_close(out2, full2.narrow(1, doff[a.me], dst2[a.me])));
+      at::Tensor w2 = seeded_randn({3 * P + 2, n, extent}, 1430).to(dtype);
+      (out2 * w2.narrow(1, doff[a.me], dst2[a.me])).sum().backward();
+      EXPECT_TRUE(all_close(x2.grad(), w2.narrow(0, soff[a.me], src[a.me])));
+    };
+    step(at::kFloat, 2);  // builds the plans and their inverses
+    const size_t rep = comm::repartition_plan_cache_size();
+    const size_t a2a = comm::all_to_all_plan_cache_size();
+    step(at::kFloat, 2);
+    step(at::kDouble, 3);  // another dtype and other extents: the same plans
+    EXPECT_TRUE(all_ranks(comm::repartition_plan_cache_size() == rep))
+        << rep << " -> " << comm::repartition_plan_cache_size() << " repartition plans";
+    EXPECT_TRUE(all_ranks(comm::all_to_all_plan_cache_size() == a2a))
+        << a2a << " -> " << comm::all_to_all_plan_cache_size() << " all-to-all plans";
+    // Another layout: one more forward plan (and its inverse once differentiated).
+    at::Tensor full = seeded_randn({2, n + 1}, 1440);
+    auto seg2 = dealt(
+        n + 1, P, [P](int64_t k) { return k % P; }, false);
+    EXPECT_TRUE(
+        all_close(comm::repartition(take_runs(full, 1, seg2[a.me]), mesh, a.mesh_dim, 1, seg2,
+                                    balanced(n + 1, P)),
+                  full.narrow(1, offsets(balanced(n + 1, P))[a.me], balanced(n + 1, P)[a.me])));
+    const size_t after = comm::repartition_plan_cache_size();
+    EXPECT_TRUE(all_ranks(after == rep + 1 || after == 1));  // 1: the bounded cache was cleared
+  }
+}
+
 // ---- box_exchange ------------------------------------------------------------------
 
 namespace {
