@@ -19,6 +19,7 @@
 
 #include "comm/agree.h"
 #include "comm/repartition.h"
+#include "comm/transport.h"
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -1208,6 +1209,85 @@ int64_t rows_from(const Ranges& ranges, int64_t c, const std::vector<int64_t>& s
 }
 
 }  // namespace
+
+// SHARDTENSOR_HALO_NEIGHBOR=1 (Note [neighbourhood collectives]): the
+// neighbourhood-collective path gives bit-identical results and counts the
+// same bytes as the point-to-point path, blocking and split phase, in every
+// mode (reflect: rows sent in reverse; replicate: one row expanded on
+// arrival; circular and multi-hop: several runs per peer), for float and
+// double; it makes one graph per layout and reuses it.
+TEST(CommGatherRange, NeighbourhoodCollectivesMatchPointToPoint) {
+  auto mesh = test_mesh();
+  std::mt19937 rng(4321);  // identical on every rank
+  struct EnvGuard {
+    ~EnvGuard() { unsetenv("SHARDTENSOR_HALO_NEIGHBOR"); }
+  } guard;
+  auto both = [&](const std::function<at::Tensor()>& f, st::CommStats* stats) {
+    std::vector<at::Tensor> out;
+    std::vector<st::CommStats> s;
+    for (const char* v : {"0", "1"}) {
+      setenv("SHARDTENSOR_HALO_NEIGHBOR", v, 1);
+      st::reset_comm_stats();
+      out.push_back(f());
+      s.push_back(st::comm_stats());
+    }
+    EXPECT_TRUE(s[0].bytes_sent == s[1].bytes_sent && s[0].bytes_received == s[1].bytes_received &&
+                s[0].messages == s[1].messages)
+        << "point-to-point " << s[0].bytes_sent << " B sent, " << s[0].bytes_received
+        << " B received, " << s[0].messages << " messages; neighbourhood " << s[1].bytes_sent
+        << ", " << s[1].bytes_received << ", " << s[1].messages;
+    if (stats) *stats = s[1];
+    return at::equal(out[0], out[1]);
+  };
+  int checked = 0;
+  for (const Axis& a : axes(mesh)) {
+    for (const auto& sizes : partitions(a.P)) {
+      const int64_t n = total(sizes);
+      auto off = offsets(sizes);
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        at::Tensor full = seeded_randn({3, n, 4}, 1500).to(dtype);
+        at::Tensor local = full.narrow(1, off[a.me], sizes[a.me]);
+        for (PadMode mode : kModes) {
+          for (int trial = 0; trial < 4; ++trial) {
+            Ranges ranges = trial == 0 ? halo_ranges(sizes, 1, 2) : random_ranges(rng, n, a.P);
+            if (!ranges_allowed(mode, n, ranges)) {
+              continue;
+            }
+            SCOPED_TRACE("mesh dim " + std::to_string(a.mesh_dim) + " sizes " + str(sizes) +
+                         " mode " + mode_str(mode) + " trial " + std::to_string(trial));
+            EXPECT_TRUE(all_ranks(both(
+                [&] {
+                  return comm::gather_range(local, mesh, a.mesh_dim, 1, sizes, ranges, mode, 0.5);
+                },
+                nullptr)));
+            // Split phase, on a non-contiguous piece.
+            at::Tensor strided = local.transpose(0, 2).contiguous().transpose(0, 2);
+            EXPECT_TRUE(all_ranks(both(
+                [&] {
+                  auto h = comm::gather_range_start(strided, mesh, a.mesh_dim, 1, sizes, ranges,
+                                                    mode, 0.5);
+                  return h.finish();
+                },
+                nullptr)));
+            ++checked;
+          }
+        }
+      }
+    }
+    // A repeated layout reuses its graph; the count is bounded.
+    const auto sizes = balanced(2 * a.P + 1, a.P);
+    at::Tensor local = seeded_randn({2, sizes[a.me], 3}, 1510);
+    setenv("SHARDTENSOR_HALO_NEIGHBOR", "1", 1);
+    comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 1);
+    const int64_t graphs = comm::transport::neighbor_graph_count(a.comm);
+    comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 1);
+    comm::halo_exchange(local.to(at::kDouble), mesh, a.mesh_dim, 1, sizes, 1, 1);
+    EXPECT_TRUE(all_ranks(comm::transport::neighbor_graph_count(a.comm) == graphs));
+    EXPECT_TRUE(all_ranks(graphs <= comm::transport::kMaxNeighborGraphs &&
+                          (a.P == 1 ? graphs == 0 : graphs > 0)));
+  }
+  EXPECT_GT(checked, 0);
+}
 
 TEST(CommStats, HaloExchangeSendsExactlyTheHaloBytes) {
   auto mesh = test_mesh();

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -182,6 +183,12 @@ at::Tensor run_grad(const at::Tensor& grad_out_rows, const Run& r) {
   return r.dir == 0 ? g.sum(0, /*keepdim=*/true) : g;
 }
 
+/// SHARDTENSOR_HALO_NEIGHBOR=1 (read per call; Note [neighbourhood collectives]).
+bool neighbor_requested() {
+  const char* v = std::getenv("SHARDTENSOR_HALO_NEIGHBOR");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
 int64_t total_rows(const std::vector<Run>& runs) {
   int64_t n = 0;
   for (const auto& r : runs) {
@@ -203,6 +210,13 @@ std::shared_ptr<const HaloPlan> HaloPlan::build(
   HaloPlan& plan = *holder;
   plan.dim = dim;
   plan.comm = a.comm;
+  plan.layout_key.push_back(static_cast<int64_t>(mode));
+  plan.layout_key.push_back(static_cast<int64_t>(sizes.size()));
+  plan.layout_key.insert(plan.layout_key.end(), sizes.begin(), sizes.end());
+  for (const auto& [lo, hi] : ranges) {
+    plan.layout_key.push_back(lo);
+    plan.layout_key.push_back(hi);
+  }
   plan.in_shape = std::move(local_shape);
   plan.out_shape = shape_with(plan.in_shape, dim, ranges[a.me].second - ranges[a.me].first);
   std::vector<std::vector<Run>> recv(a.size);
@@ -249,6 +263,14 @@ PendingHalo& PendingHalo::operator=(PendingHalo&&) noexcept = default;
 bool PendingHalo::test() { return pending_ ? pending_->test() : true; }
 
 PendingHalo HaloPlan::start(const at::Tensor& local, double value) const {
+  if (neighbor_requested() && transport::comm_size(comm) > 1) {
+    // Every rank of comm decides alike (the variable is set on all or none).
+    std::vector<int> sources, destinations;
+    for (const auto& peer_runs : recv) sources.push_back(peer_runs.first);
+    for (const auto& peer_runs : send) destinations.push_back(peer_runs.first);
+    const MPI_Comm graph = transport::neighbor_graph(comm, layout_key, sources, destinations);
+    if (graph != MPI_COMM_NULL) return start_neighbor(local, value, graph);
+  }
   const HaloPlan& plan = *this;
   PendingHalo h;
   h.plan_ = this;
@@ -277,6 +299,56 @@ PendingHalo HaloPlan::start(const at::Tensor& local, double value) const {
     h.out_rows_.narrow(0, r.dst, r.len).fill_(value);
   }
   for (const Run& r : plan.local) {
+    h.out_rows_.narrow(0, r.dst, r.len).copy_(source_rows(in_rows, r));
+  }
+  return h;
+}
+
+std::shared_ptr<const transport::NeighborExchange> HaloPlan::neighbor_exchange(
+    int64_t element_size) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [size, x] : exchanges_) {
+    if (size == element_size) return x;
+  }
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < static_cast<int64_t>(in_shape.size()); ++d) {
+    if (d < dim) outer *= in_shape[d];
+    if (d > dim) inner *= in_shape[d];
+  }
+  std::vector<std::vector<transport::RowRun>> sends, recvs;
+  for (const auto& [peer, runs] : send) {
+    sends.emplace_back();
+    for (const Run& r : runs) {  // the rows source_rows() would pack, in that order
+      sends.back().push_back({r.src, run_rows(r), r.dir == -1 ? -1 : 1});
+    }
+  }
+  for (const auto& [peer, runs] : recv) {
+    recvs.emplace_back();
+    for (const Run& r : runs) {  // dir = 0: the one row lands at dst, finish() expands it
+      recvs.back().push_back({r.dst, run_rows(r), 1});
+    }
+  }
+  auto x = std::make_shared<const transport::NeighborExchange>(outer, in_shape[dim], out_shape[dim],
+                                                               inner * element_size, sends, recvs);
+  exchanges_.emplace_back(element_size, x);
+  return x;
+}
+
+PendingHalo HaloPlan::start_neighbor(const at::Tensor& piece, double value, MPI_Comm graph) const {
+  PendingHalo h;
+  h.plan_ = this;
+  h.neighbor_ = true;
+  const at::Tensor src = piece.contiguous();
+  h.out_ = at::empty(out_shape, piece.options());
+  h.out_rows_ = h.out_.movedim(dim, 0);
+  h.pending_ = std::make_unique<transport::PendingExchange>(transport::start_neighbor_exchange(
+      *neighbor_exchange(piece.element_size()), src, h.out_, graph));
+  // Overlap: fills and own runs (rows no message writes) while the messages travel.
+  at::Tensor in_rows = src.movedim(dim, 0);
+  for (const Run& r : fills) {
+    h.out_rows_.narrow(0, r.dst, r.len).fill_(value);
+  }
+  for (const Run& r : this->local) {
     h.out_rows_.narrow(0, r.dst, r.len).copy_(source_rows(in_rows, r));
   }
   return h;
@@ -317,6 +389,19 @@ PendingHalo HaloPlan::start_adjoint(const at::Tensor& grad_out) const {
 at::Tensor PendingHalo::finish() {
   TORCH_CHECK(plan_ != nullptr, "shardtensor::comm::PendingHalo: finish() without start()");
   pending_->finish();
+  if (neighbor_) {
+    // The data landed in place; a replicate run (dir = 0) got its one row.
+    for (const auto& peer_runs : plan_->recv) {
+      for (const Run& r : peer_runs.second) {
+        if (r.dir == 0 && r.len > 1) {
+          out_rows_.narrow(0, r.dst + 1, r.len - 1).copy_(out_rows_.narrow(0, r.dst, 1));
+        }
+      }
+    }
+    plan_ = nullptr;
+    out_rows_ = at::Tensor();
+    return std::move(out_);
+  }
   const auto& peers = adjoint_ ? plan_->send : plan_->recv;
   for (size_t i = 0; i < peers.size(); ++i) {
     int64_t at_row = 0;
