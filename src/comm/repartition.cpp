@@ -253,13 +253,23 @@ void add_sizes(std::vector<int64_t>& key, const std::vector<int64_t>& sizes) {
 
 }  // namespace
 
-std::shared_ptr<const RepartitionPlan> cached_repartition_plan(const Axis& axis, int64_t dim,
-                                                               const Layout& src,
-                                                               const Layout& dst) {
+namespace {
+
+std::vector<int64_t> repartition_plan_key(const Axis& axis, int64_t dim, const Layout& src,
+                                          const Layout& dst) {
   std::vector<int64_t> key = axis_key(axis);
   key.push_back(dim);
   add_layout(key, src);
   add_layout(key, dst);
+  return key;
+}
+
+}  // namespace
+
+std::shared_ptr<const RepartitionPlan> cached_repartition_plan(const Axis& axis, int64_t dim,
+                                                               const Layout& src,
+                                                               const Layout& dst) {
+  auto key = repartition_plan_key(axis, dim, src, dst);
   if (auto plan = repartition_plans().find(key)) return plan;
   auto plan = std::make_shared<const RepartitionPlan>(axis, dim, src, dst);
   repartition_plans().insert(std::move(key), plan);
@@ -569,11 +579,26 @@ at::Tensor repartition(const at::Tensor& local, const DeviceMesh& mesh, int64_t 
   TORCH_CHECK(local.defined(), prefix(p), "the local tensor is undefined");
   Checks checks(p);
   const int64_t d = wrap_dim(checks, dim, local, "dim");
-  if (check_sizes(checks, dst_sizes, a, "dst_sizes") &&
-      checks.require(static_cast<int64_t>(segments.size()) == a.size, "segments has ",
-                     segments.size(), " entries but mesh dim ", a.mesh_dim, " has ", a.size,
-                     " coordinates") &&
-      check_tiling(checks, segments, sum_of(dst_sizes), "the segments") && checks.ok()) {
+  Layout dst;
+  const auto off = exclusive_offsets(dst_sizes);
+  for (size_t c = 0; c < dst_sizes.size(); ++c) {
+    dst.push_back({Segment{off[c], dst_sizes[c]}});
+  }
+  // A cached plan was made from these very arguments, which passed the O(P)
+  // validation then (Note [repartition plan cache]): only the local tensor
+  // is checked again.
+  std::vector<int64_t> key;
+  std::shared_ptr<const RepartitionPlan> plan;
+  if (checks.ok()) {
+    key = repartition_plan_key(a, d, segments, dst);
+    plan = repartition_plans().find(key);
+  }
+  if (plan != nullptr ||
+      (check_sizes(checks, dst_sizes, a, "dst_sizes") &&
+       checks.require(static_cast<int64_t>(segments.size()) == a.size, "segments has ",
+                      segments.size(), " entries but mesh dim ", a.mesh_dim, " has ", a.size,
+                      " coordinates") &&
+       check_tiling(checks, segments, sum_of(dst_sizes), "the segments") && checks.ok())) {
     checks.require(local.size(d) == layout_extent(segments[a.me]), "the local tensor has extent ",
                    local.size(d), " along dim ", d, " but the segments of coordinate ", a.me,
                    " hold ", layout_extent(segments[a.me]), " elements");
@@ -587,12 +612,11 @@ at::Tensor repartition(const at::Tensor& local, const DeviceMesh& mesh, int64_t 
     }
   }
   agree_or_throw(p, a.comm, fp, checks);
-  Layout dst;
-  const auto off = exclusive_offsets(dst_sizes);
-  for (size_t c = 0; c < dst_sizes.size(); ++c) {
-    dst.push_back({Segment{off[c], dst_sizes[c]}});
+  if (plan == nullptr) {
+    plan = std::make_shared<const RepartitionPlan>(a, d, segments, dst);
+    repartition_plans().insert(std::move(key), plan);
   }
-  return RemapFn::apply(local, cached_repartition_plan(a, d, segments, dst));
+  return RemapFn::apply(local, plan);
 }
 
 at::Tensor all_to_all(const at::Tensor& local, const DeviceMesh& mesh, int64_t mesh_dim,
