@@ -479,6 +479,64 @@ variable_list GatherRangeFn::backward(AutogradContext* ctx, variable_list grads)
   return {halo_adjoint(a.plan, grads[0]), Variable()};
 }
 
+// Note [neighbourhood collectives]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Issue 13 asked whether MPI neighbourhood collectives with derived datatypes
+// beat the hand-packed Isend/Irecv of HaloPlan::start. With
+// SHARDTENSOR_HALO_NEIGHBOR=1 (read per call; set it on every rank alike)
+// start() of a forward halo (gather_range, halo_exchange and their split-phase
+// forms) instead:
+//  - gets the distributed-graph communicator of the exchange
+//    (MPI_Dist_graph_create_adjacent: sources = the plan's recv peers,
+//    destinations = its send peers, in the order of the plan's lists) from
+//    transport::neighbor_graph, which caches graphs on the mesh dim's
+//    communicator itself (an MPI attribute, freed with it) under the plan's
+//    layout_key (pad mode, sizes, ranges). That key is the same on every
+//    rank for one call and fixes every rank's peers, so every rank of the
+//    communicator holds the same graphs, and a miss (the collective
+//    creation) happens on all of them in the same call, whatever the
+//    per-process plan cache has evicted. At most kMaxNeighborGraphs graphs
+//    per communicator; past that, new layouts fall back to Isend/Irecv (on
+//    every rank alike, their caches being equal);
+//  - describes each peer's rows by one committed datatype (per run an
+//    hvector of rows, negative stride for a reflected run, inside an hvector
+//    over the outer slices; a struct of the runs), built once per plan and
+//    element size and cached in the plan (neighbor_exchange()), so nothing is
+//    packed: the sender's rows are read from the (contiguous) piece and the
+//    receiver's land in place in the result. A replicate run (dir = 0)
+//    carries its one row to the run's first position; finish() broadcasts it
+//    over the rest;
+//  - starts MPI_Ineighbor_alltoallw (finish() waits), so the split phase is
+//    kept: fills and own runs are copied while the messages travel.
+// The adjoint (halo accumulate) keeps the packed path: it sums what arrives,
+// which needs receive buffers anyway. Both paths give bit-identical results
+// and count the same bytes (test_comm: CommGatherRange.
+// NeighbourhoodCollectivesMatchPointToPoint; test_conv passes with the
+// variable set).
+//
+// Measured (bench/comm_plans.cpp: `shardtensor_bench_comm_plans halo`;
+// Open MPI 4.1.4, shared memory, ranks oversubscribed on a 2-core machine
+// shared with other jobs, load average 10-16): halo_exchange of a
+// [1, 32, 512, 512] float32 field sharded on dim 2, 200 calls per path,
+// alternating call by call; median per call (slowest rank), p10-p90 in
+// brackets:
+//   P = 2, width 1: Isend/Irecv 16.9 ms [13.4, 23.1], neighbour 17.4 ms
+//                   [13.2, 22.0] (load 10.8); again 19.0 vs 17.0 ms (load 14.5)
+//   P = 2, width 3: 16.0 ms [13.1, 19.9] vs 15.6 ms [13.0, 18.7] (load 11.5);
+//                   again 19.2 vs 18.4 ms (load 15.0)
+//   P = 4, width 1: 5.05 ms [4.76, 10.3] vs 4.78 ms [4.57, 9.36] (load 11.6);
+//                   again 21.0 vs 19.5 ms (load 15.1)
+//   P = 4, width 3: 10.5 ms [7.46, 15.5] vs 9.79 ms [6.79, 15.5] (load 11.5);
+//                   again 16.7 vs 17.6 ms (load 15.9)
+// Ratios 0.89-1.05, inside spreads of +-30% and with the sign changing
+// between runs: no difference beyond noise. A call is dominated by copying
+// the piece into the result (16 MB at P = 2) and by waiting for descheduled
+// peers; the halo strips (32 x width x 2 KB) are small, and Open MPI's
+// datatype engine packs strided data much as the explicit copy does. So
+// Isend/Irecv stays the default and the neighbourhood path stays selectable,
+// to be measured again on a quiet multi-node machine (where the network, not
+// the copy, may dominate).
+
 // Note [halo plan cache]: a HaloPlan depends only on metadata (the mesh dim's
 // communicator, this coordinate, the local shape, dim, sizes, ranges and pad
 // mode), and building one walks every coordinate's range (O(P)). Plans are

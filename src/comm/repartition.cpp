@@ -220,7 +220,21 @@ at::Tensor AllToAllPlan::run(const at::Tensor& input) const {
 // layouts swapped) comes from the same cache, so a training step builds no
 // plan in steady state, forward or backward. A cached plan keeps only the
 // communicator handle, not the DeviceMesh (a plan must not keep a mesh's
-// communicators alive).
+// communicators alive). comm::repartition looks its plan up before
+// validating: a plan found was made from these very arguments, which passed
+// the O(P log P) tiling check then, so only the local tensor is checked.
+//
+// Measured (bench/comm_plans.cpp, `shardtensor_bench_comm_plans plan`: the
+// plan step alone, fastest of 20 interleaved rounds; 2 shared cores, load
+// 10-22): [64, 64] with rows dealt round-robin in blocks of 2 (32 runs) to
+// balanced blocks, P = 4: building a RepartitionPlan 0.8-6.0 us, finding it
+// 0.36-0.45 us; P = 16: 1.3 vs 0.6 us; [1024, 1024] (512 runs), P = 16:
+// 114 vs 84 us (the key holds every run, so it is linear in the runs as the
+// plan is). AllToAllPlan is two prefix sums: 0.10 us built, 0.12-0.19 us
+// found (a wash). End to end (`... repartition`, 1000 calls on [64, 64],
+// P = 4 oversubscribed, load 15) a call costs 0.5-0.8 ms before and after:
+// the all-to-allv and the agreement among descheduled ranks dominate, and
+// the few microseconds saved are below the noise.
 namespace {
 
 PlanCache<RepartitionPlan>& repartition_plans() {
