@@ -322,7 +322,9 @@ class NeighborExchange {
 /// destinations are the order of `x`'s receives and sends): starts
 /// MPI_Ineighbor_alltoallw from `send` into `recv` (contiguous CPU tensors of
 /// the byte sizes `x` was built for) and returns without waiting; finish()
-/// or test() as for start_exchange(). Counted like start_exchange(). Throws
+/// or test() as for start_exchange(). Counted like start_exchange(). A
+/// collective request cannot be cancelled: destroying the result unfinished
+/// waits for it (under the watchdog, Note [abandoned exchange]). Throws
 /// c10::Error on wrong buffers or MPI failure.
 PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
                                         const at::Tensor& recv, MPI_Comm graph);
