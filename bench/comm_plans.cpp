@@ -208,7 +208,8 @@ void bench_halo(int argc, char** argv, const st::DeviceMesh& mesh) {
     const double same = max_over_ranks(at::equal(a, b) ? 0.0 : 1.0);
     std::vector<double> times[2], in_mpi[2];
     for (int64_t i = 0; i < reps + 10; ++i) {
-      for (int path = 0; path < 2; ++path) {
+      for (int k = 0; k < 2; ++k) {
+        const int path = (k + static_cast<int>(i)) % 2;  // either path first, in turn
         setenv("SHARDTENSOR_HALO_NEIGHBOR", path == 0 ? "0" : "1", 1);
         MPI_Barrier(MPI_COMM_WORLD);
         const double comm0 = st::comm_stats().comm_seconds;
@@ -224,6 +225,16 @@ void bench_halo(int argc, char** argv, const st::DeviceMesh& mesh) {
     }
     unsetenv("SHARDTENSOR_HALO_NEIGHBOR");
     if (me == 0) {
+      // Paired (the two paths alternate call by call): the median ratio of
+      // pair i and how many pairs the neighbourhood path won (a sign test:
+      // without a difference, about half, +- sqrt(reps)/2 ~ 7 of 200).
+      std::vector<double> ratio;
+      int64_t wins = 0;
+      for (size_t i = 0; i < times[0].size(); ++i) {
+        ratio.push_back(times[1][i] / times[0][i]);
+        wins += times[1][i] < times[0][i] ? 1 : 0;
+      }
+      std::sort(ratio.begin(), ratio.end());
       double med[2], mpi_med[2];
       for (int path = 0; path < 2; ++path) {
         auto& t = times[path];
@@ -236,14 +247,15 @@ void bench_halo(int argc, char** argv, const st::DeviceMesh& mesh) {
       std::printf(
           "P=%lld halo [1, %lld, %lld, %lld] float32 dim 2, width %lld, %lld reps: "
           "isend/irecv median %.1f us (p10 %.1f, p90 %.1f), neighbour alltoallw median %.1f us "
-          "(p10 %.1f, p90 %.1f), ratio %.3f; inside MPI calls median %.1f us vs %.1f us; "
-          "results %s, load %s\n",
+          "(p10 %.1f, p90 %.1f), ratio %.3f; paired: median ratio %.3f, neighbour faster in %lld "
+          "of %lld; inside MPI calls median %.1f us vs %.1f us; results %s, load %s\n",
           static_cast<long long>(P), static_cast<long long>(channels), static_cast<long long>(n),
           static_cast<long long>(n), static_cast<long long>(width), static_cast<long long>(reps),
           med[0] * 1e6, times[0][times[0].size() / 10] * 1e6,
           times[0][times[0].size() * 9 / 10] * 1e6, med[1] * 1e6,
           times[1][times[1].size() / 10] * 1e6, times[1][times[1].size() * 9 / 10] * 1e6,
-          med[1] / med[0], mpi_med[0] * 1e6, mpi_med[1] * 1e6,
+          med[1] / med[0], ratio[ratio.size() / 2], static_cast<long long>(wins),
+          static_cast<long long>(ratio.size()), mpi_med[0] * 1e6, mpi_med[1] * 1e6,
           same == 0.0 ? "identical" : "DIFFERENT", bench::load_average().c_str());
       std::fflush(stdout);
     }
