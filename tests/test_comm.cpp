@@ -1274,6 +1274,22 @@ TEST(CommGatherRange, NeighbourhoodCollectivesMatchPointToPoint) {
         }
       }
     }
+    // Messages above the per-call limit (Note [large counts]) take the
+    // Isend/Irecv path on every rank alike, empty pieces included.
+    {
+      struct Limit {
+        int64_t previous = comm::transport::set_max_count_for_testing(20);
+        ~Limit() { comm::transport::set_max_count_for_testing(previous); }
+      } limit;
+      for (const auto& sizes : partitions(a.P)) {
+        const int64_t n = total(sizes);
+        at::Tensor full = seeded_randn({2, n, 3}, 1520);
+        at::Tensor local = full.narrow(1, offsets(sizes)[a.me], sizes[a.me]);
+        EXPECT_TRUE(all_ranks(
+            both([&] { return comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 2); },
+                 nullptr)));
+      }
+    }
     // The default path; a repeated layout reuses its graph; the count is bounded.
     const auto sizes = balanced(2 * a.P + 1, a.P);
     at::Tensor local = seeded_randn({2, sizes[a.me], 3}, 1510);

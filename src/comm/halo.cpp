@@ -217,6 +217,7 @@ std::shared_ptr<const HaloPlan> HaloPlan::build(
   for (const auto& [lo, hi] : ranges) {
     plan.layout_key.push_back(lo);
     plan.layout_key.push_back(hi);
+    plan.max_range_rows = std::max(plan.max_range_rows, hi - lo);
   }
   plan.in_shape = std::move(local_shape);
   plan.out_shape = shape_with(plan.in_shape, dim, ranges[a.me].second - ranges[a.me].first);
@@ -264,8 +265,12 @@ PendingHalo& PendingHalo::operator=(PendingHalo&&) noexcept = default;
 bool PendingHalo::test() { return pending_ ? pending_->test() : true; }
 
 PendingHalo HaloPlan::start(const at::Tensor& local, double value) const {
-  if (neighbor_requested() && transport::comm_size(comm) > 1) {
-    // Every rank of comm decides alike (the variable is set on all or none).
+  if (neighbor_requested() && transport::comm_size(comm) > 1 &&
+      max_range_rows * row_numel(in_shape, dim) * local.element_size() <=
+          transport::max_message_bytes()) {
+    // Every rank of comm decides alike: the variable is set on all or none,
+    // and no message can exceed the longest range (a global bound: the
+    // extents other than dim agree across comm) times the row bytes.
     std::vector<int> sources, destinations;
     for (const auto& peer_runs : recv) sources.push_back(peer_runs.first);
     for (const auto& peer_runs : send) destinations.push_back(peer_runs.first);
@@ -509,6 +514,11 @@ variable_list GatherRangeFn::backward(AutogradContext* ctx, variable_list grads)
 //    over the rest;
 //  - starts MPI_Ineighbor_alltoallw (finish() waits), so the split phase is
 //    kept: fills and own runs are copied while the messages travel.
+// Each peer's message goes whole (one datatype), so the path is taken only
+// when the longest range of any coordinate times the row bytes fits in one
+// MPI call (transport::max_message_bytes(), Note [large counts]); that bound
+// is the same on every rank, so all ranks choose alike. Larger halos take
+// the Isend/Irecv path, which splits messages.
 // The adjoint (halo accumulate) keeps the packed Isend/Irecv path: it sums
 // what arrives, which needs receive buffers anyway. Both paths give
 // bit-identical results and count the same bytes (test_comm:

@@ -108,6 +108,7 @@ class HaloPlan {
   // (mode, sizes, ranges): what every coordinate's peers follow from; the same
   // on every rank for one call (the key of the neighbourhood graph).
   std::vector<int64_t> layout_key;
+  int64_t max_range_rows = 0;  // the longest range of any coordinate (global)
 
  private:
   PendingHalo start_neighbor(const at::Tensor& piece, double value, MPI_Comm graph) const;

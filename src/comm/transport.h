@@ -279,6 +279,12 @@ MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
 
 constexpr int kMaxNeighborGraphs = 64;
 
+/// Local. The largest message one MPI call may carry, in bytes (INT_MAX, or
+/// what set_max_count_for_testing() set; Note [large counts]). A neighbourhood
+/// exchange sends each peer's message whole, so callers use it only when every
+/// message of every rank fits.
+int64_t max_message_bytes();
+
 /// Local. Graphs cached on `comm` by neighbor_graph() (tests).
 int64_t neighbor_graph_count(MPI_Comm comm);
 

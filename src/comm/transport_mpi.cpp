@@ -1061,6 +1061,8 @@ MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
   return graph;
 }
 
+int64_t max_message_bytes() { return max_count(); }
+
 int64_t neighbor_graph_count(MPI_Comm comm) {
   GraphCache* cache = graph_cache(comm, /*create=*/false);
   if (cache == nullptr) return 0;
