@@ -19,6 +19,7 @@
 
 #include "comm/agree.h"
 #include "comm/repartition.h"
+#include "comm/transport.h"
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -693,6 +694,61 @@ TEST(CommRepartition, SeveralRunsPerRankForwardAndAdjoint) {
   }
 }
 
+// Plans are built once per layout and reused, the adjoint's inverse plan too
+// (Note [repartition plan cache]); the dtype and the other extents are not
+// part of a plan.
+TEST(CommRepartition, PlansAreCached) {
+  auto mesh = test_mesh();
+  for (const Axis& a : axes(mesh)) {
+    const int64_t P = a.P, n = 2 * P + 1;
+    SCOPED_TRACE("mesh dim " + std::to_string(a.mesh_dim));
+    auto seg = dealt(
+        n, P, [P](int64_t k) { return (k + 1) % P; }, /*reverse=*/true);
+    const auto dst = balanced(n, P);
+    const auto doff = offsets(dst);
+    const auto src = balanced(3 * P + 2, P);  // for all_to_all: Shard(0) -> Shard(1)
+    const auto soff = offsets(src);
+    const auto dst2 = balanced(n, P);
+    auto step = [&](at::ScalarType dtype, int64_t extent) {
+      // repartition, forward and backward.
+      at::Tensor full = seeded_randn({extent, n}, 1400).to(dtype);
+      at::Tensor x = take_runs(full, 1, seg[a.me]).detach().requires_grad_(true);
+      at::Tensor out = comm::repartition(x, mesh, a.mesh_dim, 1, seg, dst);
+      EXPECT_TRUE(all_close(out, full.narrow(1, doff[a.me], dst[a.me])));
+      at::Tensor w = seeded_randn({extent, n}, 1410).to(dtype);
+      (out * w.narrow(1, doff[a.me], dst[a.me])).sum().backward();
+      EXPECT_TRUE(all_close(x.grad(), take_runs(w, 1, seg[a.me])));
+      // all_to_all Shard(0) -> Shard(1), forward and backward.
+      at::Tensor full2 = seeded_randn({3 * P + 2, n, extent}, 1420).to(dtype);
+      at::Tensor x2 = full2.narrow(0, soff[a.me], src[a.me]).detach().requires_grad_(true);
+      at::Tensor out2 = comm::all_to_all(x2, mesh, a.mesh_dim, 0, src, 1, dst2);
+      EXPECT_TRUE(all_close(out2, full2.narrow(1, doff[a.me], dst2[a.me])));
+      at::Tensor w2 = seeded_randn({3 * P + 2, n, extent}, 1430).to(dtype);
+      (out2 * w2.narrow(1, doff[a.me], dst2[a.me])).sum().backward();
+      EXPECT_TRUE(all_close(x2.grad(), w2.narrow(0, soff[a.me], src[a.me])));
+    };
+    step(at::kFloat, 2);  // builds the plans and their inverses
+    const size_t rep = comm::repartition_plan_cache_size();
+    const size_t a2a = comm::all_to_all_plan_cache_size();
+    step(at::kFloat, 2);
+    step(at::kDouble, 3);  // another dtype and other extents: the same plans
+    EXPECT_TRUE(all_ranks(comm::repartition_plan_cache_size() == rep))
+        << rep << " -> " << comm::repartition_plan_cache_size() << " repartition plans";
+    EXPECT_TRUE(all_ranks(comm::all_to_all_plan_cache_size() == a2a))
+        << a2a << " -> " << comm::all_to_all_plan_cache_size() << " all-to-all plans";
+    // Another layout: one more forward plan (and its inverse once differentiated).
+    at::Tensor full = seeded_randn({2, n + 1}, 1440);
+    auto seg2 = dealt(
+        n + 1, P, [P](int64_t k) { return k % P; }, false);
+    EXPECT_TRUE(
+        all_close(comm::repartition(take_runs(full, 1, seg2[a.me]), mesh, a.mesh_dim, 1, seg2,
+                                    balanced(n + 1, P)),
+                  full.narrow(1, offsets(balanced(n + 1, P))[a.me], balanced(n + 1, P)[a.me])));
+    const size_t after = comm::repartition_plan_cache_size();
+    EXPECT_TRUE(all_ranks(after == rep + 1 || after == 1));  // 1: the bounded cache was cleared
+  }
+}
+
 // ---- box_exchange ------------------------------------------------------------------
 
 namespace {
@@ -1153,6 +1209,101 @@ int64_t rows_from(const Ranges& ranges, int64_t c, const std::vector<int64_t>& s
 }
 
 }  // namespace
+
+// SHARDTENSOR_HALO_NEIGHBOR=1 (the default) against =0 (Note [neighbourhood
+// collectives]): the neighbourhood-collective path gives bit-identical results and counts the
+// same bytes as the point-to-point path, blocking and split phase, in every
+// mode (reflect: rows sent in reverse; replicate: one row expanded on
+// arrival; circular and multi-hop: several runs per peer), for float and
+// double; it makes one graph per layout and reuses it.
+TEST(CommGatherRange, NeighbourhoodCollectivesMatchPointToPoint) {
+  auto mesh = test_mesh();
+  std::mt19937 rng(4321);  // identical on every rank
+  struct EnvGuard {
+    ~EnvGuard() { unsetenv("SHARDTENSOR_HALO_NEIGHBOR"); }
+  } guard;
+  auto both = [&](const std::function<at::Tensor()>& f, st::CommStats* stats) {
+    std::vector<at::Tensor> out;
+    std::vector<st::CommStats> s;
+    for (const char* v : {"0", "1"}) {
+      setenv("SHARDTENSOR_HALO_NEIGHBOR", v, 1);
+      st::reset_comm_stats();
+      out.push_back(f());
+      s.push_back(st::comm_stats());
+    }
+    EXPECT_TRUE(s[0].bytes_sent == s[1].bytes_sent && s[0].bytes_received == s[1].bytes_received &&
+                s[0].messages == s[1].messages)
+        << "point-to-point " << s[0].bytes_sent << " B sent, " << s[0].bytes_received
+        << " B received, " << s[0].messages << " messages; neighbourhood " << s[1].bytes_sent
+        << ", " << s[1].bytes_received << ", " << s[1].messages;
+    if (stats) *stats = s[1];
+    return at::equal(out[0], out[1]);
+  };
+  int checked = 0;
+  for (const Axis& a : axes(mesh)) {
+    for (const auto& sizes : partitions(a.P)) {
+      const int64_t n = total(sizes);
+      auto off = offsets(sizes);
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        at::Tensor full = seeded_randn({3, n, 4}, 1500).to(dtype);
+        at::Tensor local = full.narrow(1, off[a.me], sizes[a.me]);
+        for (PadMode mode : kModes) {
+          for (int trial = 0; trial < 4; ++trial) {
+            Ranges ranges = trial == 0 ? halo_ranges(sizes, 1, 2) : random_ranges(rng, n, a.P);
+            if (!ranges_allowed(mode, n, ranges)) {
+              continue;
+            }
+            SCOPED_TRACE("mesh dim " + std::to_string(a.mesh_dim) + " sizes " + str(sizes) +
+                         " mode " + mode_str(mode) + " trial " + std::to_string(trial));
+            EXPECT_TRUE(all_ranks(both(
+                [&] {
+                  return comm::gather_range(local, mesh, a.mesh_dim, 1, sizes, ranges, mode, 0.5);
+                },
+                nullptr)));
+            // Split phase, on a non-contiguous piece.
+            at::Tensor strided = local.transpose(0, 2).contiguous().transpose(0, 2);
+            EXPECT_TRUE(all_ranks(both(
+                [&] {
+                  auto h = comm::gather_range_start(strided, mesh, a.mesh_dim, 1, sizes, ranges,
+                                                    mode, 0.5);
+                  return h.finish();
+                },
+                nullptr)));
+            ++checked;
+          }
+        }
+      }
+    }
+    // Messages above the per-call limit (Note [large counts]) take the
+    // Isend/Irecv path on every rank alike, empty pieces included.
+    {
+      struct Limit {
+        int64_t previous = comm::transport::set_max_count_for_testing(20);
+        ~Limit() { comm::transport::set_max_count_for_testing(previous); }
+      } limit;
+      for (const auto& sizes : partitions(a.P)) {
+        const int64_t n = total(sizes);
+        at::Tensor full = seeded_randn({2, n, 3}, 1520);
+        at::Tensor local = full.narrow(1, offsets(sizes)[a.me], sizes[a.me]);
+        EXPECT_TRUE(all_ranks(
+            both([&] { return comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 2); },
+                 nullptr)));
+      }
+    }
+    // The default path; a repeated layout reuses its graph; the count is bounded.
+    const auto sizes = balanced(2 * a.P + 1, a.P);
+    at::Tensor local = seeded_randn({2, sizes[a.me], 3}, 1510);
+    unsetenv("SHARDTENSOR_HALO_NEIGHBOR");
+    comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 1);
+    const int64_t graphs = comm::transport::neighbor_graph_count(a.comm);
+    comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 1);
+    comm::halo_exchange(local.to(at::kDouble), mesh, a.mesh_dim, 1, sizes, 1, 1);
+    EXPECT_TRUE(all_ranks(comm::transport::neighbor_graph_count(a.comm) == graphs));
+    EXPECT_TRUE(all_ranks(graphs <= comm::transport::kMaxNeighborGraphs &&
+                          (a.P == 1 ? graphs == 0 : graphs > 0)));
+  }
+  EXPECT_GT(checked, 0);
+}
 
 TEST(CommStats, HaloExchangeSendsExactlyTheHaloBytes) {
   auto mesh = test_mesh();

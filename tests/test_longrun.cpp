@@ -10,6 +10,7 @@
 #include "comm/error_channel.h"
 #include "comm/grad_sink.h"
 #include "comm/halo.h"
+#include "comm/repartition.h"
 #include "comm/transport.h"
 #include "mesh/live_comms.h"
 #include "testing.h"
@@ -44,6 +45,7 @@ struct Snapshot {
   int64_t memory = 0, mesh_comms = 0, dup_comms = 0, step_bytes = 0, step_messages = 0;
   // The library's caches and registries.
   size_t halo_plans = 0, grad_sinks = 0, error_channel = 0;
+  size_t other_plans = 0;  // repartition, all-to-all and box-exchange plans
 };
 
 }  // namespace
@@ -76,6 +78,8 @@ TEST(LongRun, ThousandStepsStayFlat) {
     s.mesh_comms = st::detail::live_mesh_communicators();
     s.dup_comms = st::comm::transport::live_duplicates();
     s.halo_plans = st::comm::halo_plan_cache_size();
+    s.other_plans = st::comm::repartition_plan_cache_size() +
+                    st::comm::all_to_all_plan_cache_size() + st::comm::box_plan_cache_size();
     s.grad_sinks = st::comm::detail::grad_sink_registry_size();
     s.error_channel = st::comm::errors::tracked_entries();
     return s;
@@ -101,6 +105,9 @@ TEST(LongRun, ThousandStepsStayFlat) {
   EXPECT_TRUE(
       all_ranks(late.halo_plans == early.halo_plans && (mesh.size() == 1 || early.halo_plans > 0)))
       << early.halo_plans << " -> " << late.halo_plans << " cached halo plans";
+  EXPECT_TRUE(all_ranks(late.other_plans == early.other_plans))
+      << early.other_plans << " -> " << late.other_plans
+      << " cached repartition, all-to-all and box-exchange plans";
   EXPECT_TRUE(all_ranks(late.grad_sinks == early.grad_sinks))
       << early.grad_sinks << " -> " << late.grad_sinks << " gradient-sink registry entries";
   EXPECT_TRUE(all_ranks(late.error_channel == early.error_channel))

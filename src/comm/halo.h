@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -24,7 +25,8 @@ namespace shardtensor::comm {
 
 namespace transport {
 class PendingExchange;
-}
+class NeighborExchange;
+}  // namespace transport
 
 /// A run of the wanted range: `len` positions from `dst` (relative to the range
 /// start) come from coordinate `owner` at its local index `src`, going up
@@ -59,6 +61,8 @@ class PendingHalo {
   friend class HaloPlan;
   const HaloPlan* plan_ = nullptr;
   bool adjoint_ = false;
+  bool neighbor_ = false;  // received in place by a neighbourhood collective (the default)
+                           // (Note [neighbourhood collectives] in halo.cpp)
   std::unique_ptr<transport::PendingExchange> pending_;
   std::vector<at::Tensor> recv_;  // per plan.recv (forward) or plan.send (adjoint)
   at::Tensor out_, out_rows_;
@@ -83,6 +87,11 @@ class HaloPlan {
   /// start() then finish().
   at::Tensor run(const at::Tensor& local, double value) const;
 
+  /// Local. The neighbourhood-collective layout of start() for elements of
+  /// `element_size` bytes (MPI datatypes: built once per size, then cached
+  /// in the plan; Note [neighbourhood collectives] in halo.cpp).
+  std::shared_ptr<const transport::NeighborExchange> neighbor_exchange(int64_t element_size) const;
+
   /// Collective like start(): the adjoint (halo accumulate). Every gradient
   /// element of this rank's range goes back to its owner, where it is summed.
   PendingHalo start_adjoint(const at::Tensor& grad_out) const;
@@ -96,6 +105,16 @@ class HaloPlan {
   // Runs of my range owned by `peer`, and runs of `peer`'s range owned by me.
   std::vector<std::pair<int, std::vector<Run>>> recv, send;
   MPI_Comm comm = MPI_COMM_NULL;  // the mesh dim's communicator
+  // (mode, sizes, ranges): what every coordinate's peers follow from; the same
+  // on every rank for one call (the key of the neighbourhood graph).
+  std::vector<int64_t> layout_key;
+  int64_t max_range_rows = 0;  // the longest range of any coordinate (global)
+
+ private:
+  PendingHalo start_neighbor(const at::Tensor& piece, double value, MPI_Comm graph) const;
+  mutable std::mutex mu_;  // guards exchanges_
+  mutable std::vector<std::pair<int64_t, std::shared_ptr<const transport::NeighborExchange>>>
+      exchanges_;  // per element size
 };
 
 /// Local. Number of halo plans cached (Note [halo plan cache]); bounded, and

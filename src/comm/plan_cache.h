@@ -19,8 +19,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/fingerprint.h"
-
 namespace shardtensor::comm {
 
 /// The bits of an MPI_Comm handle (a pointer in Open MPI, an int in MPICH), as
@@ -59,9 +57,17 @@ class PlanCache {
   }
 
  private:
+  /// Local (never crosses ranks, so not a Fingerprint): one multiply-xorshift
+  /// round per key entry where byte-wise FNV-1a needs eight multiplies (the
+  /// keys of repartition and halo plans are O(P) entries long).
   struct KeyHash {
     size_t operator()(const Key& k) const {
-      return static_cast<size_t>(detail::Fingerprint().add(k).value());
+      uint64_t h = 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(k.size());
+      for (int64_t x : k) {
+        h = (h ^ static_cast<uint64_t>(x)) * 0xff51afd7ed558ccdull;
+        h ^= h >> 29;
+      }
+      return static_cast<size_t>(h);
     }
   };
   std::mutex mu_;

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "comm/primitive_support.h"
@@ -41,8 +42,9 @@ class RepartitionPlan {
   /// Collective over the plan's mesh dim: `local` holds this coordinate's rows
   /// per src (along dim); returns them per dst. Not differentiable.
   at::Tensor run(const at::Tensor& local) const;
-  /// Local. The plan of the inverse remap (the adjoint of run()).
-  RepartitionPlan inverse() const { return RepartitionPlan(axis_, dim_, dst_, src_); }
+  /// Local. The plan of the inverse remap (the adjoint of run()), from the
+  /// plan cache (Note [repartition plan cache] in repartition.cpp).
+  std::shared_ptr<const RepartitionPlan> inverse() const;
 
  private:
   internal::Axis axis_;
@@ -62,10 +64,9 @@ class AllToAllPlan {
   /// Collective over the plan's mesh dim. `local` holds src_sizes[me] along
   /// src_dim and the full extent along dst_dim. Not differentiable.
   at::Tensor run(const at::Tensor& local) const;
-  /// Local. The plan of the inverse exchange (the adjoint of run()).
-  AllToAllPlan inverse() const {
-    return AllToAllPlan(axis_, dst_dim_, dst_sizes_, src_dim_, src_sizes_);
-  }
+  /// Local. The plan of the inverse exchange (the adjoint of run()), from the
+  /// plan cache (Note [repartition plan cache] in repartition.cpp).
+  std::shared_ptr<const AllToAllPlan> inverse() const;
 
  private:
   internal::Axis axis_;
@@ -90,8 +91,9 @@ class BoxExchangePlan {
   /// Collective over the group: `local` holds src[me]; returns dst[me]. Not
   /// differentiable.
   at::Tensor run(const at::Tensor& local) const;
-  /// Local. The plan of the inverse exchange (the adjoint of run()).
-  BoxExchangePlan inverse() const { return BoxExchangePlan(group_, dst_, src_); }
+  /// Local. The plan of the inverse exchange (the adjoint of run()), from the
+  /// plan cache (Note [box exchange plan cache] in repartition.cpp).
+  std::shared_ptr<const BoxExchangePlan> inverse() const;
 
  private:
   BoxGroup group_;
@@ -101,6 +103,27 @@ class BoxExchangePlan {
   std::vector<Box> sends_, recvs_;
   std::vector<int64_t> send_numel_, recv_numel_, send_displ_, recv_displ_;
 };
+
+/// Local. The cached plan of a repartition of rows laid out per `src` to rows
+/// laid out per `dst` along tensor dim `dim` (built and cached on a miss;
+/// Note [repartition plan cache] in repartition.cpp). The layouts must have
+/// been validated.
+std::shared_ptr<const RepartitionPlan> cached_repartition_plan(const internal::Axis& axis,
+                                                               int64_t dim, const Layout& src,
+                                                               const Layout& dst);
+
+/// Local. The cached plan of a Shard(src_dim) -> Shard(dst_dim) exchange
+/// (src_dim != dst_dim; built and cached on a miss).
+std::shared_ptr<const AllToAllPlan> cached_all_to_all_plan(const internal::Axis& axis,
+                                                           int64_t src_dim,
+                                                           const std::vector<int64_t>& src_sizes,
+                                                           int64_t dst_dim,
+                                                           const std::vector<int64_t>& dst_sizes);
+
+/// Local. Numbers of repartition and all-to-all plans cached (bounded, Note
+/// [repartition plan cache] in repartition.cpp); for tests.
+size_t repartition_plan_cache_size();
+size_t all_to_all_plan_cache_size();
 
 /// Local. Number of box exchange plans cached (bounded, Note [box exchange
 /// plan cache] in repartition.cpp); for tests.

@@ -177,6 +177,9 @@ class PendingExchange {
   friend PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
                                         const std::vector<PeerBuffer>& recvs, MPI_Comm comm,
                                         int tag);
+  friend PendingExchange start_neighbor_exchange(const class NeighborExchange& x,
+                                                 const at::Tensor& send, const at::Tensor& recv,
+                                                 MPI_Comm graph);
   void abandon() noexcept;
 
   std::vector<MPI_Request> requests_;    // receives first, then sends
@@ -186,6 +189,7 @@ class PendingExchange {
   std::vector<int> peers_;               // per request, for the watchdog's message
   MPI_Comm comm_ = MPI_COMM_NULL;
   bool completed_ = false;
+  bool collective_ = false;  // one neighbourhood-collective request (not cancellable)
 };
 
 /// Point-to-point over `comm`: posts MPI_Irecv for every entry of `recvs`, then
@@ -255,5 +259,80 @@ void free_duplicate(MPI_Comm& comm) noexcept;
 
 /// Local. Communicators made by duplicate() and not yet freed.
 int64_t live_duplicates();
+
+// ---- neighbourhood collectives (issue 13; Note [neighbourhood collectives] in halo.cpp) ----
+
+/// Collective over `comm` when not cached: the distributed-graph communicator
+/// (MPI_Dist_graph_create_adjacent, no reordering) in which this rank receives
+/// from `sources` and sends to `destinations` (ranks of `comm`, each at most
+/// once; the order is the order of the neighbour buffers). Graphs are cached
+/// on `comm` itself (an MPI attribute, freed with it) under `key`, which must
+/// be identical on every rank of `comm` for the same call and determine every
+/// rank's neighbours: a communicator's cache then holds the same keys on every
+/// rank, so a miss (the collective creation) happens on all of them together.
+/// At most kMaxNeighborGraphs graphs per communicator: beyond that, returns
+/// MPI_COMM_NULL (on every rank alike) and the caller falls back to
+/// start_exchange(). The handle stays valid while `comm` lives. Throws
+/// c10::Error on MPI failure.
+MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
+                        const std::vector<int>& sources, const std::vector<int>& destinations);
+
+constexpr int kMaxNeighborGraphs = 64;
+
+/// Local. The largest message one MPI call may carry, in bytes (INT_MAX, or
+/// what set_max_count_for_testing() set; Note [large counts]). A neighbourhood
+/// exchange sends each peer's message whole, so callers use it only when every
+/// message of every rank fits.
+int64_t max_message_bytes();
+
+/// Local. Graphs cached on `comm` by neighbor_graph() (tests).
+int64_t neighbor_graph_count(MPI_Comm comm);
+
+/// Rows of a contiguous tensor read as [outer, rows, row_bytes] bytes: `count`
+/// rows from row `first`, going up (step = 1) or down (step = -1).
+struct RowRun {
+  int64_t first = 0;
+  int64_t count = 0;
+  int step = 1;
+};
+
+/// The layout of a neighbourhood exchange of row runs between a tensor read
+/// as [outer, send_rows, row_bytes] and one read as [outer, recv_rows,
+/// row_bytes]: per destination of the graph the runs sent, per source the
+/// runs received (in both, every run's rows for outer index 0, then 1, ...;
+/// a sender's and its receiver's runs for one message must agree in number
+/// and counts). Holds one committed MPI derived datatype per neighbour, so
+/// data moves without packing. Built once per plan and element size.
+class NeighborExchange {
+ public:
+  /// Local. Throws c10::Error on MPI failure or counts above INT_MAX.
+  NeighborExchange(int64_t outer, int64_t send_rows, int64_t recv_rows, int64_t row_bytes,
+                   const std::vector<std::vector<RowRun>>& sends,
+                   const std::vector<std::vector<RowRun>>& recvs);
+  /// Frees the datatypes (unless MPI is finalized). Never throws.
+  ~NeighborExchange();
+  NeighborExchange(const NeighborExchange&) = delete;
+  NeighborExchange& operator=(const NeighborExchange&) = delete;
+
+ private:
+  friend PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
+                                                 const at::Tensor& recv, MPI_Comm graph);
+  int64_t send_bytes_ = 0, recv_bytes_ = 0;  // the tensors' sizes
+  std::vector<MPI_Datatype> send_types_, recv_types_;
+  std::vector<int> send_counts_, recv_counts_;       // 1, or 0 for nothing
+  std::vector<MPI_Aint> send_displs_, recv_displs_;  // 0: the types hold the offsets
+  std::vector<int64_t> sent_, received_;             // payload bytes per neighbour
+};
+
+/// Collective over `graph` (from neighbor_graph(), whose sources and
+/// destinations are the order of `x`'s receives and sends): starts
+/// MPI_Ineighbor_alltoallw from `send` into `recv` (contiguous CPU tensors of
+/// the byte sizes `x` was built for) and returns without waiting; finish()
+/// or test() as for start_exchange(). Counted like start_exchange(). A
+/// collective request cannot be cancelled: destroying the result unfinished
+/// waits for it (under the watchdog, Note [abandoned exchange]). Throws
+/// c10::Error on wrong buffers or MPI failure.
+PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
+                                        const at::Tensor& recv, MPI_Comm graph);
 
 }  // namespace shardtensor::comm::transport

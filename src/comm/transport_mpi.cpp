@@ -12,6 +12,8 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <utility>
 
@@ -649,7 +651,8 @@ PendingExchange::PendingExchange(PendingExchange&& other) noexcept
       statuses_(std::move(other.statuses_)),
       peers_(std::move(other.peers_)),
       comm_(other.comm_),
-      completed_(other.completed_) {
+      completed_(other.completed_),
+      collective_(other.collective_) {
   other.requests_.clear();
   other.peers_.clear();
   other.completed_ = false;
@@ -665,6 +668,7 @@ PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
     peers_ = std::move(other.peers_);
     comm_ = other.comm_;
     completed_ = other.completed_;
+    collective_ = other.collective_;
     other.requests_.clear();
     other.peers_.clear();
     other.completed_ = false;
@@ -687,9 +691,10 @@ void PendingExchange::abandon() noexcept {
     }
   }
   watchdog::WaitSite site;
-  site.primitive = "abandoned exchange (MPI_Cancel + MPI_Waitall)";
+  site.primitive = collective_ ? "abandoned neighbourhood exchange (MPI_Wait)"
+                               : "abandoned exchange (MPI_Cancel + MPI_Waitall)";
   site.comm = comm_;
-  site.peers = &peers_;
+  site.peers = collective_ ? nullptr : &peers_;  // a collective request cannot be cancelled
   watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE,
                      site);
   requests_.clear();
@@ -710,9 +715,10 @@ void PendingExchange::finish() {
     statuses.resize(requests_.size());
     CommTimer timer;
     watchdog::WaitSite site;
-    site.primitive = "exchange finish (MPI_Waitall of MPI_Irecv/MPI_Isend)";
+    site.primitive = collective_ ? "neighbourhood exchange finish (MPI_Ineighbor_alltoallw)"
+                                 : "exchange finish (MPI_Waitall of MPI_Irecv/MPI_Isend)";
     site.comm = comm_;
-    site.peers = &peers_;
+    site.peers = collective_ ? nullptr : &peers_;
     rc = watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(), statuses.data(),
                             site);
   }
@@ -929,5 +935,204 @@ void free_duplicate(MPI_Comm& comm) noexcept {
 }
 
 int64_t live_duplicates() { return g_live_duplicates.load(); }
+
+}  // namespace shardtensor::comm::transport
+
+// ---- neighbourhood collectives (issue 13) ----------------------------------------
+
+namespace shardtensor::comm::transport {
+
+namespace {
+
+/// The graphs cached on one communicator (an MPI attribute; freed with it).
+struct GraphCache {
+  std::mutex mu;
+  std::map<std::vector<int64_t>, MPI_Comm> graphs;
+};
+
+int free_graph_cache(MPI_Comm, int, void* attr, void*) {
+  auto* cache = static_cast<GraphCache*>(attr);
+  for (auto& [key, graph] : cache->graphs) {
+    (void)key;
+    MPI_Comm_free(&graph);
+  }
+  delete cache;
+  return MPI_SUCCESS;
+}
+
+int graph_keyval() {
+  static const int keyval = [] {
+    int k = MPI_KEYVAL_INVALID;
+    SHARDTENSOR_MPI_CHECK(
+        MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, free_graph_cache, &k, nullptr));
+    return k;
+  }();
+  return keyval;
+}
+
+std::mutex g_graph_mu;  // guards attaching a GraphCache to a communicator
+
+GraphCache* graph_cache(MPI_Comm comm, bool create) {
+  std::lock_guard<std::mutex> lock(g_graph_mu);
+  void* attr = nullptr;
+  int found = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_get_attr(comm, graph_keyval(), &attr, &found));
+  if (found) return static_cast<GraphCache*>(attr);
+  if (!create) return nullptr;
+  auto* cache = new GraphCache();
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_set_attr(comm, graph_keyval(), cache));
+  return cache;
+}
+
+/// One neighbour's runs as a committed datatype over a buffer read as
+/// [outer, rows, row_bytes] (byte displacements from the buffer's start);
+/// sets `bytes` to its payload. MPI_BYTE with count 0 when there is nothing.
+MPI_Datatype runs_type(const std::vector<RowRun>& runs, int64_t outer, int64_t rows,
+                       int64_t row_bytes, int64_t& bytes) {
+  std::vector<MPI_Datatype> types;
+  std::vector<MPI_Aint> displs;
+  std::vector<int> lens;
+  bytes = 0;
+  for (const RowRun& r : runs) {
+    TORCH_CHECK(r.step == 1 || r.step == -1, "shardtensor transport: row run step ", r.step);
+    if (r.count == 0 || outer == 0 || row_bytes == 0) continue;
+    // The run's rows of one outer slice (down for step -1: a negative stride),
+    // then the outer slices.
+    MPI_Datatype slice = MPI_DATATYPE_NULL, run = MPI_DATATYPE_NULL;
+    SHARDTENSOR_MPI_CHECK(MPI_Type_create_hvector(
+        to_count(r.count, "rows of a run"), to_count(row_bytes, "row bytes"),
+        static_cast<MPI_Aint>(r.step * row_bytes), MPI_BYTE, &slice));
+    SHARDTENSOR_MPI_CHECK(MPI_Type_create_hvector(
+        to_count(outer, "outer slices"), 1, static_cast<MPI_Aint>(rows * row_bytes), slice, &run));
+    MPI_Type_free(&slice);
+    types.push_back(run);
+    displs.push_back(static_cast<MPI_Aint>(r.first * row_bytes));
+    lens.push_back(1);
+    bytes += r.count * outer * row_bytes;
+  }
+  if (types.empty()) return MPI_BYTE;
+  MPI_Datatype out = MPI_DATATYPE_NULL;
+  SHARDTENSOR_MPI_CHECK(MPI_Type_create_struct(static_cast<int>(types.size()), lens.data(),
+                                               displs.data(), types.data(), &out));
+  SHARDTENSOR_MPI_CHECK(MPI_Type_commit(&out));
+  for (auto& t : types) MPI_Type_free(&t);
+  return out;
+}
+
+void free_types(std::vector<MPI_Datatype>& types) noexcept {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) {
+    for (auto& t : types) {
+      if (t != MPI_BYTE && t != MPI_DATATYPE_NULL) MPI_Type_free(&t);
+    }
+  }
+  types.clear();
+}
+
+}  // namespace
+
+MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
+                        const std::vector<int>& sources, const std::vector<int>& destinations) {
+  GraphCache* cache = graph_cache(comm, /*create=*/true);
+  {
+    std::lock_guard<std::mutex> lock(cache->mu);
+    auto it = cache->graphs.find(key);
+    if (it != cache->graphs.end()) return it->second;
+    if (static_cast<int>(cache->graphs.size()) >= kMaxNeighborGraphs) return MPI_COMM_NULL;
+  }
+  const int size = comm_size(comm);
+  for (const auto* list : {&sources, &destinations}) {
+    for (int r : *list) {
+      TORCH_CHECK(r >= 0 && r < size, "shardtensor transport: neighbour ", r,
+                  " is not a rank of a communicator of size ", size);
+    }
+  }
+  MPI_Comm graph = MPI_COMM_NULL;
+  {
+    CommTimer timer;
+    SHARDTENSOR_MPI_CHECK(MPI_Dist_graph_create_adjacent(
+        comm, static_cast<int>(sources.size()), sources.data(), MPI_UNWEIGHTED,
+        static_cast<int>(destinations.size()), destinations.data(), MPI_UNWEIGHTED, MPI_INFO_NULL,
+        /*reorder=*/0, &graph));
+  }
+  std::lock_guard<std::mutex> lock(cache->mu);
+  cache->graphs.emplace(key, graph);
+  return graph;
+}
+
+int64_t max_message_bytes() { return max_count(); }
+
+int64_t neighbor_graph_count(MPI_Comm comm) {
+  GraphCache* cache = graph_cache(comm, /*create=*/false);
+  if (cache == nullptr) return 0;
+  std::lock_guard<std::mutex> lock(cache->mu);
+  return static_cast<int64_t>(cache->graphs.size());
+}
+
+NeighborExchange::NeighborExchange(int64_t outer, int64_t send_rows, int64_t recv_rows,
+                                   int64_t row_bytes, const std::vector<std::vector<RowRun>>& sends,
+                                   const std::vector<std::vector<RowRun>>& recvs)
+    : send_bytes_(outer * send_rows * row_bytes), recv_bytes_(outer * recv_rows * row_bytes) {
+  try {
+    for (const auto& runs : sends) {
+      sent_.push_back(0);
+      send_types_.push_back(runs_type(runs, outer, send_rows, row_bytes, sent_.back()));
+      send_counts_.push_back(sent_.back() > 0 ? 1 : 0);
+    }
+    for (const auto& runs : recvs) {
+      received_.push_back(0);
+      recv_types_.push_back(runs_type(runs, outer, recv_rows, row_bytes, received_.back()));
+      recv_counts_.push_back(received_.back() > 0 ? 1 : 0);
+    }
+  } catch (...) {
+    free_types(send_types_);
+    free_types(recv_types_);
+    throw;
+  }
+  send_displs_.assign(send_types_.size(), 0);
+  recv_displs_.assign(recv_types_.size(), 0);
+}
+
+NeighborExchange::~NeighborExchange() {
+  free_types(send_types_);
+  free_types(recv_types_);
+}
+
+PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
+                                        const at::Tensor& recv, MPI_Comm graph) {
+  check_buffer(send, "neighbourhood exchange send buffer");
+  check_buffer(recv, "neighbourhood exchange receive buffer");
+  TORCH_CHECK(nbytes(send) == x.send_bytes_ && nbytes(recv) == x.recv_bytes_,
+              "shardtensor transport: neighbourhood exchange buffers of ", nbytes(send), " and ",
+              nbytes(recv), " bytes, but the layout is for ", x.send_bytes_, " and ",
+              x.recv_bytes_);
+  int indegree = 0, outdegree = 0, weighted = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Dist_graph_neighbors_count(graph, &indegree, &outdegree, &weighted));
+  TORCH_CHECK(indegree == static_cast<int>(x.recv_types_.size()) &&
+                  outdegree == static_cast<int>(x.send_types_.size()),
+              "shardtensor transport: the graph has ", indegree, " sources and ", outdegree,
+              " destinations, the layout ", x.recv_types_.size(), " and ", x.send_types_.size());
+  CommTimer timer;
+  PendingExchange ex;
+  ex.comm_ = graph;
+  ex.collective_ = true;
+  ex.buffers_ = {send, recv};
+  ex.requests_.push_back(MPI_REQUEST_NULL);
+  // The count, displacement and type arrays live in `x`, which outlives the
+  // exchange (MPI reads them until completion).
+  SHARDTENSOR_MPI_CHECK(MPI_Ineighbor_alltoallw(
+      ptr(send), x.send_counts_.data(), x.send_displs_.data(), x.send_types_.data(), ptr(recv),
+      x.recv_counts_.data(), x.recv_displs_.data(), x.recv_types_.data(), graph,
+      &ex.requests_.back()));
+  int64_t sent = 0, received = 0, messages = 0;
+  for (int64_t b : x.sent_) {
+    sent += b;
+    messages += b > 0 ? 1 : 0;
+  }
+  for (int64_t b : x.received_) received += b;
+  detail::record_comm(sent, received, messages);
+  return ex;
+}
 
 }  // namespace shardtensor::comm::transport
