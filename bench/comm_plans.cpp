@@ -11,14 +11,12 @@
 // call (the slowest rank's total over `calls`).
 //
 // halo: comm::halo_exchange of a [1, channels, n, n] float32 field sharded
-// on dim 2 with halo widths 1 and 3, `reps` pairs of timed calls after 10
-// warm-up pairs: one call on the point-to-point path (Isend/Irecv of packed
-// strips, SHARDTENSOR_HALO_NEIGHBOR=0) and one on the neighbourhood-collective
-// path (the default; Note [neighbourhood collectives] in src/comm/halo.cpp),
-// taking turns at going first (the second call of a pair finds the piece warm
-// in cache), so that both see the same load. Prints per path the median per
-// call of the slowest rank's time, and per pair the median ratio and how many
-// pairs the neighbourhood path won.
+// on dim 2 with halo widths 1 and 3, `reps` timed calls per path after 10
+// warm-up calls, alternating between the point-to-point path (Isend/Irecv of
+// packed strips) and the neighbourhood-collective path
+// (SHARDTENSOR_HALO_NEIGHBOR=1, Note [neighbourhood collectives] in
+// src/comm/halo.cpp) call by call, so that both see the same load. Prints the
+// median per call (of the slowest rank's time per call).
 //
 // Every line carries the load average (bench/tool.h).
 #include <ATen/ATen.h>

@@ -1210,8 +1210,8 @@ int64_t rows_from(const Ranges& ranges, int64_t c, const std::vector<int64_t>& s
 
 }  // namespace
 
-// SHARDTENSOR_HALO_NEIGHBOR=1 (the default) against =0 (Note [neighbourhood
-// collectives]): the neighbourhood-collective path gives bit-identical results and counts the
+// SHARDTENSOR_HALO_NEIGHBOR=1 (Note [neighbourhood collectives]): the
+// neighbourhood-collective path gives bit-identical results and counts the
 // same bytes as the point-to-point path, blocking and split phase, in every
 // mode (reflect: rows sent in reverse; replicate: one row expanded on
 // arrival; circular and multi-hop: several runs per peer), for float and
@@ -1290,10 +1290,10 @@ TEST(CommGatherRange, NeighbourhoodCollectivesMatchPointToPoint) {
                  nullptr)));
       }
     }
-    // The default path; a repeated layout reuses its graph; the count is bounded.
+    // A repeated layout reuses its graph; the count is bounded.
     const auto sizes = balanced(2 * a.P + 1, a.P);
     at::Tensor local = seeded_randn({2, sizes[a.me], 3}, 1510);
-    unsetenv("SHARDTENSOR_HALO_NEIGHBOR");
+    setenv("SHARDTENSOR_HALO_NEIGHBOR", "1", 1);
     comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 1);
     const int64_t graphs = comm::transport::neighbor_graph_count(a.comm);
     comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 1);

@@ -61,7 +61,7 @@ class PendingHalo {
   friend class HaloPlan;
   const HaloPlan* plan_ = nullptr;
   bool adjoint_ = false;
-  bool neighbor_ = false;  // received in place by a neighbourhood collective (the default)
+  bool neighbor_ = false;  // received in place by a neighbourhood collective
                            // (Note [neighbourhood collectives] in halo.cpp)
   std::unique_ptr<transport::PendingExchange> pending_;
   std::vector<at::Tensor> recv_;  // per plan.recv (forward) or plan.send (adjoint)
