@@ -30,6 +30,13 @@ int main(int argc, char** argv) {
   // A first collective that every rank makes, so the job is fully up.
   at::Tensor warm = x.sum();
   (void)warm;
+  // Every rank leaves the warm-up before any scenario starts: an all-reduce
+  // can return on one rank while another still waits in it, and a carried
+  // error poisons the job (Note [carried errors]) for a rank still waiting in
+  // the warm-up, outside the scenarios' try blocks (one_rank_bad_piece at 3
+  // ranks: rank 0 already in the failing all_gather poisons, rank 1 still in
+  // the warm-up sum raises there).
+  MPI_Barrier(MPI_COMM_WORLD);
 
   if (scenario == "throw_mid_op") {
     // The culprit raises (as a rule or user callback would) after the others
