@@ -107,6 +107,7 @@
 
 #include "comm/function_output.h"
 #include "ops/common.h"
+#include "ops/halo_blocks.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -351,70 +352,19 @@ std::optional<std::vector<SplitTconv>> split_plan(const ShardSpec& spec,
 // Note [split-phase transposed convolution]: the forward, under autograd.
 // `x` is the batched local piece; returns the batched block of shape
 // `out_shape`. With D sharded dims the halo-extended piece is a 3^D
-// arrangement of blocks (block b: side (b / 3^(D-1-j)) % 3 along dim j; 0 left
-// halo, 1 the piece's rows, 2 right halo): level 1 (one halo side) is
+// arrangement of blocks (Note [halo blocks]): level 1 (one halo side) is
 // gathered from the piece, level l from a level l-1 block (the corners), as
 // the previous level arrives.
 at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                          const std::vector<SplitTconv>& sd, const TconvArgs& a,
                          const DeviceMesh& mesh, const std::vector<int64_t>& out_shape) {
   const int64_t D = static_cast<int64_t>(sd.size());
-  int64_t nblocks = 1;
-  for (int64_t j = 0; j < D; ++j) nblocks *= 3;
-  auto side = [&](int64_t blk, int64_t j) {
-    for (int64_t r = j + 1; r < D; ++r) blk /= 3;
-    return blk % 3;
-  };
-  auto with_side = [&](int64_t blk, int64_t j, int64_t v) {
-    int64_t pw = 1;
-    for (int64_t r = j + 1; r < D; ++r) pw *= 3;
-    return blk + (v - side(blk, j)) * pw;
-  };
-  auto level = [&](int64_t blk) {
-    int64_t l = 0;
-    for (int64_t j = 0; j < D; ++j) l += side(blk, j) != 1 ? 1 : 0;
-    return l;
-  };
-  std::vector<at::Tensor> blocks(nblocks);
-  std::vector<std::optional<comm::HaloExchangeInFlight>> pending(nblocks);
-  std::vector<char> exchanged(nblocks, 0), used(nblocks, 0);
-  int64_t own = 0;
-  for (int64_t j = 0; j < D; ++j) own = own * 3 + 1;
-  blocks[own] = x;
-  auto start_level = [&](int64_t l) {
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      if (level(blk) != l) continue;
-      int64_t j = D - 1;
-      while (side(blk, j) == 1) --j;  // the last dim with a halo side
-      const SplitTconv& dj = sd[j];
-      const int64_t pb = with_side(blk, j, 1);
-      const at::Tensor& parent = blocks[pb];
-      const bool any = side(blk, j) == 0 ? dj.any_left : dj.any_right;
-      // Decided alike by the mesh dim's peers: `any` is global, and whether
-      // the parent was exchanged and its shape off dim j depend only on
-      // coordinates they share. A corner of a zero block is zeros.
-      if (!any || parent.numel() == 0 || (pb != own && !exchanged[pb])) {
-        std::vector<int64_t> shape = parent.sizes().vec();
-        const auto sp = dj.span(side(blk, j));
-        shape[dj.dim] = sp.second - sp.first;
-        blocks[blk] = at::zeros(shape, parent.options());
-        continue;
-      }
-      exchanged[blk] = 1;
-      pending[blk].emplace(comm::gather_range_start(parent, mesh, dj.mesh_dim, dj.dim, dj.in_sizes,
-                                                    side(blk, j) == 0 ? dj.left : dj.right,
-                                                    PadMode::Constant, 0.0));
-    }
-  };
-  auto finish_level = [&](int64_t l) {
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      if (level(blk) == l && pending[blk]) {
-        blocks[blk] = pending[blk]->finish();
-        pending[blk].reset();
-      }
-    }
-  };
-  start_level(1);
+  // Note [halo blocks].
+  std::vector<stencil::BlockDim> bd;
+  for (const auto& d : sd)
+    bd.push_back({d.dim, d.mesh_dim, d.in_sizes, d.left, d.right, d.off, d.n});
+  stencil::HaloBlocks hb(x, mesh, std::move(bd), PadMode::Constant, 0.0);
+  hb.start_level(1);
   // Interior: libtorch's kernel on the piece, cropped by padding q per dim.
   std::vector<int64_t> pad = a.pad, opad = a.opad, start(D);
   bool exact = true;
@@ -432,9 +382,7 @@ at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Ten
     opad[i] = t;
     start[j] = w0 + q;
   }
-  for (auto& pe : pending) {
-    if (pe) pe->test();
-  }
+  hb.test();
   at::Tensor inner = at::convolution(x, w, b, a.stride, pad, a.dil, true, opad, a.groups);
   at::Tensor out;
   if (exact) {
@@ -470,8 +418,7 @@ at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Ten
         shape[sd[j].dim] = choice[j].second.second - choice[j].second.first;
       }
       if (zero) return at::zeros(shape, x.options());
-      at::Tensor t = blocks[blk];
-      used[blk] = 1;
+      at::Tensor t = hb.use(blk);
       for (int64_t j = 0; j < D; ++j) {
         const auto& [v, rg] = choice[j];
         t = t.narrow(sd[j].dim, rg.first - sd[j].span(v).first, rg.second - rg.first);
@@ -486,8 +433,8 @@ at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Ten
     return parts.size() == 1 ? parts[0] : at::cat(parts, sd[r].dim);
   };
   for (int64_t l = 1; l <= D; ++l) {
-    finish_level(l);
-    if (l < D) start_level(l + 1);
+    hb.finish_level(l);
+    if (l < D) hb.start_level(l + 1);
     // Box of dim j = l - 1: its boundary outputs, all outputs of earlier
     // sharded dims, the interior of later ones (each output in one box; it
     // reads only blocks of levels <= l).
@@ -539,10 +486,10 @@ at::Tensor split_forward(const at::Tensor& x, const at::Tensor& w, const at::Ten
   }
   // A received block that no strip read still runs its adjoint in backward
   // (collective over its mesh dim): attached by an empty in-place copy.
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    if (!exchanged[blk] || used[blk]) continue;
+  for (int64_t blk = 0; blk < hb.count(); ++blk) {
+    if (!hb.exchanged(blk) || hb.used(blk)) continue;
     at::Tensor dst = out.narrow(sd[0].dim, 0, 0);
-    dst.copy_(blocks[blk].sum().to(dst.scalar_type()).expand(dst.sizes()));
+    dst.copy_(hb.block(blk).sum().to(dst.scalar_type()).expand(dst.sizes()));
   }
   return out;
 }

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "ops/common.h"
+#include "ops/halo_blocks.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -522,94 +523,13 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
                          const std::vector<std::optional<double>>& scales,
                          const std::vector<int64_t>& out_local) {
   const int64_t D = static_cast<int64_t>(sd.size());
-  int64_t nblocks = 1;
-  for (int64_t j = 0; j < D; ++j) nblocks *= 3;
-  // Block b: side of dim j = (b / 3^(D-1-j)) % 3, 0 left halo, 1 own rows, 2 right halo.
-  auto side = [&](int64_t b, int64_t j) {
-    for (int64_t r = j + 1; r < D; ++r) b /= 3;
-    return b % 3;
-  };
-  auto with_side = [&](int64_t b, int64_t j, int64_t v) {
-    int64_t pw = 1;
-    for (int64_t r = j + 1; r < D; ++r) pw *= 3;
-    return b + (v - side(b, j)) * pw;
-  };
-  auto level = [&](int64_t b) {
-    int64_t l = 0;
-    for (int64_t j = 0; j < D; ++j) l += side(b, j) != 1 ? 1 : 0;
-    return l;
-  };
-  auto span = [&](int64_t j, int64_t v) -> stencil::Range {
-    const int64_t me = mesh.coordinate()[sd[j].mesh_dim];
-    if (v == 0) return sd[j].left[me];
-    if (v == 2) return sd[j].right[me];
-    return {sd[j].off, sd[j].off + sd[j].n};
-  };
-  std::vector<at::Tensor> blocks(nblocks);
-  std::vector<std::optional<comm::HaloExchangeInFlight>> pending(nblocks);
-  std::vector<char> exchanged(nblocks, 0), used(nblocks, 0);
-  int64_t own = 0;
-  for (int64_t j = 0; j < D; ++j) own = own * 3 + 1;
-  blocks[own] = x;
-  auto start_level = [&](int64_t l) {
-    for (int64_t b = 0; b < nblocks; ++b) {
-      if (level(b) != l) continue;
-      int64_t j = D - 1;
-      while (side(b, j) == 1) --j;  // the last dim with a halo side
-      const at::Tensor& parent = blocks[with_side(b, j, 1)];
-      const auto& ranges = side(b, j) == 0 ? sd[j].left : sd[j].right;
-      bool any = false;
-      for (const auto& r : ranges) any = any || r.first < r.second;
-      const auto sp = span(j, side(b, j));
-      // Both decided identically by the mesh dim's peers (same parent shape
-      // off this dim, same ranges).
-      if (!any || parent.numel() == 0) {
-        std::vector<int64_t> shp = parent.sizes().vec();
-        shp[sd[j].dim] = sp.second - sp.first;
-        blocks[b] = at::zeros(shp, parent.options());
-        continue;
-      }
-      exchanged[b] = 1;
-      pending[b].emplace(comm::gather_range_start(parent, mesh, sd[j].mesh_dim, sd[j].dim,
-                                                  sd[j].in_sizes, ranges, PadMode::Replicate));
-    }
-  };
-  auto finish_level = [&](int64_t l) {
-    for (int64_t b = 0; b < nblocks; ++b) {
-      if (level(b) == l && pending[b]) {
-        blocks[b] = pending[b]->finish();
-        pending[b].reset();
-      }
-    }
-  };
-  // The global input range `want` as one tensor, from the narrowed blocks.
+  // Note [halo blocks].
+  std::vector<stencil::BlockDim> bd;
+  for (const auto& d : sd)
+    bd.push_back({d.dim, d.mesh_dim, d.in_sizes, d.left, d.right, d.off, d.n});
+  stencil::HaloBlocks hb(x, mesh, std::move(bd), PadMode::Replicate, 0.0);
+  // The global input box each boundary kernel reads (hb.region(want)).
   std::vector<stencil::Range> want(D);
-  std::vector<std::pair<int64_t, stencil::Range>> part(D);
-  std::function<at::Tensor(int64_t)> region = [&](int64_t j) -> at::Tensor {
-    if (j == D) {
-      int64_t b = 0;
-      for (int64_t r = 0; r < D; ++r) b = b * 3 + part[r].first;
-      at::Tensor t = blocks[b];
-      used[b] = 1;
-      for (int64_t r = 0; r < D; ++r) {
-        const int64_t s0 = span(r, part[r].first).first;
-        t = t.narrow(sd[r].dim, part[r].second.first - s0,
-                     part[r].second.second - part[r].second.first);
-      }
-      return t;
-    }
-    std::vector<at::Tensor> pieces;
-    for (int64_t v = 0; v < 3; ++v) {
-      const auto sp = span(j, v);
-      const int64_t a = std::max(want[j].first, sp.first);
-      const int64_t e = std::min(want[j].second, sp.second);
-      if (a >= e) continue;
-      part[j] = {v, {a, e}};
-      pieces.push_back(region(j + 1));
-    }
-    TORCH_INTERNAL_ASSERT(!pieces.empty());
-    return pieces.size() == 1 ? pieces[0] : at::cat(pieces, sd[j].dim);
-  };
   // libtorch's kernel on g, which holds the global input ranges `in` along the
   // sharded dims, for the global outputs before `end` there (scale s, extent
   // call_extent); the caller's extent and scale on the other dims.
@@ -626,7 +546,7 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
     return upsample(p, g, co, false, cs);
   };
 
-  start_level(1);
+  hb.start_level(1);
   // Interior: libtorch's kernel on the whole local piece.
   std::vector<stencil::Range> piece(D);
   std::vector<int64_t> iend(D);
@@ -651,8 +571,8 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
     vals.push_back(src);
   }
   for (int64_t l = 1; l <= D; ++l) {
-    finish_level(l);
-    if (l < D) start_level(l + 1);
+    hb.finish_level(l);
+    if (l < D) hb.start_level(l + 1);
     // Box l-1: boundary outputs of sharded dim l-1, the whole block of
     // earlier sharded dims, the interior of later ones.
     const int64_t j = l - 1;
@@ -678,7 +598,7 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
         }
         end[r] = outs[r].second;
       }
-      at::Tensor v = kernel(region(0), want, end, fr);
+      at::Tensor v = kernel(hb.region(want), want, end, fr);
       for (int64_t r = 0; r < D; ++r) {
         const int64_t len = outs[r].second - outs[r].first;
         v = v.narrow(sd[r].dim, outs[r].first - sd[r].s * want[r].first, len);
@@ -692,8 +612,8 @@ at::Tensor split_forward(const InterpOp& p, const at::Tensor& x, const DeviceMes
   // next to a rank whose neighbour does read from it) must still run its
   // adjoint in backward (collective): a tie of AssembleFn.
   const int64_t nvals = static_cast<int64_t>(vals.size());
-  for (int64_t b = 0; b < nblocks; ++b) {
-    if (exchanged[b] && !used[b]) vals.push_back(blocks[b]);
+  for (int64_t b = 0; b < hb.count(); ++b) {
+    if (hb.exchanged(b) && !hb.used(b)) vals.push_back(hb.block(b));
   }
   if (vals.empty()) return yi;  // the block itself: nothing exchanged, no boundary
   at::Tensor out = AssembleFn::apply(exact ? c10::optional<at::Tensor>(yi) : c10::nullopt,
