@@ -12,6 +12,19 @@ started (or mpi4py's adopted) by the first call that needs it. See docs/python.m
 
 import torch  # noqa: F401  (first: loads libtorch_python, which _C links against)
 
+# Note [torch version check]: _C and libshardtensor are compiled against one torch's C++
+# libraries, whose ABI changes between releases; under another torch, loading _C can fail
+# on undefined symbols or crash later. So compare with the torch recorded at build time
+# (_build_info.py, plain Python written by CMake) before _C is loaded. The local label
+# (+cpu, +cu130) is not compared: the builds of one release share the C++ ABI.
+from ._build_info import torch_version as _built_torch_version  # noqa: E402
+
+if torch.__version__.split("+")[0] != _built_torch_version.split("+")[0]:
+    raise ImportError(
+        f"shardtensor was built against torch {_built_torch_version}, but torch {torch.__version__} "
+        f"is installed ({torch.__file__}); rebuild shardtensor against this torch with "
+        "`pip install --no-build-isolation .` in the shardtensor source tree (docs/python.md)")
+
 from . import _C, _runtime
 from . import io  # noqa: F401  (shardtensor.io: HDF5 and checkpoints)
 from ._manager import DistributedManager

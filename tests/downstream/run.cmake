@@ -1,10 +1,13 @@
 # cmake -P script behind the `downstream` CTest test:
 #   1. install the current build into a fresh prefix (cmake --install),
-#   2. check that the installed CMake package does not point into the build or source tree,
-#   3. configure and build tests/downstream against that prefix (CMAKE_PREFIX_PATH only),
+#   2. check that the installed CMake package does not point into the build or source tree
+#      (paths into TORCH_ROOT, the torch package it was built against, are expected: it
+#      may live in the source tree's .venv),
+#   3. configure and build tests/downstream against that prefix (CMAKE_PREFIX_PATH only:
+#      ShardTensorConfig.cmake finds the Torch it was built with by itself),
 #   4. run it under MPI: ${MPIEXEC} ${MPIEXEC_FLAGS} -np ${NP} downstream_app.
 # Inputs (-D): BUILD_DIR SOURCE_DIR SRC_ROOT WORK_DIR MPIEXEC MPIEXEC_FLAGS NP
-#              BUILD_TYPE CXX_COMPILER LAUNCHER (optional)
+#              BUILD_TYPE CXX_COMPILER LAUNCHER TORCH_ROOT (optional)
 cmake_minimum_required(VERSION 3.18)
 
 foreach(v BUILD_DIR SOURCE_DIR SRC_ROOT WORK_DIR MPIEXEC NP)
@@ -35,6 +38,9 @@ if(NOT pkg_files)
 endif()
 foreach(f ${pkg_files})
   file(READ "${f}" text)
+  if(TORCH_ROOT)
+    string(REPLACE "${TORCH_ROOT}" "<torch>" text "${text}")
+  endif()
   foreach(bad "${BUILD_DIR}" "${SRC_ROOT}")
     string(FIND "${text}" "${bad}" pos)
     if(NOT pos EQUAL -1)
