@@ -1,7 +1,7 @@
 # shardtensor: the two commands.
 #
-#   make demo   install missing Debian packages, build, run the demo on $(NP) MPI ranks
-#   make test   install missing Debian packages, build, run every test (ctest)
+#   make demo   install what is missing (Debian packages, .venv), build, run the demo on $(NP) MPI ranks
+#   make test   install what is missing (Debian packages, .venv), build, run every test (ctest)
 #
 # Also: make demo-vit (examples/vit_train on 4 ranks), make demo-py (examples/python/unet_train.py
 # on 4 ranks through the Python package; DEMO_PY_ARGS passes flags), make demo-py-fno
@@ -33,23 +33,24 @@ TEST_TIMEOUT ?= 1800
 CMAKE_ARGS   ?=
 MPIRUN       ?= mpirun
 MPIRUN_FLAGS ?= --oversubscribe --bind-to none
-CLANG_FORMAT ?= clang-format
+CLANG_FORMAT ?= $(VENV)/bin/clang-format
 BUILD_ABS    := $(if $(filter /%,$(BUILD_DIR)),$(BUILD_DIR),$(REPO_ROOT)/$(BUILD_DIR))
 
-# Debian 12 packages. libtorch-dev pulls in what its CMake config
-# (/usr/lib/x86_64-linux-gnu/cmake/{Torch,Caffe2}) needs: libgflags-dev,
-# libgoogle-glog-dev, libprotobuf-dev; they are listed so a missing one is caught.
-# libopenblas0-openmp: Debian's libtorch is built against the generic
-# libblas.so.3, which is the unoptimized reference BLAS unless an optimized one
-# provides it; OpenBLAS (OpenMP flavour, so at::set_num_threads governs it too)
-# makes GEMMs about 10x faster and removes the 1-thread pathology of 1x1
-# convolutions (docs/benchmarks.md, Note [blas]).
-DEB_PACKAGES ?= libtorch-dev libgflags-dev libgoogle-glog-dev libprotobuf-dev \
-                libopenmpi-dev openmpi-bin libgtest-dev cmake make g++ ccache \
-                libpng-dev pkg-config clang-format \
-                python3-torch python3-dev pybind11-dev python3-mpi4py python3-pytest python3-numpy \
-                libhdf5-openmpi-dev python3-h5py-mpi python3-netcdf4 hdf5-tools \
-                nlohmann-json3-dev libcli11-dev jq libopenblas0-openmp
+# System parts from Debian (12 or 13; the names are the same on both): MPI, parallel
+# HDF5, compilers, GoogleTest, header-only CLI11/JSON, libpng. Python and torch come
+# from PyPI into a virtual environment (below), never from Debian.
+DEB_PACKAGES ?= libopenmpi-dev openmpi-bin libgtest-dev cmake make g++ ccache \
+                libpng-dev pkg-config libhdf5-openmpi-dev hdf5-tools \
+                nlohmann-json3-dev libcli11-dev jq
+
+# The project's Python: the active virtual environment ($$VIRTUAL_ENV), else .venv in the
+# repo root, made from the machine's python3 (3.11) by `make deps`, with every Python
+# dependency pinned in requirements.txt (torch==2.13.0 among them). CMake finds Torch
+# through this interpreter (cmake/ProjectTorch.cmake).
+PYTHON       ?= python3
+VENV         ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),$(REPO_ROOT)/.venv)
+VENV_PY      := $(VENV)/bin/python
+REQUIREMENTS := $(REPO_ROOT)/requirements.txt
 
 # ccache shared by every build dir of every checkout under one user.
 export CCACHE_DIR        ?= $(HOME)/.ccache
@@ -69,7 +70,7 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: fuzz test-asan test-large help demo demo-vit demo-py demo-py-fno test deps configure build install format format-check clean \
+.PHONY: deps-debian deps-python fuzz test-asan test-large help demo demo-vit demo-py demo-py-fno test deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
         bench-overhead bench-attention bench-scale bench-profile bench-io bench-report bench-deps
 
@@ -105,7 +106,7 @@ DEMO_PY_ARGS ?= --size 256 --steps 20 --solver-steps 100
 demo-py: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_python
 	py=$$(sed -n 's/^Python3_EXECUTABLE:FILEPATH=//p' $(BUILD_ABS)/CMakeCache.txt); \
-	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-/usr/bin/python3} \
+	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-$(VENV_PY)} \
 	  $(REPO_ROOT)/examples/python/unet_train.py $(DEMO_PY_ARGS)
 
 # The FNO example through the Python package (examples/python/fno_train.py), on 4 ranks.
@@ -113,7 +114,7 @@ DEMO_PY_FNO_ARGS ?= --size 128 --steps 30 --solver-steps 100
 demo-py-fno: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_python
 	py=$$(sed -n 's/^Python3_EXECUTABLE:FILEPATH=//p' $(BUILD_ABS)/CMakeCache.txt); \
-	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-/usr/bin/python3} \
+	PYTHONPATH=$(BUILD_ABS)/python $(MPIRUN) $(MPIRUN_FLAGS) -np 4 $${py:-$(VENV_PY)} \
 	  $(REPO_ROOT)/examples/python/fno_train.py $(DEMO_PY_FNO_ARGS)
 
 # The >2 GiB large-count test (label `large`, ~7.5 GiB peak) runs in `make test-large`.
@@ -138,7 +139,7 @@ test-asan: deps
 	cd $(REPO_ROOT) && cmake -S . -B $(ASAN_ABS) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DSHARDTENSOR_BUILD_EXAMPLES=OFF -DSHARDTENSOR_BUILD_BENCH=OFF \
 	  -DCMAKE_CXX_FLAGS="$(SAN_FLAGS)" -DCMAKE_EXE_LINKER_FLAGS="$(SAN_FLAGS)" \
-	  -DCMAKE_SHARED_LINKER_FLAGS="$(SAN_FLAGS)" $(CMAKE_ARGS)
+	  -DCMAKE_SHARED_LINKER_FLAGS="$(SAN_FLAGS)" -DPython3_EXECUTABLE=$(VENV_PY) $(CMAKE_ARGS)
 	cmake --build $(ASAN_ABS) -j $(JOBS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_init_order=1:detect_stack_use_after_return=0 \
 	LSAN_OPTIONS=suppressions=$(REPO_ROOT)/tests/sanitizers/lsan.supp:print_suppressions=0 \
@@ -160,8 +161,11 @@ fuzz: configure
 	  $(if $(MESH),SHARDTENSOR_TEST_MESH=$(MESH)) \
 	  $(MPIRUN) $(MPIRUN_FLAGS) -np $(NP) $(BUILD_ABS)/tests/test_fuzz
 
+# deps = Debian's system packages (deps-debian) + the Python environment (deps-python).
+deps: deps-debian deps-python
+
 # Checks every package with dpkg-query; apt-get runs only when one is missing.
-deps:
+deps-debian:
 ifeq ($(SKIP_DEPS),1)
 	@echo "deps: skipped (SKIP_DEPS=1)"
 else
@@ -175,7 +179,7 @@ else
 	  if [ "$$status" != "install ok installed" ]; then missing="$$missing $$p"; fi; \
 	done; \
 	if [ -z "$$missing" ]; then \
-	  echo "deps: all $(words $(DEB_PACKAGES)) Debian packages already installed"; \
+	  echo "deps: all $(words $(DEB_PACKAGES)) Debian packages already installed (Debian $$(cat /etc/debian_version 2>/dev/null))"; \
 	  exit 0; \
 	fi; \
 	echo "deps: installing:$$missing"; \
@@ -188,9 +192,26 @@ else
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(APT_FLAGS) $$missing
 endif
 
+# The virtual environment: made once; requirements.txt installed again only when it
+# changed (a copy of the installed file is kept in the venv as the stamp).
+# mpi4py compiles against Debian's MPI, so this runs after deps-debian.
+deps-python: deps-debian
+	@if [ ! -x "$(VENV_PY)" ]; then \
+	  echo "deps: creating the virtual environment $(VENV) from $$(command -v $(PYTHON)) ($$($(PYTHON) --version 2>&1))"; \
+	  $(PYTHON) -m venv "$(VENV)"; \
+	fi; \
+	if cmp -s "$(REQUIREMENTS)" "$(VENV)/.shardtensor-requirements.txt"; then \
+	  echo "deps: $(VENV) matches requirements.txt"; \
+	else \
+	  echo "deps: installing requirements.txt into $(VENV)"; \
+	  "$(VENV_PY)" -m pip install --disable-pip-version-check -q -r "$(REQUIREMENTS)"; \
+	  cp "$(REQUIREMENTS)" "$(VENV)/.shardtensor-requirements.txt"; \
+	fi
+
 # Configuring again is cheap when nothing changed and rebuilds nothing.
 configure: deps
-	cd $(REPO_ROOT) && cmake -S . -B $(BUILD_ABS) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+	cd $(REPO_ROOT) && cmake -S . -B $(BUILD_ABS) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DPython3_EXECUTABLE=$(VENV_PY) $(CMAKE_ARGS)
 
 build: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS)
@@ -232,7 +253,7 @@ $(addprefix bench-,$(BENCH_SCENARIOS)): bench-%: bench-build
 
 # gnuplot-nox only for the report, through the deps mechanism (not a dependency of test/build).
 bench-deps:
-	$(MAKE) --no-print-directory deps DEB_PACKAGES=gnuplot-nox
+	$(MAKE) --no-print-directory deps-debian DEB_PACKAGES=gnuplot-nox
 
 bench-report: bench-deps
 	$(REPO_ROOT)/bench/report.sh
@@ -242,3 +263,11 @@ bench-report: bench-deps
 docs-ops: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_op_coverage
 	$(BUILD_ABS)/bench/shardtensor_op_coverage > $(REPO_ROOT)/docs/ops.md
+
+# Compile (syntax only) the library and the Python binding against other torch versions in
+# the supported range (tools/check_torch_range.py): TORCH_WHEELS = wheel files or unpacked
+# torch package directories. CI tests 2.13.0 by building and running; this proves the rest.
+TORCH_WHEELS ?= $(wildcard /opt/pypi-more/files/torch-2.14.1-*.whl)
+.PHONY: check-torch-range
+check-torch-range: configure
+	$(VENV_PY) $(REPO_ROOT)/tools/check_torch_range.py $(BUILD_ABS) $(TORCH_WHEELS)

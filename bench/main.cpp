@@ -24,10 +24,13 @@
 //    settings, the load, and per rank and step: messages, bytes, CPU seconds,
 //    host seconds outside MPI, the dispatcher's counters (Note [scale counters]).
 //  - profile: per-op times of the sharded and the plain run (Note [bench profile]).
+#include <ATen/Context.h>
+#include <ATen/Version.h>
 #include <mpi.h>
 #include <sched.h>
 #include <shardtensor/dispatch/stats.h>
 #include <shardtensor/shardtensor.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -647,9 +650,10 @@ std::string env_or(const char* name, const char* fallback) {
 }
 
 /// The BLAS and LAPACK libraries mapped into this process (/proc/self/maps):
-/// Debian's libtorch calls whatever libblas.so.3 the alternatives system
-/// points to, the reference BLAS unless an optimized one is installed
-/// (Note [blas]).
+/// Debian's libtorch 1.13 called whatever libblas.so.3 the alternatives system
+/// pointed to (Note [blas]); PyPI's torch 2.x links MKL statically, so there the
+/// list is usually empty and `torch_blas` / `torch_lapack` below say what runs.
+/// For the MKL-backed builds the list would contain libmkl_* only if loaded dynamically.
 std::vector<std::string> blas_libraries() {
   std::ifstream maps("/proc/self/maps");
   std::vector<std::string> out;
@@ -680,6 +684,26 @@ Json environment_fields(const std::vector<cpu_set_t>& affinity) {
   r["omp_num_threads_env"] = env_or("OMP_NUM_THREADS", "unset");
   r["intra_op_threads"] = at::get_num_threads();
   r["blas_libraries"] = blas_libraries();
+  // Note [torch backends in records]: torch 2.x brings its own BLAS (MKL on PyPI's x86
+  // CPU build) and oneDNN; record what this libtorch was built with and what is on.
+  r["torch_version"] = TORCH_VERSION;
+  const std::string cfg = at::show_config();
+  auto field = [&](const std::string& key) {
+    const auto at_key = cfg.find(key + "=");
+    if (at_key == std::string::npos) return std::string("unknown");
+    const auto start = at_key + key.size() + 1;
+    return cfg.substr(start, cfg.find_first_of(", \n", start) - start);
+  };
+  r["torch_blas"] = field("BLAS_INFO");
+  r["torch_lapack"] = field("LAPACK_INFO");
+  r["torch_use_mkldnn"] = field("USE_MKLDNN");
+  r["mkldnn_enabled"] = at::globalContext().userEnabledMkldnn();
+  {
+    const auto v = cfg.find("MKL-DNN v");
+    r["onednn_version"] = v == std::string::npos ? std::string("none")
+                                                 : cfg.substr(v + 9, cfg.find(' ', v + 9) - v - 9);
+  }
+  r["cpu_capability"] = at::get_cpu_capability();
   return r;
 }
 

@@ -22,6 +22,7 @@
 // step's wall time, the rows per rank, and the load average.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <mpi.h>
 #include <shardtensor/shardtensor.h>
 

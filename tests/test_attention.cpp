@@ -1,7 +1,7 @@
 // Attention on sharded sequences (src/ops/attention.cpp, docs/attention.md):
 // shardtensor::scaled_dot_product_attention (ring attention) compared with a
 // plain attention written here from its definition, on the gathered tensors:
-// output and dq/dk/dv. Also: aten::_scaled_dot_product_attention on
+// output and dq/dk/dv. Also: aten::scaled_dot_product_attention on
 // ShardTensors, torch::nn::MultiheadAttention and hand-written
 // matmul/softmax/matmul on sharded tokens (input and parameter gradients), the
 // per-rank memory of ring attention against the plain baseline, and errors.
@@ -328,22 +328,29 @@ TEST_F(Attention, Float64) {
   EXPECT_TRUE(run(c));
 }
 
-// Plain tensors: libtorch 1.13's own math; ShardTensors through the aten op.
+// Plain tensors: libtorch's own aten::scaled_dot_product_attention; ShardTensors through
+// the same aten op (its rule, before torch's decomposition into a backend kernel).
 TEST_F(Attention, AtenScaledDotProductAttention) {
   auto q = rnd_d({2, 2, 13, 8}, 11), k = rnd_d({2, 2, 13, 8}, 12), v = rnd_d({2, 2, 13, 8}, 13);
   for (bool causal : {false, true}) {
-    auto ref = std::get<0>(at::_scaled_dot_product_attention(q, k, v, {}, 0.0, false, causal));
+    auto ref = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
     auto plain = st::scaled_dot_product_attention(q, k, v, {}, causal);
     EXPECT_TRUE(all_close(plain, ref));
     P pl = fit_placements(mesh, {S2, S0});
     auto sq = st::distribute_tensor(q, mesh, pl), sk = st::distribute_tensor(k, mesh, pl),
          sv = st::distribute_tensor(v, mesh, pl);
-    auto res = at::_scaled_dot_product_attention(sq, sk, sv, {}, 0.0, false, causal);
-    EXPECT_TRUE(all_ranks(st::ShardTensor::is_shard_tensor(std::get<0>(res))));
-    EXPECT_TRUE(all_close(gathered(std::get<0>(res)), ref));
+    auto res = at::scaled_dot_product_attention(sq, sk, sv, {}, 0.0, causal);
+    EXPECT_TRUE(all_ranks(st::ShardTensor::is_shard_tensor(res)));
+    EXPECT_TRUE(all_close(gathered(res), ref));
+    // scale= and enable_gqa= (two key/value heads for four query heads).
+    auto q4 = rnd_d({2, 4, 13, 8}, 15);
+    auto ref_s = at::scaled_dot_product_attention(q4, k, v, {}, 0.0, causal, 0.3, true);
+    auto sq4 = st::distribute_tensor(q4, mesh, pl);
+    auto res_s = at::scaled_dot_product_attention(sq4, sk, sv, {}, 0.0, causal, 0.3, true);
+    EXPECT_TRUE(all_close(gathered(res_s), ref_s));
   }
   auto m = rnd_d({1, 1, 13, 13}, 14);
-  auto ref = std::get<0>(at::_scaled_dot_product_attention(q, k, v, m, 0.0, false, false));
+  auto ref = at::scaled_dot_product_attention(q, k, v, m, 0.0, false);
   EXPECT_TRUE(all_close(st::scaled_dot_product_attention(q, k, v, m), ref));
 }
 
@@ -562,10 +569,12 @@ TEST_F(Attention, Errors) {
   auto kh = st::distribute_tensor(k, mesh, fit_placements(mesh, {S1, S0}));
   EXPECT_TRUE(has(error_of([&] { st::scaled_dot_product_attention(qh, kh, kh); }),
                   "only the batch (0) and sequence (2) dims"));
-  // The aten op with attention weights requested.
-  EXPECT_TRUE(
-      has(error_of([&] { at::_scaled_dot_product_attention(sq, sk, sk, {}, 0.0, true, false); }),
-          "need_attn_weights"));
+  // The aten op with dropout, and with different head counts but no enable_gqa.
+  EXPECT_TRUE(has(error_of([&] { at::scaled_dot_product_attention(sq, sk, sk, {}, 0.5); }),
+                  "dropout_p must be 0"));
+  auto sq4 = st::distribute_tensor(rnd_d({2, 4, 13, 8}, 16), mesh, fit_placements(mesh, {S2, S0}));
+  EXPECT_TRUE(has(error_of([&] { at::scaled_dot_product_attention(sq4, sk, sk); }),
+                  "enable_gqa"));
   // Still in step afterwards.
   auto out = st::scaled_dot_product_attention(sq, sk, sk);
   EXPECT_TRUE(all_close(gathered(out), reference(q, k, k, {}, false, std::nullopt)));

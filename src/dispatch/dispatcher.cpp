@@ -121,9 +121,18 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stac
     return;
   }
   if (h.decomposes) {
+    // Note [decomposition skips ADInplaceOrView]: torch 2.x registers ADInplaceOrView
+    // kernels for some composite view ops (aten::chunk, for nested tensors). That kernel
+    // runs the decomposition under AutoDispatchBelowADInplaceOrView, which hides the
+    // autograd keys from every op inside it, so the pieces would come back below
+    // autograd and the result would have no gradient (found by
+    // Attention.MultiheadAttentionModule: chunk of a projection). A plain CPU tensor
+    // reaches the CompositeImplicitAutograd kernel straight from AutogradCPU; so does a
+    // ShardTensor here, by leaving ADInplaceOrView out of the redispatch.
     c.decompositions.fetch_add(1, std::memory_order_relaxed);
-    op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
-                                                c10::DispatchKey::AutogradPrivateUse1),
+    op.redispatchBoxed((ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
+                                                 c10::DispatchKey::AutogradPrivateUse1))
+                           .remove(c10::DispatchKey::ADInplaceOrView),
                        stack);
     return;
   }

@@ -155,7 +155,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
  private:
   struct Param {
     at::Tensor var;
-    std::shared_ptr<autograd::Node> accumulator;
+    decltype(autograd::Edge::function) accumulator;  // shared_ptr before torch 2.13, intrusive_ptr since
     size_t bucket = 0;
     int64_t offset = 0;  // elements into the bucket
     bool ready = false;

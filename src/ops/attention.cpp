@@ -824,28 +824,34 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
 
 namespace {
 
-// aten::_scaled_dot_product_attention(query, key, value, attn_mask?, dropout_p,
-// need_attn_weights, is_causal) -> (Tensor, Tensor) on ShardTensors: ring attention.
+// aten::scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+// is_causal=False, *, scale=None, enable_gqa=False) -> Tensor on ShardTensors: ring
+// attention. The op is CompositeImplicitAutograd in torch 2.x; taking it here, before
+// its decomposition into _fused_sdp_choice and a backend kernel
+// (_scaled_dot_product_flash_attention_for_cpu, ...), keeps the S x S scores unbuilt.
 void sdpa_rule(const c10::OperatorHandle& op, ops::Stack* stack) {
   auto args = pop_args(op, stack);
   const double dropout_p = args[4].toDouble();
-  const bool need_weights = args[5].toBool();
   if (dropout_p != 0.0) {
     fail(op, args, "dropout inside sharded attention is not supported (dropout_p must be 0)");
   }
-  if (need_weights) {
+  const bool enable_gqa = args[7].toBool();
+  const at::Tensor& q = args[0].toTensor();
+  const at::Tensor& k = args[1].toTensor();
+  if (!enable_gqa && q.dim() >= 3 && k.dim() >= 3 && q.size(-3) != k.size(-3)) {
     fail(op, args,
-         "need_attn_weights=true would materialize the Sq x Sk attention weights; sharded "
-         "attention never does");
+         "query and key have different numbers of heads; pass enable_gqa=True for grouped-query "
+         "attention (as torch requires)");
   }
   at::Tensor mask = args[3].isTensor() ? args[3].toTensor() : at::Tensor();
-  at::Tensor out = scaled_dot_product_attention(args[0].toTensor(), args[1].toTensor(),
-                                                args[2].toTensor(), mask, args[6].toBool());
+  std::optional<double> scale;
+  if (!args[6].isNone()) scale = args[6].toDouble();
+  at::Tensor out = scaled_dot_product_attention(q, k, args[2].toTensor(), mask,
+                                                args[5].toBool(), scale);
   stack->push_back(out);
-  stack->push_back(at::Tensor());
 }
 
-const RuleRegistrar sdpa_ops({"_scaled_dot_product_attention"}, sdpa_rule);
+const RuleRegistrar sdpa_ops({"scaled_dot_product_attention"}, sdpa_rule);
 
 }  // namespace
 }  // namespace shardtensor

@@ -125,7 +125,8 @@ void pad_rule(const c10::OperatorHandle& op, Stack* stack) {
     }
   }
   // Validation: the op itself on a meta tensor (libtorch's own messages);
-  // ops without a Meta kernel (reflection_pad2d in 1.13) skip that step.
+  // ops without a Meta kernel (reflection_pad2d, still in torch 2.13) skip that step.
+  // torch 2.x says "...with Meta tensors, but there was no fake impl or Meta kernel".
   try {
     std::vector<c10::IValue> meta_args = args;
     meta_args[0] = at::empty(self.sizes(), self.options().device(at::kMeta));
@@ -133,7 +134,10 @@ void pad_rule(const c10::OperatorHandle& op, Stack* stack) {
     op.callBoxed(&st);
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
-    if (msg.find("'Meta' backend") == std::string::npos) fail(op, args, msg);
+    if (msg.find("'Meta' backend") == std::string::npos &&
+        msg.find("with Meta tensors") == std::string::npos) {
+      fail(op, args, msg);
+    }
   }
   if (pad.size() % 2 != 0 || static_cast<int64_t>(pad.size()) > 2 * self.dim()) {
     fail(op, args, "the pad list must have an even length of at most 2 * dim");

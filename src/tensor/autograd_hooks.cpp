@@ -1,4 +1,4 @@
-// Note [wrapper autograd]: in libtorch 1.13 `Tensor::requires_grad_()`,
+// Note [wrapper autograd]: in libtorch (1.13 and 2.11-2.14 alike) `Tensor::requires_grad_()`,
 // `retain_grad()`, `is_leaf()`, `grad_fn()`, `output_nr()` and `backward()`
 // are not dispatched; they go through at::impl::VariableHooksInterface, a
 // process-wide interface that libtorch's autograd installs and that exists to
@@ -21,16 +21,15 @@
 //    takes inputs).
 // `t.grad()` of a non-leaf ShardTensor after retain_grad() is only available
 // as ShardTensor(t).grad(): libtorch reads a wrapper's grad field directly.
-// Installed only for libtorch 1.x, whose interface this implements exactly.
+// The interface is libtorch 2.x's (grad_dtype, basic_autograd_not_implemented_fallback);
+// its Node pointer is std::shared_ptr before torch 2.13 and c10::intrusive_ptr from
+// 2.13 on (pytorch#181782), spelled here as decltype(Edge::function).
 #include <ATen/core/VariableHooksInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/version.h>
 
 #include "tensor/shard_tensor_impl.h"
-
-#if TORCH_VERSION_MAJOR == 1
 
 namespace shardtensor::detail {
 namespace {
@@ -64,7 +63,7 @@ void mirror_requires_grad(const at::Tensor& t) {
     auto acc = torch::autograd::impl::grad_accumulator(i->local());
     if (acc) {
       acc->add_post_hook(std::make_unique<GradMirror>(WeakImpl(t.getIntrusivePtr())));
-      i->grad_mirror() = std::static_pointer_cast<void>(acc);
+      i->grad_mirror() = std::make_shared<decltype(acc)>(acc);  // keeps the node alive
     }
   }
 }
@@ -81,7 +80,8 @@ struct ShardVariableHooks final : at::impl::VariableHooksInterface {
   at::TensorBase variable_data(const at::TensorBase& t) const override {
     return orig->variable_data(t);
   }
-  const std::shared_ptr<torch::autograd::Node>& grad_fn(const at::TensorBase& t) const override {
+  using NodePtr = decltype(torch::autograd::Edge::function);
+  const NodePtr& grad_fn(const at::TensorBase& t) const override {
     if (auto* i = impl_of(t)) return orig->grad_fn(i->local());
     return orig->grad_fn(t);
   }
@@ -118,7 +118,7 @@ struct ShardVariableHooks final : at::impl::VariableHooksInterface {
     return orig->retains_grad(t);
   }
   void _backward(const at::Tensor& t, at::TensorList inputs,
-                 const c10::optional<at::Tensor>& gradient, c10::optional<bool> keep_graph,
+                 const std::optional<at::Tensor>& gradient, std::optional<bool> keep_graph,
                  bool create_graph) const override {
     if (!impl_of(t)) return orig->_backward(t, inputs, gradient, keep_graph, create_graph);
     TORCH_CHECK(inputs.empty(),
@@ -133,6 +133,20 @@ struct ShardVariableHooks final : at::impl::VariableHooksInterface {
     if (!i) return orig->requires_grad_(t, on);
     orig->requires_grad_(i->local(), on);
     mirror_requires_grad(at::Tensor(t.getIntrusivePtr()));
+  }
+  void basic_autograd_not_implemented_fallback(const c10::OperatorHandle& op,
+                                               c10::DispatchKeySet ks,
+                                               torch::jit::Stack* stack) const override {
+    orig->basic_autograd_not_implemented_fallback(op, ks, stack);
+  }
+  std::optional<c10::ScalarType> grad_dtype(const at::TensorBase& t) const override {
+    if (auto* i = impl_of(t)) return orig->grad_dtype(i->local());
+    return orig->grad_dtype(t);
+  }
+  void set_grad_dtype(const at::TensorBase& t,
+                      const std::optional<c10::ScalarType>& d) const override {
+    if (auto* i = impl_of(t)) orig->set_grad_dtype(i->local(), d);
+    orig->set_grad_dtype(t, d);
   }
 
  private:
@@ -153,10 +167,3 @@ const InstallHooks install_hooks;
 }  // namespace
 }  // namespace shardtensor::detail
 
-#else
-
-namespace shardtensor::detail {
-void mirror_requires_grad(const at::Tensor&) {}
-}  // namespace shardtensor::detail
-
-#endif  // TORCH_VERSION_MAJOR == 1
