@@ -27,6 +27,10 @@ if torch.__version__.split("+")[0] != _built_torch_version.split("+")[0]:
 
 from . import _C, _runtime
 from . import io  # noqa: F401  (shardtensor.io: HDF5 and checkpoints)
+from ._irregular import (GhostPlan, RebalancedGraph, balanced_sizes_by_cost, extend_rows, gather_rows,
+                         ghost_accumulate, ghost_accumulate_nograd, ghost_exchange, ghost_plan, knn,
+                         neighborhood_attention, node_tensor, radius_search, rebalance, rebalance_graph,
+                         rows_like, scatter_rows)
 from ._manager import DistributedManager
 from ._mesh import DeviceMesh, init_device_mesh
 from ._nn import (backward, distribute_module, grad, halo_exchange, halo_exchange_begin, halo_exchange_end,
@@ -43,6 +47,11 @@ __all__ = [
     "DistributedManager", "comm_stats", "reset_comm_stats",
     "memory_stats", "reset_peak_memory_stats", "io", "set_timeout", "timeout", "set_strict",
     "strict", "world_rank", "world_size", "abort",
+    # irregular data (docs/irregular.md)
+    "knn", "radius_search", "neighborhood_attention", "GhostPlan", "ghost_plan", "ghost_exchange",
+    "ghost_accumulate", "ghost_accumulate_nograd", "extend_rows", "gather_rows", "scatter_rows",
+    "node_tensor", "rows_like", "balanced_sizes_by_cost", "rebalance", "rebalance_graph",
+    "RebalancedGraph",
 ]
 
 world_rank = _runtime.world_rank

@@ -10,7 +10,8 @@
 // Note [python GIL]
 // ~~~~~~~~~~~~~~~~~
 // Every entry point that may communicate (mesh creation, factories,
-// full_tensor, redistribute, backward, distribute_module, attention, init,
+// full_tensor, redistribute, backward, distribute_module, attention, halo
+// exchange, neighbour search, ghost plans and exchanges, rebalancing, init,
 // finalize) releases the GIL (py::call_guard<py::gil_scoped_release>): they run
 // no Python, and another Python thread of this rank keeps running while this
 // one waits in MPI. Arguments are converted before, and results after, the
@@ -330,6 +331,159 @@ PYBIND11_MODULE(_C, m) {
                     const std::string& mode, double value) {
         return std::make_unique<st::PendingHaloExchange>(st::halo_exchange_begin(
             t, dim, left, right, pad_mode_of("halo_exchange_begin", mode), value));
+      },
+      Release());
+
+  // ---- irregular data (Python: python/shardtensor/_irregular.py) -----------------
+  // Point clouds, graphs and meshes sharded by rows (docs/irregular.md): neighbour
+  // search, neighbourhood attention, index halos (GhostPlan), message passing and
+  // rebalancing by cost. Options structs cross as plain values (the Python layer
+  // takes them as keyword arguments); dtypes cross as torch.dtype (torch's caster).
+  m.def(
+      "neighborhood_attention",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t kernel_size,
+         int64_t dilation, bool is_causal, std::optional<double> scale) {
+        return st::neighborhood_attention(q, k, v, kernel_size, dilation, is_causal, scale);
+      },
+      Release());
+
+  auto stats_dict = [](const st::NeighborStats& s) {
+    py::dict d;
+    d["pieces_fetched"] = s.pieces_fetched;
+    d["pieces_skipped"] = s.pieces_skipped;
+    d["bytes_fetched"] = s.bytes_fetched;
+    d["bytes_skipped"] = s.bytes_skipped;
+    return d;
+  };
+  // (index, distance, stats): the GIL is taken back only to build the dict.
+  m.def("knn", [stats_dict](const at::Tensor& queries, const at::Tensor& points, int64_t k) {
+    st::NeighborStats stats;
+    std::pair<at::Tensor, at::Tensor> r;
+    {
+      py::gil_scoped_release release;
+      r = st::knn(queries, points, k, &stats);
+    }
+    return py::make_tuple(r.first, r.second, stats_dict(stats));
+  });
+  m.def("radius_search", [stats_dict](const at::Tensor& queries, const at::Tensor& points, double r,
+                                      int64_t max_neighbors) {
+    st::NeighborStats stats;
+    std::pair<at::Tensor, at::Tensor> res;
+    {
+      py::gil_scoped_release release;
+      res = st::radius_search(queries, points, r, max_neighbors, &stats);
+    }
+    return py::make_tuple(res.first, res.second, stats_dict(stats));
+  });
+
+  // A GhostPlan is immutable shared metadata (cheap to copy): the Python class
+  // shardtensor.GhostPlan holds one. Accessors are local; build is collective.
+  py::class_<st::GhostPlan>(m, "GhostPlan")
+      .def_static(
+          "build",
+          [](const st::DeviceMesh& mesh, int64_t mesh_dim, std::vector<int64_t> sizes,
+             const at::Tensor& needed_ids) {
+            return st::GhostPlan::build(mesh, mesh_dim, std::move(sizes), needed_ids);
+          },
+          Release())
+      .def_property_readonly("defined", &st::GhostPlan::defined)
+      .def_property_readonly("mesh",
+                             [](const st::GhostPlan& p) { return st::DeviceMesh(p.mesh()); })
+      .def_property_readonly("mesh_dim", &st::GhostPlan::mesh_dim)
+      .def_property_readonly("sizes", &st::GhostPlan::sizes)
+      .def_property_readonly("num_global", &st::GhostPlan::num_global)
+      .def_property_readonly("owned_offset", &st::GhostPlan::owned_offset)
+      .def_property_readonly("num_owned", &st::GhostPlan::num_owned)
+      .def_property_readonly("num_ghost", &st::GhostPlan::num_ghost)
+      .def_property_readonly("num_extended", &st::GhostPlan::num_extended)
+      // A copy: the plan's own tensor must not be written through Python.
+      .def_property_readonly("ghost_ids",
+                             [](const st::GhostPlan& p) { return p.ghost_ids().clone(); })
+      .def_property_readonly("num_send_rows", &st::GhostPlan::num_send_rows)
+      .def_property_readonly("recv_peers", &st::GhostPlan::recv_peers)
+      .def("local_index", &st::GhostPlan::local_index);
+
+  m.def("ghost_plan", &st::ghost_plan, Release());
+  m.def("ghost_exchange", &st::ghost_exchange, Release());
+  m.def(
+      "ghost_accumulate",
+      [](const at::Tensor& extended, const st::GhostPlan& plan,
+         std::optional<at::ScalarType> accumulate_dtype) {
+        return st::ghost_accumulate(extended, plan,
+                                    st::GhostOptions().accumulate_dtype(accumulate_dtype));
+      },
+      Release());
+  m.def(
+      "ghost_accumulate_nograd",
+      [](const at::Tensor& extended, const st::GhostPlan& plan, const std::string& reduce) {
+        st::ReduceOp op = st::ReduceOp::Sum;
+        if (reduce == "sum") {
+          op = st::ReduceOp::Sum;
+        } else if (reduce == "amax") {
+          op = st::ReduceOp::Max;
+        } else if (reduce == "amin") {
+          op = st::ReduceOp::Min;
+        } else if (reduce == "prod") {
+          op = st::ReduceOp::Product;
+        } else {
+          TORCH_CHECK_VALUE(false,
+                            "shardtensor.ghost_accumulate_nograd: reduce must be sum, amax, amin "
+                            "or prod, got '",
+                            reduce, "'");
+        }
+        return st::ghost_accumulate_nograd(extended, plan, op);
+      },
+      Release());
+  m.def("extend_rows", &st::extend_rows, Release());
+  m.def("gather_rows", &st::gather_rows, Release());
+  m.def(
+      "scatter_rows",
+      [](const at::Tensor& messages, const at::Tensor& local_index, const st::GhostPlan& plan,
+         const std::string& reduce, std::optional<at::ScalarType> accumulate_dtype) {
+        st::ScatterReduce r = st::ScatterReduce::Sum;
+        if (reduce == "sum") {
+          r = st::ScatterReduce::Sum;
+        } else if (reduce == "mean") {
+          r = st::ScatterReduce::Mean;
+        } else if (reduce == "amax") {
+          r = st::ScatterReduce::Amax;
+        } else {
+          TORCH_CHECK_VALUE(false,
+                            "shardtensor.scatter_rows: reduce must be sum, mean or amax, got '",
+                            reduce, "'");
+        }
+        return st::scatter_rows(messages, local_index, plan,
+                                st::ScatterOptions().reduce(r).accumulate_dtype(accumulate_dtype));
+      },
+      Release());
+  m.def("node_tensor", &st::node_tensor, Release());
+  m.def("rows_like", &st::rows_like, Release());
+
+  m.def("balanced_sizes_by_cost", &st::balanced_sizes_by_cost, Release());
+  m.def(
+      "rebalance",
+      [](const std::vector<at::Tensor>& tensors, const at::Tensor& weights) {
+        std::vector<int64_t> sizes;
+        auto out = st::rebalance(tensors, weights, &sizes);
+        return std::make_pair(std::move(out), std::move(sizes));
+      },
+      Release());
+  m.def(
+      "rebalance_measured",
+      [](const std::vector<at::Tensor>& tensors, double measured_seconds) {
+        std::vector<int64_t> sizes;
+        auto out = st::rebalance(tensors, measured_seconds, &sizes);
+        return std::make_pair(std::move(out), std::move(sizes));
+      },
+      Release());
+  m.def(
+      "rebalance_graph",
+      [](const std::vector<at::Tensor>& node_tensors, const at::Tensor& edge_index,
+         const std::vector<at::Tensor>& edge_tensors, const at::Tensor& weights,
+         int64_t dst_column) {
+        auto g = st::rebalance_graph(node_tensors, edge_index, edge_tensors, weights, dst_column);
+        return std::make_tuple(std::move(g.nodes), std::move(g.edge_index), std::move(g.edges),
+                               std::move(g.plan), std::move(g.node_sizes), std::move(g.edge_sizes));
       },
       Release());
 
