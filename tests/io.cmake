@@ -1,4 +1,5 @@
 shardtensor_add_mpi_test(test_io SOURCES test_io.cpp RANKS 1 2 3 4 MESH2X2)
+target_compile_definitions(test_io PRIVATE SHARDTENSOR_TEST_PYTHON="${Python3_EXECUTABLE}")
 # A checkpoint saved by one run at 4 ranks is loaded by other runs at 3 and 1
 # ranks and on a 2x2 mesh (CheckpointAcrossRuns.*; skipped unless
 # SHARDTENSOR_IO_CKPT_DIR is set).

@@ -172,9 +172,11 @@ bool within(const at::Tensor& sh, const at::Tensor& si, const at::Tensor& ex, do
                                            const DeviceMesh& mesh, at::ScalarType dtype,
                                            const std::vector<at::Tensor>& params, double factor,
                                            bool check_backward) {
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
-              "precision_check: dtype must be kHalf or kBFloat16");
-  const double unit = dtype == at::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "precision_check: dtype must be kHalf, kBFloat16 or kFloat");
+  const double unit = dtype == at::kHalf       ? std::ldexp(1.0, -11)
+                      : dtype == at::kBFloat16 ? std::ldexp(1.0, -8)
+                                               : std::ldexp(1.0, -24);
   std::vector<at::Tensor> low, exact, low_p, exact_p;
   for (const auto& in : inputs) {
     low.push_back(as_dtype(in.full, dtype));

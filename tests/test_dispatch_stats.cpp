@@ -92,3 +92,13 @@ TEST(DispatchStats, DecompositionsCountTheOpAndItsPieces) {
 }
 
 }  // namespace
+
+// Every sharding rule names an op of the libtorch this runs on: a rule registered under a
+// name torch renamed (1.13's aten::_scaled_dot_product_attention is
+// aten::scaled_dot_product_attention in 2.x) would silently never run.
+TEST(DispatchStats, RulesNameLiveOps) {
+  const auto dead = st::unreachable_rules();
+  std::string all;
+  for (const auto& d : dead) all += " " + d;
+  EXPECT_TRUE(dead.empty()) << "rules for ops this libtorch does not have:" << all;
+}

@@ -76,17 +76,31 @@ class Interp : public ::testing::Test {
   // interpolate(mode, case, align) on `x` in several layouts.
   void sweep(F::InterpolateFuncOptions::mode_t mode, const at::Tensor& x,
              const std::vector<Case>& cases, const std::vector<P>& layouts,
-             std::vector<std::optional<bool>> aligns = {std::nullopt}, double atol = kAtol) {
+             std::vector<std::optional<bool>> aligns = {std::nullopt}, double atol = kAtol,
+             bool f32_accuracy = false) {
     for (const auto& align : aligns) {
       for (const auto& c : cases) {
         auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
           return F::interpolate(in[0], options(mode, c, align));
         };
+        // Note [float32 interpolation gradients]: in float32 the gathered formulation's
+        // gradient sums the taps in another order than libtorch 2.x's upsample backward
+        // (trilinear at scale (3, 2, 3): both are 5.6e-6 from float64, 2.9e-6 apart,
+        // which fails the element-wise 1e-5 test on an element near zero). So float32
+        // is checked for accuracy where a sweep asks for it (f32_accuracy): at least as
+        // close to float64 as single-process libtorch (precision_check, factor 2 + one
+        // float32 rounding); float64, and every other sweep, keep the element-wise
+        // comparison with libtorch.
+        auto check = [&](const RefInput& in) {
+          return f32_accuracy && x.scalar_type() == at::kFloat
+                     ? precision_check(fn, {in}, mesh, at::kFloat)
+                     : reference_check(fn, {in}, mesh, {}, kRtol, atol);
+        };
         for (size_t l = 0; l < layouts.size(); ++l) {
-          EXPECT_TRUE(reference_check(fn, {sh(x, layouts[l])}, mesh, {}, kRtol, atol))
+          EXPECT_TRUE(check(sh(x, layouts[l])))
               << str(c) << " align=" << (align ? int(*align) : -1) << " layout " << l;
         }
-        EXPECT_TRUE(reference_check(fn, {empty(x, layouts[0])}, mesh, {}, kRtol, atol))
+        EXPECT_TRUE(check(empty(x, layouts[0])))
             << str(c) << " align=" << (align ? int(*align) : -1) << " empty";
       }
     }
@@ -341,7 +355,8 @@ TEST_F(Interp, SplitPhase1d3d) {
     const std::vector<Case> c3 = {{std::vector<int64_t>{26, 12, 10}},
                                   {std::nullopt, std::vector<double>{2.0, 2.0, 2.0}},
                                   {std::nullopt, std::vector<double>{3.0, 2.0, 3.0}}};
-    sweep(torch::kTrilinear, x3, c3, {{S2, S3}, {S4, S2}}, {false});
+    sweep(torch::kTrilinear, x3, c3, {{S2, S3}, {S4, S2}}, {false}, kAtol,
+          /*f32_accuracy=*/true);  // Note [float32 interpolation gradients]
     sweep(torch::kNearest, x3, c3, {{S2, S3}, {S4, S2}});
   }
 }

@@ -72,9 +72,12 @@ std::vector<st::Placements> layouts(const st::DeviceMesh& mesh) {
           fit_placements(mesh, {R, R}),   fit_placements(mesh, {S1, S2})};
 }
 
-/// Runs a shell command on mesh rank 0 with a clean environment (the system
-/// python3 and its h5py / netCDF4, never the pyenv one, and no MPI variables
-/// inherited from mpirun); the exit status is broadcast.
+/// The project's Python (its h5py and netCDF4 from requirements.txt), by absolute path.
+const std::string kPython = std::string(SHARDTENSOR_TEST_PYTHON) + " ";
+
+/// Runs a shell command on mesh rank 0 with a clean environment (no MPI variables
+/// inherited from mpirun, so the independent readers run serially); the exit status
+/// is broadcast.
 int run_on_root(const st::DeviceMesh& mesh, const std::string& cmd) {
   int rc = 0;
   if (mesh.rank() == 0) {
@@ -380,8 +383,7 @@ TEST(WriteHdf5, H5pyAndH5dumpReadTheFile) {
        << "assert list(u.attrs['global_shape']) == [6, 4]\n"
        << "print('h5py OK')\n";
   }
-  EXPECT_EQ(run_on_root(mesh, "/usr/bin/python3 " + script + " " + f + " " + dir.file("ref.txt")),
-            0);
+  EXPECT_EQ(run_on_root(mesh, kPython + script + " " + f + " " + dir.file("ref.txt")), 0);
   EXPECT_EQ(run_on_root(mesh, "h5dump -H " + f + " > /dev/null"), 0);
 }
 
@@ -400,7 +402,7 @@ TEST(ReadHdf5, NetCDF4FileFromTheNetCDFLibrary) {
        << "v[:] = np.arange(3 * 7 * 5, dtype='f8').reshape(3, 7, 5) * 0.5\n"
        << "d.close()\n";
   }
-  ASSERT_EQ(run_on_root(mesh, "/usr/bin/python3 " + script + " " + f), 0);
+  ASSERT_EQ(run_on_root(mesh, kPython + script + " " + f), 0);
   auto ref = at::arange(3 * 7 * 5, at::TensorOptions().dtype(at::kDouble)).reshape({3, 7, 5}) * 0.5;
   auto p = fit_placements(mesh, {S1, S2});
   auto t = io::read_hdf5(f, "temperature", mesh, p);
@@ -469,7 +471,7 @@ TEST(IoErrors, EveryCaseRaisesOnEveryRank) {
       {"e.h5", "read_hdf5_with_halo"}));
   // A dataset of strings (made by h5py) cannot become a tensor.
   const std::string sf = dir.file("strings.h5");
-  ASSERT_EQ(run_on_root(mesh, "/usr/bin/python3 -c \"import h5py; f = h5py.File('" + sf +
+  ASSERT_EQ(run_on_root(mesh, kPython + "-c \"import h5py; f = h5py.File('" + sf +
                                   "', 'w'); f['names'] = [b'a', b'bc']; f.close()\""),
             0);
   EXPECT_TRUE(throws_everywhere([&] { io::read_hdf5(sf, "names", mesh, p); },

@@ -82,14 +82,15 @@ using RefFn = std::function<at::Tensor(const std::vector<at::Tensor>& inputs,
 
 /// Note [precision check]. Collective. The reduced-precision form of
 /// reference_check: the float inputs and `params` are rounded to `dtype`
-/// (kHalf, kBFloat16), then `fn` runs three times: on plain `dtype` tensors
+/// (kHalf, kBFloat16, or kFloat where an op's float32 result depends on summation
+/// order), then `fn` runs three times: on plain `dtype` tensors
 /// (single-process libtorch in that dtype), on plain float64 tensors holding
 /// the same rounded values (the exact answer), and on the sharded `dtype`
 /// inputs. For the output and every gradient (input grads, then param grads;
 /// the cotangent is rounded to `dtype` too), with E_single and E_sharded the
 /// largest |result - exact| where the single-process result is finite:
 ///   E_sharded <= factor * E_single + unit * max|exact|,
-/// where `unit` is the dtype's unit roundoff (2^-8 bf16, 2^-11 f16): `factor`
+/// where `unit` is the dtype's unit roundoff (2^-8 bf16, 2^-11 f16, 2^-24 f32): `factor`
 /// allows another, equally valid order of roundings, the unit one extra
 /// rounding of an intermediate (a partial result rounded to the dtype before
 /// it is combined). Where the single-process result is Inf/NaN and the exact

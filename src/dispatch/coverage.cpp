@@ -2,6 +2,7 @@
 #include <shardtensor/dispatch/coverage.h>
 
 #include <algorithm>
+#include <set>
 
 #include "ops/out_variants.h"
 #include "ops/registry.h"
@@ -44,6 +45,19 @@ std::vector<OpCoverage> op_coverage() {
   }
   std::sort(out.begin(), out.end(),
             [](const OpCoverage& a, const OpCoverage& b) { return a.name < b.name; });
+  return out;
+}
+
+std::vector<std::string> unreachable_rules() {
+  std::set<std::string> names;  // "aten::name", "aten::name." and "aten::name.overload"
+  for (const auto& op : c10::Dispatcher::singleton().getAllOpNames()) {
+    names.insert(op.name);
+    names.insert(op.name + "." + op.overload_name);
+  }
+  std::vector<std::string> out;
+  for (const auto& r : ops::registered_rule_names()) {
+    if (!names.count(r)) out.push_back(r);
+  }
   return out;
 }
 

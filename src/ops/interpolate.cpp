@@ -47,11 +47,13 @@ struct Taps {
 };
 
 // Note [interpolation indices]: these replicate the CPU kernels of libtorch
-// 1.13 (aten/src/ATen/native/UpSample.h and cpu/UpSampleKernel.cpp): the scale
+// 2.x (aten/src/ATen/native/UpSample.h and cpu/UpSampleKernel.cpp): the scale
 // is computed in the input's scalar type (area_pixel_compute_scale: 1/scale
 // when a positive scale is given and align_corners is false, else in/out or
-// (in-1)/(out-1)); linear computes the source index in the accumulation type
-// (double) from that scale, cubic and nearest in the scalar type. Nearest is
+// (in-1)/(out-1)); linear computes the source index and its weight in the op-math
+// type (float for float32: libtorch 1.13 used double here, and a float32 weight then
+// differed from 2.x's by up to ~1e-6, which Interp.SplitPhase2d caught at s = 3), with
+// guard_index_and_lambda's clamps; cubic and nearest in the scalar type. Nearest is
 // discontinuous, so the index must be bit-exact; linear and cubic are
 // continuous in the source coordinate, so a rounding difference at an integer
 // source index changes the result by at most a rounding error. One known
@@ -106,16 +108,19 @@ Taps compute_taps(Mode mode, int64_t in, int64_t out, bool align_corners,
         continue;
       }
       const T scale = area_pixel_compute_scale(align_corners);
-      double real;
+      T real;
       if (align_corners) {
-        real = static_cast<double>(scale) * o;
+        real = scale * static_cast<T>(o);
       } else {
-        real = static_cast<double>(scale) * (o + 0.5) - 0.5;
+        real = scale * (static_cast<T>(o) + static_cast<T>(0.5)) - static_cast<T>(0.5);
         if (real < 0) real = 0;
       }
-      const int64_t i0 = static_cast<int64_t>(real);
+      // guard_index_and_lambda (UpSample.h): floorf, clamped index and lambda.
+      const int64_t i0 =
+          std::min(static_cast<int64_t>(std::floor(static_cast<float>(real))), in - 1);
       const int64_t i1 = i0 + ((i0 < in - 1) ? 1 : 0);
-      const T l1 = static_cast<T>(real - i0);
+      const T l1 =
+          std::min(std::max(real - static_cast<T>(i0), static_cast<T>(0)), static_cast<T>(1));
       const T l0 = static_cast<T>(1.) - l1;
       t.idx[0][o] = i0;
       t.idx[1][o] = i1;

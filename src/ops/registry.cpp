@@ -1,5 +1,6 @@
 #include "ops/registry.h"
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -54,6 +55,16 @@ const Rule* find_exact_rule(const c10::OperatorName& op) {
 const Accepts* find_accepts(const c10::OperatorName& op) {
   const Entry* e = find_entry(op);
   return e && e->accepts ? &e->accepts : nullptr;
+}
+
+std::vector<std::string> registered_rule_names() {
+  auto& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  std::vector<std::string> out;
+  out.reserve(t.rules.size());
+  for (const auto& kv : t.rules) out.push_back(kv.first);
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 RuleRegistrar::RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule,

@@ -41,6 +41,9 @@ const Rule* find_exact_rule(const c10::OperatorName& op);
 /// op has no rule or its rule takes every call.
 const Accepts* find_accepts(const c10::OperatorName& op);
 
+/// Every registered name, "aten::name", "aten::name.overload" or "aten::name." (sorted).
+std::vector<std::string> registered_rule_names();
+
 /// Static registration helper: `static RuleRegistrar r({"relu", "relu_"}, rule);`
 struct RuleRegistrar {
   RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule,

@@ -32,4 +32,10 @@ struct OpCoverage {
 /// decomposition's pieces may themselves fall back.
 std::vector<OpCoverage> op_coverage();
 
+/// Local. Registered sharding rules whose name matches no aten op of the libtorch this
+/// process runs (a rule for an op that torch renamed or removed, e.g. 1.13's
+/// aten::_scaled_dot_product_attention under torch 2.x): such a rule can never run.
+/// Empty when every rule is reachable; tested (test_dispatch_stats, RulesNameLiveOps).
+std::vector<std::string> unreachable_rules();
+
 }  // namespace shardtensor
