@@ -123,6 +123,29 @@ def test_ring_attention(mesh, causal):
         assert_close(a.grad.full_tensor(), b.grad, 1e-5, 1e-5, "grad " + name)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_sdpa_on_shard_tensors(mesh, causal):
+    """torch 2.x's F.scaled_dot_product_attention on ShardTensors takes the ring rule
+    (scale= and grouped-query heads with enable_gqa=True), equal to torch's own on full tensors."""
+    F = torch.nn.functional
+    q, k, v = rnd((2, 4, 13, 8), 31), rnd((2, 2, 13, 8), 32), rnd((2, 2, 13, 8), 33)
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*refs, is_causal=causal, scale=0.3, enable_gqa=True)
+    w = rnd(ref.shape, 34)
+    (ref * w).sum().backward()
+    pl = placements(mesh, 2)
+    sq, sk, sv = (st.distribute_tensor(t, mesh, pl, requires_grad=True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(sq, sk, sv, is_causal=causal, scale=0.3, enable_gqa=True)
+    assert isinstance(out, ShardTensor) and out.placements == pl
+    of = out.full_tensor()
+    assert_close(of, ref.detach(), 1e-5, 1e-5, "sdpa")
+    (of * w).sum().backward()
+    for name, a, b in zip("qkv", (sq, sk, sv), refs):
+        assert_close(a.grad.full_tensor(), b.grad, 1e-5, 1e-5, "grad " + name)
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        F.scaled_dot_product_attention(sq, sk, sv)
+
+
 def test_hand_written_attention_is_a_ring(mesh):
     """softmax(q @ k^T) @ v written with plain torch ops on sequence-sharded
     tensors: both matmuls are rings (Note [ring matmul]), nothing is gathered
