@@ -151,8 +151,8 @@ TEST_F(Norm, BatchNormFunctionalEval) {
 }
 
 // Regression (found by tests/fuzz, seeds 302753 and 311602 at 3 ranks).
-// libtorch 1.13's CPU batch_norm backward is wrong for an input or an
-// incoming gradient that is channels-last contiguous while
+// libtorch's CPU batch_norm backward (1.13, and still 2.13) is wrong for an
+// input or an incoming gradient that is channels-last contiguous while
 // suggest_memory_format() says Contiguous, here x.transpose(3, 1) of
 // [N, 1, H, C] (strides [H*C, 1, C, H*C]). With plain tensors .contiguous()
 // avoids the input side; on a ShardTensor .contiguous() does not reach the

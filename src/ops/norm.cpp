@@ -1,11 +1,12 @@
 // Normalizations: batch_norm, instance_norm, group_norm, layer_norm.
 //
-// In libtorch 1.13 torch::nn::BatchNorm{1,2,3}d, F::batch_norm and
-// torch::batch_norm all reach the dispatcher as aten::batch_norm (the module
-// and the functional both call torch::batch_norm); InstanceNorm*d and
+// In libtorch (1.13 and 2.13 alike) torch::nn::BatchNorm{1,2,3}d, F::batch_norm
+// and torch::batch_norm all reach the dispatcher as aten::batch_norm (the
+// module and the functional both call torch::batch_norm); InstanceNorm*d and
 // F::instance_norm as aten::instance_norm; GroupNorm as aten::group_norm;
-// LayerNorm as aten::layer_norm. These four are CompositeImplicitAutograd, so
-// they reach our AutogradPrivateUse1 kernel whole (Note [dispatch]) and are
+// LayerNorm as aten::layer_norm. These four are CompositeImplicitAutograd (on
+// 2.13 that is their only kernel: torch._C._dispatch_has_kernel_for_dispatch_key),
+// so they reach our AutogradPrivateUse1 kernel whole (Note [dispatch]) and are
 // handled here before they would decompose into _batch_norm_impl_index /
 // native_batch_norm / native_group_norm / native_layer_norm (which have no
 // rule and so fail naming the op, should user code call them directly).
@@ -302,8 +303,10 @@ variable_list group_norm_fast_backward(const at::Tensor& x, const at::Tensor& w,
 }
 
 // y = ((x - shift) - delta) * rstd * w + b on local tensors; w and b
-// broadcast against x. libtorch 1.13 custom Functions cannot take undefined
-// tensors: an absent w or b is passed as an empty placeholder and flagged in the plan.
+// broadcast against x. libtorch custom Functions cannot take undefined tensors
+// (1.13 and 2.13: Function<T>::apply builds a VariableInfo of each input, which
+// throws "tensor does not have a device" for an undefined one): an absent w or b
+// is passed as an empty placeholder and flagged in the plan.
 // Note [norm backward].
 // Hand-written: autograd through the merged two-pass moments would save every intermediate and
 // all-reduce each of them; the closed form needs two all-reduced sums (comm/ primitives).
@@ -593,11 +596,17 @@ void check_dtypes(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
 
 // ---------------------------------------------------------------- batch_norm
 
-// Note [batch_norm strides]: libtorch 1.13's CPU batch_norm backward (train
-// and eval; instance_norm runs on it) returns wrong input gradients when its
-// input or its incoming gradient is channels-last contiguous while
+// Note [batch_norm strides]: libtorch's CPU batch_norm backward (1.13 and
+// 2.13; train and eval; instance_norm runs on it) returns wrong input gradients
+// when its input or its incoming gradient is channels-last contiguous while
 // suggest_memory_format() says Contiguous: size-1 dims with odd strides, as a
-// transposed, permuted or einsum piece has (found by tests/fuzz). A user of
+// transposed, permuted or einsum piece has (found by tests/fuzz). Rechecked on
+// 2.13 in float64: the [2, 1, 4, 8].transpose(3, 1) input of
+// Norm.BatchNormOfTransposedPiece, or a gradient in that layout, gives input
+// gradients off by ~5 against the contiguous call and the closed form; over
+// every permuted layout of a few shapes with size-1 dims, batch_norm is wrong
+// for an odd input and for an odd gradient, instance_norm (which makes its
+// input contiguous itself in 2.13) for an odd gradient only. A user of
 // plain tensors can call .contiguous() on the input; on a ShardTensor that is a
 // no-op (the wrapper is contiguous), and the gradient's layout is the next
 // op's choice. So wherever a rule calls libtorch's batch_norm or instance_norm

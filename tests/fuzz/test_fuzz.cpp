@@ -76,8 +76,8 @@
 //    libtorch's, e.g. ring attention's dS = P (dO V^T - delta)); it is printed
 //    and counted, not failed. A fault in the sharding logic is dtype-blind and
 //    fails the float64 run too;
-//  - the reference dodges a libtorch 1.13 bug in batch_norm's backward (see
-//    ContiguousGrad).
+//  - the reference dodges a libtorch bug in batch_norm's backward (1.13, and
+//    still 2.13; see ContiguousGrad).
 // Each was found by running campaigns and is explained where it is defined.
 //
 // A c10::Error raised on every rank is counted as "unsupported" (a rule that
@@ -536,9 +536,9 @@ std::vector<int64_t> dims_from(int64_t first, int64_t r) {
   return d;
 }
 
-// libtorch 1.13's CPU batch_norm backward (train and eval; instance_norm runs
-// on it) returns wrong input gradients when its input or its incoming
-// gradient is channels-last contiguous while suggest_memory_format() says
+// libtorch's CPU batch_norm backward (1.13 and 2.13; train and eval;
+// instance_norm runs on it) returns wrong input gradients when its input or
+// its incoming gradient is channels-last contiguous while suggest_memory_format() says
 // Contiguous: size-1 dims with odd strides, as einsum, permute or transpose
 // results have (found by this tester: seeds 5196, 400051, 400920). The
 // reference run must be right, so there those ops get a contiguous input and,
