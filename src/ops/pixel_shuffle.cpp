@@ -12,9 +12,9 @@
 // the nearest aligned split (balanced blocks of whole r^2-channel groups or
 // r-row groups, comm::repartition: point-to-point, at most one piece) and the
 // op runs on that (no gather: every rank keeps about its share). An empty
-// piece is reshaped instead (libtorch 1.13's backward mis-shapes the gradient
-// of an empty pixel_shuffle). Backward is libtorch's backward of the local op,
-// then the inverse of that move.
+// piece is reshaped instead (libtorch's backward, 1.13 and 2.13, mis-shapes
+// the gradient of an empty pixel_shuffle). Backward is libtorch's backward of
+// the local op, then the inverse of that move.
 #include <ATen/ATen.h>
 
 #include "ops/common.h"
@@ -84,9 +84,13 @@ void shuffle_rule(bool unshuffle, const c10::OperatorHandle& op, Stack* stack) {
   }
   at::Tensor out;
   if (x.numel() == 0) {
-    // An empty piece: libtorch 1.13's PixelShuffleBackward0 returns a
-    // wrongly shaped gradient for empty inputs, so reshape instead (the same
-    // empty result, with a backward that keeps the piece's shape).
+    // An empty piece: libtorch's PixelShuffleBackward0 and
+    // PixelUnshuffleBackward0 return a wrongly shaped gradient for empty
+    // inputs (1.13 and 2.13: in 2.13 backward of pixel_shuffle([0, 8, 3, 3], 2)
+    // raises "returned an invalid gradient at index 0 - got [0, 2, 6, 6] but
+    // expected shape compatible with [0, 8, 3, 3]", and alike for an empty
+    // channel or spatial dim and for pixel_unshuffle), so reshape instead (the
+    // same empty result, with a backward that keeps the piece's shape).
     std::vector<int64_t> local_shape = x.sizes().vec();
     for (int64_t d = 0; d < nd; ++d) local_shape[d] = scale(d, local_shape[d]);
     out = x.reshape(local_shape);
