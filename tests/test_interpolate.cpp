@@ -125,20 +125,41 @@ TEST_F(Interp, Nearest1d) {
         {{S2}, {S0}});
 }
 
-// Note [nearest 2x special case]: when out == 2 * in but a scale != 2 is given,
-// libtorch 1.13's forward uses floor(o / scale) while its backward kernel
-// (nearest_idx) uses o / 2, so its gradient is not the adjoint of its forward.
-// The rule is the forward (and its exact adjoint); only the forward is compared.
-TEST_F(Interp, Nearest1dDoubleWithGivenScale) {
-  const auto x = rnd({2, 3, 13}, 15);
-  auto fn = [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
-    return F::interpolate(in[0], F::InterpolateFuncOptions()
-                                     .mode(torch::kNearest)
-                                     .scale_factor(std::vector<double>{2.05})
-                                     .recompute_scale_factor(false));
+// Note [nearest special extents] (src/ops/interpolate.cpp): with a given scale
+// where out == 2 * in (2.05) or out == in (1.05), libtorch's 1-d and 3-d
+// forward kernels use floor(o / scale) while their backward kernels use
+// nearest_idx (o / 2, o), so their gradient is not the adjoint of their
+// forward (1.13 and 2.13): the rule is the forward (and its exact adjoint), and
+// only the forward is compared there. 2.13's 2-d kernels use nearest_idx both
+// ways, and so does the rule: forward and backward are compared.
+TEST_F(Interp, NearestSpecialExtentsWithGivenScale) {
+  auto fn = [](std::vector<double> s) {
+    return [s](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      return F::interpolate(in[0], F::InterpolateFuncOptions()
+                                       .mode(torch::kNearest)
+                                       .scale_factor(s)
+                                       .recompute_scale_factor(false));
+    };
   };
-  EXPECT_TRUE(reference_check(fn, {sh(x, {S2})}, mesh, {}, kRtol, kAtol, false));
-  EXPECT_TRUE(reference_check(fn, {empty(x, {S2})}, mesh, {}, kRtol, kAtol, false));
+  const auto x1 = rnd({2, 3, 13}, 15);
+  for (double s : {2.05, 1.05}) {
+    EXPECT_TRUE(reference_check(fn({s}), {sh(x1, {S2})}, mesh, {}, kRtol, kAtol, false)) << s;
+    EXPECT_TRUE(reference_check(fn({s}), {empty(x1, {S2})}, mesh, {}, kRtol, kAtol, false)) << s;
+  }
+  const auto x2 = rnd({2, 2, 11, 7}, 16);
+  for (const auto& s : std::vector<std::vector<double>>{{2.05, 1.05}, {1.05, 2.05}}) {
+    for (const P& layout : std::vector<P>{{S2, S3}, {S3, S2}}) {
+      EXPECT_TRUE(reference_check(fn(s), {sh(x2, layout)}, mesh, {}, kRtol, kAtol))
+          << s[0] << ", " << s[1] << " on " << st::to_string(layout);
+      EXPECT_TRUE(reference_check(fn(s), {empty(x2, layout)}, mesh, {}, kRtol, kAtol))
+          << s[0] << ", " << s[1] << " on " << st::to_string(layout) << " empty";
+    }
+  }
+  const auto x3 = rnd({1, 2, 5, 7, 3}, 17);
+  EXPECT_TRUE(
+      reference_check(fn({2.05, 1.05, 1.5}), {sh(x3, {S2, S3})}, mesh, {}, kRtol, kAtol, false));
+  EXPECT_TRUE(
+      reference_check(fn({2.05, 1.05, 1.5}), {empty(x3, {S2, S3})}, mesh, {}, kRtol, kAtol, false));
 }
 
 TEST_F(Interp, Nearest2d) {

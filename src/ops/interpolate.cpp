@@ -56,13 +56,20 @@ struct Taps {
 // guard_index_and_lambda's clamps; cubic and nearest in the scalar type. Nearest is
 // discontinuous, so the index must be bit-exact; linear and cubic are
 // continuous in the source coordinate, so a rounding difference at an integer
-// source index changes the result by at most a rounding error. One known
-// libtorch 1.13 inconsistency: for nearest with out == 2 * in and a given
-// scale != 2, its forward uses floor(o / scale) but its backward kernel o / 2;
-// this rule follows the forward, and its gradient is the forward's exact adjoint.
+// source index changes the result by at most a rounding error.
+// Note [nearest special extents]: for nearest, libtorch's nearest_idx
+// (UpSample.h) takes o where out == in and o / 2 where out == 2 * in, whatever
+// scale is given, and floor(o * (1 / scale)) otherwise. In 2.13 (checked
+// against index_select in float64, scales 1.05 and 2.05) the 2-d CPU kernels
+// use it forward and backward; the 1-d and 3-d forward kernels use
+// floor(o * (1 / scale)) at every extent while their backward kernels use
+// nearest_idx, so their gradient is not their forward's adjoint there (libtorch
+// 1.13 had that inconsistency for out == 2 * in). The rule follows each
+// forward (`nearest_idx` is set for 2-d), and its gradient is that forward's
+// exact adjoint.
 template <typename T>
 Taps compute_taps(Mode mode, int64_t in, int64_t out, bool align_corners,
-                  std::optional<double> scale_opt) {
+                  std::optional<double> scale_opt, bool nearest_idx = false) {
   auto compute_scales_value = [&]() -> T {
     return (scale_opt.has_value() && *scale_opt > 0.) ? static_cast<T>(1.0 / *scale_opt)
                                                       : (static_cast<T>(in) / out);
@@ -92,6 +99,9 @@ Taps compute_taps(Mode mode, int64_t in, int64_t out, bool align_corners,
       const T real = scale * static_cast<T>(o);
       const int64_t i = static_cast<int64_t>(std::floor(real));
       t.idx[0][o] = std::min(i, in - 1);
+      // Note [nearest special extents].
+      if (nearest_idx && out == in) t.idx[0][o] = o;
+      if (nearest_idx && out == 2 * in) t.idx[0][o] = o / 2;
       t.w[0][o] = 1.0;
     } else if (mode == Mode::NearestExact) {
       const T scale = area_pixel_compute_scale(false);
@@ -734,11 +744,13 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
 
   // Taps per spatial dim, in the precision libtorch uses for this dtype.
   const bool dbl = x.scalar_type() == at::kDouble;
+  const bool nearest_idx = p.mode == Mode::Nearest && p.nd == 2;  // Note [nearest special extents]
   std::vector<Taps> taps;
   for (int64_t i = 0; i < p.nd; ++i) {
     const bool ac = p.has_align && align_corners;
-    taps.push_back(dbl ? compute_taps<double>(p.mode, shape[i + 2], out_ext[i], ac, scales[i])
-                       : compute_taps<float>(p.mode, shape[i + 2], out_ext[i], ac, scales[i]));
+    taps.push_back(
+        dbl ? compute_taps<double>(p.mode, shape[i + 2], out_ext[i], ac, scales[i], nearest_idx)
+            : compute_taps<float>(p.mode, shape[i + 2], out_ext[i], ac, scales[i], nearest_idx));
   }
 
   // Plans: output-first partition of each sharded spatial dim, and the input
