@@ -1,5 +1,7 @@
 // Concatenation: cat and stack (stack is CompositeExplicitAutograd in
-// libtorch 1.13, so it needs its own rule: unsqueeze every input, then cat).
+// libtorch 1.13 and 2.13, with its own derivative on 2.13, so it never
+// decomposes before our kernel and needs its own rule: unsqueeze every input,
+// then cat).
 #include <ATen/ATen.h>
 #include <ATen/WrapDimUtils.h>
 

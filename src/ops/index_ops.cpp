@@ -2,9 +2,16 @@
 // disguises]): repeat (and tile, which decomposes to it), embedding with a
 // replicated or a vocabulary-sharded weight, advanced indexing x[idx] /
 // x.index_put_(idx, v) with one index on any dim. repeat_interleave and
-// take_along_dim need no rule: libtorch 1.13 decomposes them into
-// index_select with a plain index and gather, which the rules of Note [index
-// ops along any dim] (ops/graph_ops.cpp) take.
+// take_along_dim need no rule: they are CompositeImplicitAutograd (1.13 and
+// 2.13) and decompose onto ops with rules. libtorch 1.13 decomposed them into
+// index_select with a plain index and gather; 2.13 (traced with a
+// TorchDispatchMode) makes take_along_dim expand, remainder (the index
+// wrapped) and gather, repeat_interleave with a tensor of repeats
+// repeat_interleave.Tensor of the repeats and index_select, and
+// repeat_interleave with an int unsqueeze, expand, clone and a view that
+// merges the repeated dim with the new one. gather and index_select are the
+// rules of Note [index ops along any dim] (ops/graph_ops.cpp); the rest are
+// the elementwise and view rules.
 //
 // Note [index disguises]
 // ~~~~~~~~~~~~~~~~~~~~~~

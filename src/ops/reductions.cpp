@@ -78,7 +78,8 @@ struct Plan {
   std::vector<int64_t> kshape;        // this rank's result shape with keepdim
 };
 
-// `dims`: nullopt or empty means every dim (as libtorch 1.13 does for these ops).
+// `dims`: nullopt or empty means every dim (as libtorch 1.13 and 2.13 do for
+// these ops; on 2.13 checked for each op that calls this with dim=[]).
 Plan make_plan(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                const ShardSpec& in, const std::optional<std::vector<int64_t>>& dims, bool keepdim) {
   const int64_t nd = in.ndim();
