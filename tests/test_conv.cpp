@@ -495,9 +495,10 @@ TEST_F(Conv, HaloExchangeHelperGradient) {
 // Regression (found by tests/fuzz, seed 1348 at 2 ranks). A rule padded its
 // local piece with a pad list that also spans a sharded dim (zero entries)
 // whose piece on this rank is empty, and libtorch 1.13's constant_pad_nd
-// refuses any covered dim of padded extent 0: that rank threw, the others
-// waited (Note [empty pieces in constant_pad_nd]): conv "same" and
-// halo_exchange did; the pad rule, checked alongside, did not. Sharded
+// refused any covered dim of padded extent 0: that rank threw, the others
+// waited: conv "same" and halo_exchange did; the pad rule, checked alongside,
+// did not. libtorch 2.13 pads such pieces (constant_pad_piece is now its
+// plain op); the test stays, so that no rule regresses to a per-rank throw. Sharded
 // extents of 1 leave pieces empty at every P > 1; empty() empties coordinate 0.
 TEST_F(Conv, ConstantPadBesideAnEmptyPiece) {
   // conv2d "same" with an even kernel along the unsharded W: zeros on its right.

@@ -455,35 +455,4 @@ void call_plain(const c10::OperatorHandle& op, std::vector<c10::IValue> args, St
   }
 }
 
-// Note [empty pieces in constant_pad_nd]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Rules pad local pieces with a pad list that spans several dims, with zero
-// entries for the dims they do not pad (often the sharded ones). libtorch 1.13's
-// constant_pad_nd checks `n + left + right > 0` for every dim the list covers,
-// so a rank whose piece is empty along a covered dim threw while its
-// neighbours went on into the next collective (a hang; found by tests/fuzz).
-// The fallback below runs only when that check would fail: it pads each dim
-// with nonzero padding on its own, as the last dim of a movedim view (the only
-// dim constant_pad_nd then checks), and narrows to an empty extent where the
-// padding trims a dim to exactly 0.
-at::Tensor constant_pad_piece(const at::Tensor& x, c10::IntArrayRef pad, const at::Scalar& value) {
-  const int64_t n = static_cast<int64_t>(pad.size()) / 2;
-  bool refused = false;
-  for (int64_t i = 0; i < n && i < x.dim(); ++i) {
-    refused = refused || x.size(x.dim() - 1 - i) + pad[2 * i] + pad[2 * i + 1] <= 0;
-  }
-  if (!refused) return at::constant_pad_nd(x, pad, value);
-  at::Tensor y = x;
-  for (int64_t i = 0; i < n && i < x.dim(); ++i) {
-    const int64_t left = pad[2 * i], right = pad[2 * i + 1], d = x.dim() - 1 - i;
-    if (left == 0 && right == 0) continue;
-    const int64_t len = y.size(d) + left + right;
-    TORCH_CHECK(len >= 0, "constant_pad_nd: the input size ", y.size(d), ", plus padding ", left,
-                " and ", right, " resulted in a negative output size (dim ", d, ")");
-    y = len == 0 ? y.narrow(d, 0, 0)
-                 : at::constant_pad_nd(y.movedim(d, -1), {left, right}, value).movedim(-1, d);
-  }
-  return y;
-}
-
 }  // namespace shardtensor::ops

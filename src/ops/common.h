@@ -169,14 +169,15 @@ at::Tensor probe_ones(c10::IntArrayRef shape, at::ScalarType dtype, bool require
 /// Whether the backward pass of a call on `t` will run (grad mode on and `t` requires grad).
 bool will_backward(const at::Tensor& t);
 
-/// Local, differentiable: at::constant_pad_nd(x, pad, value) for local pieces
-/// (Note [empty pieces in constant_pad_nd]). libtorch 1.13 refuses every dim
-/// the pad list covers whose padded extent would be 0, even with zero padding:
-/// a sharded dim whose piece here is empty, inside the range of a pad on a
-/// later dim, made that one rank throw. This pads only the dims with nonzero
-/// padding, one at a time, and gives an empty extent where a trim reaches 0.
-/// Same values and gradients as libtorch's op wherever that one accepts.
-at::Tensor constant_pad_piece(const at::Tensor& x, c10::IntArrayRef pad, const at::Scalar& value);
+/// Local, differentiable: at::constant_pad_nd(x, pad, value) on a local piece.
+/// It once replaced libtorch 1.13's op, which refused any dim the pad list
+/// covers whose padded extent is 0 (a piece empty along a sharded dim threw on
+/// that rank alone); 2.13 pads such pieces and trims a dim to exactly 0, so it
+/// is now the plain op, and callers may call at::constant_pad_nd directly.
+inline at::Tensor constant_pad_piece(const at::Tensor& x, c10::IntArrayRef pad,
+                                     const at::Scalar& value) {
+  return at::constant_pad_nd(x, pad, value);
+}
 
 /// Note [plain fast path]: P = 1, or every mesh dim that shards an op's
 /// non-local dims has size 1. Local (metadata only, so every rank agrees).
