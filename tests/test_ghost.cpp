@@ -196,10 +196,10 @@ TEST(MessagePassing, AmaxTiesSplitTheGradientLikeLibtorch) {
   const int64_t N = 11, E = 40;
   at::Tensor x = rnd({N, 1}, 9);
   at::Tensor ei = randint(N, {E, 2}, 10);
-  // Few distinct values: many ties. Kept away from 0: libtorch 1.13's amax
-  // backward (observed here, not traced in its source) also counts the
-  // excluded zero base as a tie when the maximum
-  // is exactly 0, which scatter_rows does not.
+  // Few distinct values: many ties. Kept away from 0: libtorch's amax
+  // backward (1.13, and 2.13: index_reduce and scatter_reduce alike give two
+  // messages of 0 into a zero base 1/3 each) also counts the excluded zero
+  // base as a tie when the maximum is exactly 0, which scatter_rows does not.
   at::Tensor e = at::round(rnd({E, 2}, 11)) + 0.5;
   auto fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
     const at::Tensor &x = in[0], &ei = in[1], &e = in[2];

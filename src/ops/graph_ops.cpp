@@ -35,8 +35,10 @@
 //  - amax, amin, prod: the contributions are combined into extended rows
 //    filled with the identity (-inf / +inf / the integer limits, or 1), then
 //    each owner combines the ghost copies of its rows (Max / Min / Product,
-//    ghost_accumulate_nograd). The gradient is libtorch 1.13's
-//    scatter_reduce_backward formula evaluated on the global values (the
+//    ghost_accumulate_nograd). The gradient is libtorch's
+//    scatter_reduce_backward formula (1.13 and 2.13: on 2.13 a self of 0
+//    under two messages of 0 with include_self=false still gets counted, each
+//    message's gradient 1/3) evaluated on the global values (the
 //    result is exchanged back to the edges' ranks to find the maximal
 //    messages, ties split evenly; the tie count N includes a self equal to
 //    the result even when include_self=false, exactly as libtorch does), in
@@ -922,9 +924,10 @@ void index_rule(Kind kind, const c10::OperatorHandle& op, Stack* stack) {
 // src, "prod", include_self=true), the value form with src a tensor shaped
 // and laid out like the index, filled with the value in self's dtype. They
 // run as those rules (Note [index ops along any dim]), in the same layouts,
-// and take the calls those rules take. libtorch 1.13 defines no derivative
-// for these two overloads (a backward through them raises there); here the
-// gradients are those of scatter_add and scatter_reduce.
+// and take the calls those rules take. libtorch defines no derivative for
+// these two overloads (1.13 and 2.13: a backward through scatter or scatter_
+// with reduce raises "derivative for aten::scatter is not implemented"); here
+// the gradients are those of scatter_add and scatter_reduce.
 // index_reduce(self, dim, index, source, reduce, include_self) ("prod",
 // "mean", "amax", "amin") is a 1-D index of entries along dim, like
 // index_add: along an unsharded dim it is libtorch's op on the local pieces;
