@@ -9,11 +9,13 @@ namespace shardtensor::comm {
 
 /// Note [function outputs are not views]
 /// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-/// libtorch (1.13, torch/csrc/autograd/custom_function.cpp, _wrap_outputs)
-/// marks every output of a custom Function that is a view, of anything, even of
-/// a buffer made inside forward, with CreationMeta::IN_CUSTOM_FUNCTION; an
-/// in-place op on that output or on any view of it then raises in
-/// handle_view_on_rebase ("This view was created inside a custom Function").
+/// libtorch (1.13 and 2.13, torch/csrc/autograd/custom_function.cpp,
+/// _wrap_outputs) marks every output of a custom Function that is a view, of
+/// anything, even of a buffer made inside forward, with
+/// CreationMeta::IN_CUSTOM_FUNCTION; an in-place op on that output or on any
+/// view of it then raises in handle_view_on_rebase ("This view was created
+/// inside a custom Function"; on 2.13 checked with a C++ Function returning
+/// buf.squeeze(0): both out.mul_(2) and out.select(0, 1).copy_(v) raise).
 /// Rules hand Function outputs to users: `u.select(0, i)` of a sharded dim is
 /// a view of an all-gather's output, and `u.select(0, i).copy_(v)` on a
 /// non-leaf `u` must work as it does in libtorch. Views arise silently inside
