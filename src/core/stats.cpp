@@ -3,23 +3,12 @@
 #include <c10/core/alignment.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <shardtensor/core/stats.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-
-// libtorch >= 2.3 made Allocator::allocate non-const and added the pure
-// virtual Allocator::copy_data; 1.13 (Debian) has the const allocate only.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define SHARDTENSOR_ALLOCATE_CONST
-#define SHARDTENSOR_COPY_DATA_OVERRIDE override
-#else
-#define SHARDTENSOR_ALLOCATE_CONST const
-#define SHARDTENSOR_COPY_DATA_OVERRIDE
-#endif
 
 namespace shardtensor {
 
@@ -71,7 +60,7 @@ void delete_tracked(void* data) {
 /// It does not zero-fill/junk-fill (the caffe2_cpu_allocator_* debug flags)
 /// nor report to the profiler.
 struct TrackingCPUAllocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t nbytes) SHARDTENSOR_ALLOCATE_CONST override {
+  c10::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) {
       return {nullptr, nullptr, &delete_tracked, c10::Device(c10::DeviceType::CPU)};
     }
@@ -87,8 +76,7 @@ struct TrackingCPUAllocator final : c10::Allocator {
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_tracked; }
 
-  // Pure virtual from libtorch 2.3; an ordinary member before.
-  void copy_data(void* dest, const void* src, size_t count) const SHARDTENSOR_COPY_DATA_OVERRIDE {
+  void copy_data(void* dest, const void* src, size_t count) const override {
     if (count > 0) {
       std::memcpy(dest, src, count);
     }
