@@ -1,13 +1,13 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Which libtorch CPU kernels run in float16 and bfloat16 (docs/precision.md).
 
-Debian's python3-torch links the same libtorch_cpu.so as the C++ library, so
-this probes exactly the kernels shardtensor's rules call. Every case runs
+The project's .venv torch is the libtorch the C++ library links, so this probes
+exactly the kernels shardtensor's rules call. Every case runs
 forward and backward in each dtype and is compared with float64 on the same
 rounded inputs (same seed): "wrong" marks a kernel that returns a result of
 another shape or an error above 10% of the largest value.
 
-    OMP_NUM_THREADS=1 /usr/bin/python3 docs/precision_probe.py
+    OMP_NUM_THREADS=1 .venv/bin/python docs/precision_probe.py
 """
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ cases = {
  'bmm': lambda d: torch.bmm(t(2,4,5).to(d).requires_grad_(), t(2,5,3).to(d).requires_grad_()),
  'linear': lambda d: F.linear(t(2,4,5).to(d).requires_grad_(), t(3,5).to(d).requires_grad_(), t(3).to(d).requires_grad_()),
  'attention(matmul+softmax)': lambda d: (lambda q,k,v: torch.softmax(q@k.transpose(-1,-2)/2,-1)@v)(t(1,2,6,4).to(d).requires_grad_(),t(1,2,6,4).to(d).requires_grad_(),t(1,2,6,4).to(d).requires_grad_()),
- '_scaled_dot_product_attention': lambda d: torch._C._nn._scaled_dot_product_attention(t(1,2,6,4).to(d).requires_grad_(),t(1,2,6,4).to(d).requires_grad_(),t(1,2,6,4).to(d).requires_grad_())[0] if hasattr(torch._C._nn,'_scaled_dot_product_attention') else (_ for _ in ()).throw(RuntimeError('no op')),
+ 'scaled_dot_product_attention': lambda d: F.scaled_dot_product_attention(t(1,2,6,4).to(d).requires_grad_(),t(1,2,6,4).to(d).requires_grad_(),t(1,2,6,4).to(d).requires_grad_()),
  'mse_loss': lambda d: F.mse_loss(t(2,4,5).to(d).requires_grad_(), t(2,4,5).to(d)),
  'l1_loss': lambda d: F.l1_loss(t(2,4,5).to(d).requires_grad_(), t(2,4,5).to(d)),
  'smooth_l1_loss': lambda d: F.smooth_l1_loss(t(2,4,5).to(d).requires_grad_(), t(2,4,5).to(d)),
