@@ -13,8 +13,9 @@
 //
 // At the end: one sharded Adam step on a 64x64 grid in float64 is compared
 // with a single-process step (loss and every parameter); prints MATCH or
-// MISMATCH, and the exit code says so. A PNG shows input, prediction, target
-// and error of one validation sample.
+// MISMATCH, and the exit code says so. A PNG (--png, "" for none) shows input,
+// prediction, target and error of one validation sample, each panel titled and
+// with a colour bar (Note [validation picture] in examples/models/diffusion.h).
 #include <mpi.h>
 #include <torch/torch.h>
 
@@ -234,14 +235,19 @@ int run(int argc, char** argv) {
       auto hi = std::max(y.max().item<double>(), x[0].max().item<double>());
       auto err = (p - y).abs();
       const double emax = std::max(1e-6, err.max().item<double>());
-      bool ok = diffusion::write_png(c.png, {x[0], x[1], p, y, err},
-                                     {{lo, hi},
-                                      {x[1].min().item<double>(), x[1].max().item<double>()},
-                                      {lo, hi},
-                                      {lo, hi},
-                                      {0.0, emax}});
-      std::printf("%s %s: u0 | log kappa | prediction | target | |error| (0..%.3g)\n",
-                  ok ? "wrote" : "could not write", c.png.c_str(), emax);
+      if (!c.png.empty()) {
+        // Note [validation picture] (examples/models/diffusion.h).
+        const std::string line = diffusion::draw_panels(
+            c.png,
+            {{"u0", x[0], lo, hi},
+             {"log kappa", x[1], x[1].min().item<double>(), x[1].max().item<double>()},
+             {"prediction", p, lo, hi},
+             {"target", y, lo, hi},
+             {"|error|", err, 0.0, emax}},
+            "fno_train: validation sample after " + std::to_string(c.steps) + " training steps, " +
+                std::to_string(c.size) + "x" + std::to_string(c.size) + " grid");
+        std::printf("%s (|error| up to %.3g)\n", line.c_str(), emax);
+      }
     }
   }
   const bool ok = verify_small(c, mesh, root);

@@ -29,8 +29,10 @@
 //
 // At the end: one sharded training step on a 64x64 grid is compared with a
 // single-process step (loss and every parameter after one Adam step);
-// prints MATCH or MISMATCH, and the exit code says so. A PNG shows input,
-// prediction, target and error of one validation sample.
+// prints MATCH or MISMATCH, and the exit code says so. A PNG (--png) shows
+// input, prediction, target and error of one validation sample, each panel
+// titled and with a colour bar (Note [validation picture] in
+// examples/models/diffusion.h: drawn by examples/plot_panels.py).
 #include <mpi.h>
 #include <torch/torch.h>
 
@@ -104,7 +106,7 @@ bool parse(int argc, char** argv, Config& c) {
       ->capture_default_str();
   app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint");
   app.add_option("--data", c.data_file, "HDF5 file of the training batch")->capture_default_str();
-  app.add_option("--png", c.png, "output image")->capture_default_str();
+  app.add_option("--png", c.png, "output image (\"\" = none)")->capture_default_str();
   app.add_option("--log-every", c.log_every, "print the loss every N steps")->capture_default_str();
   try {
     app.parse(argc, argv);
@@ -135,11 +137,10 @@ models::Norm norm_of(const std::string& n) {
   usage("--norm wants group, batch or none");
 }
 
-// The solver (draw, fields, make_batch) and the PNG writer live in
+// The solver (draw, fields, make_batch) and the picture (draw_panels) live in
 // examples/models/diffusion.h, shared with fno_train so both train on the same data.
 using diffusion::Batch;
 using diffusion::make_batch;
-using diffusion::write_png;
 
 // ---- training -------------------------------------------------------------------------
 
@@ -324,14 +325,25 @@ int run(int argc, char** argv) {
         return f == 1 ? t : at::avg_pool2d(t.unsqueeze(0).unsqueeze(0), f).squeeze(0).squeeze(0);
       };
       const double emax = std::max(1e-6, err.max().item<double>());
-      bool ok = write_png(c.png, {shrink(x[0]), shrink(x[1]), shrink(p), shrink(y), shrink(err)},
-                          {{lo, hi},
-                           {x[1].min().item<double>(), x[1].max().item<double>()},
-                           {lo, hi},
-                           {lo, hi},
-                           {0.0, emax}});
-      std::printf("%s %s: u0 | log kappa | prediction | target | |error| (0..%.3g)\n",
-                  ok ? "wrote" : "could not write", c.png.c_str(), emax);
+      if (!c.png.empty()) {
+        // Note [validation picture] (examples/models/diffusion.h): titled panels with colour
+        // bars; u0, prediction and target share one colour range.
+        const int64_t shown = shrink(y).size(0);
+        const std::string line = diffusion::draw_panels(
+            c.png,
+            {{"u0", shrink(x[0]), lo, hi},
+             {"log kappa", shrink(x[1]), x[1].min().item<double>(), x[1].max().item<double>()},
+             {"prediction", shrink(p), lo, hi},
+             {"target", shrink(y), lo, hi},
+             {"|error|", shrink(err), 0.0, emax}},
+            "unet_train: validation sample after " + std::to_string(first_step + c.steps) +
+                " training steps, " + std::to_string(c.size) + "x" + std::to_string(c.size) +
+                " grid" +
+                (shown != c.size
+                     ? " (shown at " + std::to_string(shown) + "x" + std::to_string(shown) + ")"
+                     : std::string()));
+        std::printf("%s (|error| up to %.3g)\n", line.c_str(), emax);
+      }
     }
   }
   if (!c.checkpoint.empty()) {

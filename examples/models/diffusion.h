@@ -1,18 +1,27 @@
 #pragma once
 // The main job's data: a domain-parallel diffusion solver (u_t = div(kappa
 // grad u), zero-flux walls, explicit flux-form steps) that generates each
-// sample on the fly on the sharded grid, and a small PNG writer. Shared by
+// sample on the fly on the sharded grid, and the validation picture (Note
+// [validation picture]: titled panels with colour bars, drawn by
+// examples/plot_panels.py). Shared by
 // examples/unet_train.cpp and examples/fno_train.cpp, so that both train on
 // exactly the same data.
-#include <png.h>
 #include <torch/torch.h>
 
 #include <shardtensor/shardtensor.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -137,60 +146,161 @@ inline Batch make_batch(const st::DeviceMesh& mesh, int64_t batch, int64_t n, in
   return out;
 }
 
-// ---- PNG ----------------------------------------------------------------------------
+// ---- the validation picture ------------------------------------------------------
 
-/// A perceptual colour map (piecewise-linear through viridis-like anchors), t in [0, 1].
-inline void colour(double t, png_byte* rgb) {
-  static const double anchors[][3] = {
-      {68, 1, 84}, {59, 82, 139}, {33, 145, 140}, {94, 201, 98}, {253, 231, 37}};
-  t = std::clamp(t, 0.0, 1.0) * 4;
-  const int i = std::min(3, static_cast<int>(t));
-  const double f = t - i;
-  for (int c = 0; c < 3; ++c) {
-    rgb[c] = static_cast<png_byte>(anchors[i][c] + f * (anchors[i + 1][c] - anchors[i][c]));
+/// One panel of the validation picture: a 2-D field, its title and its colour range.
+struct Panel {
+  std::string title;
+  at::Tensor field;  // 2-D, any floating dtype
+  double lo = 0, hi = 1;
+};
+
+namespace detail {
+
+inline std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", ch);
+      out += buf;
+    } else {
+      out += ch;
+    }
   }
+  return out + "\"";
 }
 
-/// Panels (2-D tensors, same size) side by side, each scaled to [lo, hi] of its own range
-/// (or the shared range of `shared`), with a 4-pixel white gap.
-inline bool write_png(const std::string& path, const std::vector<at::Tensor>& panels,
-                      const std::vector<std::pair<double, double>>& ranges) {
-  const int64_t h = panels[0].size(0), w = panels[0].size(1), gap = 4;
-  const int64_t W = static_cast<int64_t>(panels.size()) * (w + gap) - gap;
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) return false;
-  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, nullptr, nullptr);
-  png_infop info = png_create_info_struct(png);
-  if (setjmp(png_jmpbuf(png))) {
-    png_destroy_write_struct(&png, &info);
-    std::fclose(f);
-    return false;
+inline std::string json_number(double v) {
+  if (std::isnan(v)) return "NaN";  // Python's json module reads these
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+inline std::string base_name(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+/// Runs argv[0] (PATH is searched) with the process's environment and waits; the exit status,
+/// 128 + N for a signal N, or -1 with `why` set when it could not start.
+inline int run_and_wait(const std::vector<std::string>& args, std::string& why) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  pid_t pid = -1;
+  // posix_spawn, not fork: the child does not copy this rank's address space, and
+  // nothing runs between fork and exec in an MPI process.
+  const int rc = posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
+  if (rc != 0) {
+    why = "cannot run " + args[0] + ": " + std::strerror(rc);
+    return -1;
   }
-  png_init_io(png, f);
-  png_set_IHDR(png, info, static_cast<png_uint_32>(W), static_cast<png_uint_32>(h), 8,
-               PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT,
-               PNG_FILTER_TYPE_DEFAULT);
-  png_write_info(png, info);
-  std::vector<png_byte> row(3 * W);
-  std::vector<at::TensorAccessor<float, 2>> acc;
-  std::vector<at::Tensor> keep;
-  for (const auto& p : panels) keep.push_back(p.to(at::kFloat).contiguous());
-  for (const auto& p : keep) acc.push_back(p.accessor<float, 2>());
-  for (int64_t i = 0; i < h; ++i) {
-    std::fill(row.begin(), row.end(), 255);
-    for (size_t k = 0; k < panels.size(); ++k) {
-      const auto [lo, hi] = ranges[k];
-      for (int64_t j = 0; j < w; ++j) {
-        const double t = (acc[k][i][j] - lo) / std::max(1e-12, hi - lo);
-        colour(t, &row[3 * (k * (w + gap) + j)]);
-      }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) {
+      why = std::string("waitpid: ") + std::strerror(errno);
+      return -1;
     }
-    png_write_row(png, row.data());
   }
-  png_write_end(png, nullptr);
-  png_destroy_write_struct(&png, &info);
-  std::fclose(f);
-  return true;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
+}
+
+}  // namespace detail
+
+// Note [validation picture]
+// The examples' picture (input, prediction, target, error side by side) is drawn by
+// examples/plot_panels.py with matplotlib, so that every panel carries its title and a
+// colour bar: rank 0 writes the gathered fields as <png stem>_panels.json (titles, shapes,
+// colour ranges) + <png stem>_panels.f32 (raw float32) next to the PNG and runs the script
+// with the project's Python (SHARDTENSOR_PYTHON and SHARDTENSOR_PLOT_PANELS, compiled in by
+// examples/CMakeLists.txt). The Python examples call the same script's plot_panels(). When
+// the picture is drawn the two data files are removed; when it cannot be (no Python, no
+// matplotlib) they stay and the log line says how to draw them later. A missing picture
+// never fails the job: training, the checkpoint and the MATCH check do not depend on it.
+
+/// Draws `panels` side by side into `png`, each with its title and a colour bar, under
+/// `suptitle` (Note [validation picture]). Local: call it on one rank, with gathered
+/// fields. Never throws; returns one line for the log that says what was written, or why
+/// the picture is missing and where its data is.
+inline std::string draw_panels(const std::string& png, const std::vector<Panel>& panels,
+                               const std::string& suptitle) {
+  const bool dot_png = png.size() > 4 && png.compare(png.size() - 4, 4, ".png") == 0;
+  const std::string stem = dot_png ? png.substr(0, png.size() - 4) : png;
+  const std::string header = stem + "_panels.json", data = stem + "_panels.f32";
+  std::string titles;
+  for (const auto& p : panels) titles += (titles.empty() ? "" : " | ") + p.title;
+  try {
+    FILE* f = std::fopen(data.c_str(), "wb");
+    if (!f) return "could not write " + data + ": " + std::strerror(errno) + " (no picture)";
+    std::string panels_json;
+    bool written = true;
+    for (const auto& p : panels) {
+      TORCH_CHECK(p.field.dim() == 2, "draw_panels: panel '", p.title, "' is not 2-D");
+      const at::Tensor t = p.field.to(at::kFloat).contiguous();
+      written =
+          written && std::fwrite(t.data_ptr<float>(), sizeof(float), static_cast<size_t>(t.numel()),
+                                 f) == static_cast<size_t>(t.numel());
+      panels_json += std::string(panels_json.empty() ? "" : ",\n  ") +
+                     "{\"title\": " + detail::json_string(p.title) + ", \"shape\": [" +
+                     std::to_string(t.size(0)) + ", " + std::to_string(t.size(1)) +
+                     "], \"vmin\": " + detail::json_number(p.lo) +
+                     ", \"vmax\": " + detail::json_number(p.hi) + ", \"cmap\": \"viridis\"}";
+    }
+    written = (std::fclose(f) == 0) && written;
+    const uint16_t one = 1;
+    const bool little = *reinterpret_cast<const unsigned char*>(&one) == 1;
+    FILE* h = written ? std::fopen(header.c_str(), "w") : nullptr;
+    if (h) {
+      const std::string text = "{\"format\": \"shardtensor-panels-1\", \"data\": " +
+                               detail::json_string(detail::base_name(data)) +
+                               ", \"dtype\": \"float32\", \"byte_order\": \"" +
+                               (little ? "little" : "big") +
+                               "\",\n \"png\": " + detail::json_string(detail::base_name(png)) +
+                               ", \"suptitle\": " + detail::json_string(suptitle) +
+                               ",\n \"panels\": [\n  " + panels_json + "]}\n";
+      written = std::fputs(text.c_str(), h) >= 0;
+      written = (std::fclose(h) == 0) && written;
+    } else {
+      written = false;
+    }
+    if (!written) {
+      std::remove(data.c_str());
+      std::remove(header.c_str());
+      return "could not write " + header + " / " + data + " (no picture)";
+    }
+#if defined(SHARDTENSOR_PYTHON) && defined(SHARDTENSOR_PLOT_PANELS)
+    const std::string python = SHARDTENSOR_PYTHON, script = SHARDTENSOR_PLOT_PANELS;
+    std::string why;
+    const int status = detail::run_and_wait({python, script, header}, why);
+    if (status == 0) {
+      std::remove(data.c_str());
+      std::remove(header.c_str());
+      return "wrote " + png + ": " + titles;
+    }
+    if (status == 3) {
+      why = "matplotlib is not available to " + python;
+    } else if (why.empty()) {
+      why = script + " ended with status " + std::to_string(status);
+    }
+#else
+    const std::string python = "python3", script = "examples/plot_panels.py";
+    const std::string why = "built without the plotting script";
+#endif
+    return "could not draw " + png + " (" + why + "); its data is in " + header + " + " +
+           detail::base_name(data) + " (" + titles + "): `" + python + " " + script + " " + header +
+           "` draws it";
+  } catch (const std::exception& e) {
+    return "could not draw " + png + ": " + e.what();
+  }
 }
 
 }  // namespace diffusion

@@ -21,7 +21,8 @@ sharded spectrum (view semantics: the writes reach out_ft).
 At the end one sharded Adam step on a 64x64 grid (float64) is compared with a
 single-process PyTorch step (loss and every parameter): prints MATCH or MISMATCH,
 and the exit code says so. A PNG shows input, prediction, target and error of
-one validation sample.
+one validation sample, each panel titled and with a colour bar (validate_and_draw in
+unet_train.py, examples/plot_panels.py).
 """
 
 import argparse

@@ -14,23 +14,27 @@ its gradients are summed over the mesh by distribute_module.
 
 At the end one sharded Adam step on a 64x64 grid (float64) is compared with a
 single-process step (loss and every parameter): prints MATCH or MISMATCH, and the
-exit code says so. A PNG (pure-Python writer, no matplotlib needed) shows input,
-prediction, target and error of one validation sample.
+exit code says so. A PNG (--png) shows input, prediction, target and error of one
+validation sample, each panel titled and with a colour bar (examples/plot_panels.py,
+matplotlib; the C++ examples run the same script).
 """
 
 import argparse
 import copy
 import math
-import struct
+import os
 import sys
 import time
-import zlib
 
 import torch
 import torch.nn.functional as F
 
 import shardtensor as st
 from shardtensor import Shard, ShardTensor
+
+# examples/plot_panels.py: the validation picture, shared with the C++ examples.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plot_panels import draw_panels  # noqa: E402
 
 K_WAVES, K_MODES, K_LOGKAPPA_AMP = 8, 4, 0.4
 
@@ -168,34 +172,6 @@ def make_batch(mesh, batch, n, k, first_sample):
         return inp, sharded(u)
 
 
-# ---- PNG (no dependencies: zlib + struct) ---------------------------------------------------
-ANCHORS = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
-
-
-def write_png(path, panels, ranges, gap=4):
-    h, w = panels[0].shape
-    cols = []
-    for p, (lo, hi) in zip(panels, ranges):
-        t = ((p.double() - lo) / max(1e-12, hi - lo)).clamp(0, 1) * 4
-        i = t.floor().clamp(max=3).long()
-        f = (t - i).unsqueeze(-1)
-        a = torch.tensor(ANCHORS, dtype=torch.float64)
-        cols.append((a[i] + f * (a[i + 1] - a[i])).to(torch.uint8))
-        cols.append(torch.full((h, gap, 3), 255, dtype=torch.uint8))
-    img = torch.cat(cols[:-1], 1)
-    raw = b"".join(b"\x00" + bytes(row.flatten().tolist()) for row in img)
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n")
-        f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", img.shape[1], h, 8, 2, 0, 0, 0)))
-        f.write(chunk(b"IDAT", zlib.compress(raw, 6)))
-        f.write(chunk(b"IEND", b""))
-    return True
-
-
 # ---- training -------------------------------------------------------------------------------
 def max_over_ranks(v, mesh):
     return st.ShardTensor.from_local(torch.tensor([float(v)], dtype=torch.float64),
@@ -237,11 +213,17 @@ def validate_and_draw(net, predict_fn, mesh, data, args, root):
             return t if f == 1 else F.avg_pool2d(t[None, None], f)[0, 0]
 
         emax = max(1e-6, err.max().item())
-        write_png(args.png, [shrink(x[0]), shrink(x[1]), shrink(p), shrink(y), shrink(err)],
-                  [(lo, hi), (x[1].min().item(), x[1].max().item()), (lo, hi), (lo, hi),
-                   (0.0, emax)])
-        print(f"wrote {args.png}: u0 | log kappa | prediction | target | |error| (0..{emax:.3g})",
-              flush=True)
+        shown = shrink(y).shape[0]
+        # Titled panels with colour bars (examples/plot_panels.py, the same function the C++
+        # examples run); u0, prediction and target share one colour range.
+        line = draw_panels(
+            args.png, [shrink(x[0]), shrink(x[1]), shrink(p), shrink(y), shrink(err)],
+            ["u0", "log kappa", "prediction", "target", "|error|"],
+            [(lo, hi), (x[1].min().item(), x[1].max().item()), (lo, hi), (lo, hi), (0.0, emax)],
+            f"{os.path.basename(sys.argv[0])}: validation sample after {args.steps} training "
+            f"steps, {args.size}x{args.size} grid"
+            + (f" (shown at {shown}x{shown})" if shown != args.size else ""))
+        print(f"{line} (|error| up to {emax:.3g})", flush=True)
 
 
 def one_step_check(make_net, predict_fn, mesh, world, root, lr):
