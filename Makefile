@@ -32,7 +32,13 @@ TEST_JOBS    ?= $(shell n=$$(( $(NPROC) / 2 )); echo $$(( n > 0 ? n : 1 )))
 TEST_TIMEOUT ?= 1800
 CMAKE_ARGS   ?=
 MPIRUN       ?= mpirun
-MPIRUN_FLAGS ?= --oversubscribe --bind-to none
+# This Open MPI's spellings (4.1 or 5.0) from cmake/MpiLaunch.cmake (Note [Open MPI 4.1 and
+# 5.0 spellings]), as words: version=5.0 flag=--map-by flag=:OVERSUBSCRIBE ... env=NAME=VALUE.
+# Empty before `make deps` has installed cmake and Open MPI: then 4.1's spellings (5.0's
+# mpirun still accepts --oversubscribe).
+MPI_LAUNCH   := $(shell cmake -DMPIEXEC_EXECUTABLE=$(MPIRUN) -DSHARDTENSOR_MPI_PRINT=words \
+                  -P $(REPO_ROOT)/cmake/MpiLaunch.cmake 2>/dev/null)
+MPIRUN_FLAGS ?= $(if $(MPI_LAUNCH),$(patsubst flag=%,%,$(filter flag=%,$(MPI_LAUNCH))),--oversubscribe --bind-to none)
 CLANG_FORMAT ?= $(VENV)/bin/clang-format
 BUILD_ABS    := $(if $(filter /%,$(BUILD_DIR)),$(BUILD_DIR),$(REPO_ROOT)/$(BUILD_DIR))
 
@@ -60,8 +66,12 @@ export CCACHE_SLOPPINESS ?= pch_defines,time_macros,include_file_mtime,include_f
 
 # One compute thread per rank; OpenMPI refuses root without these.
 export OMP_NUM_THREADS ?= 1
-# Containers often forbid the cross-memory-attach single-copy path.
-export OMPI_MCA_btl_vader_single_copy_mechanism ?= none
+# Containers often forbid the cross-memory-attach single-copy path: single copy off, in this
+# Open MPI's spelling (4.1: OMPI_MCA_btl_vader_single_copy_mechanism=none, 5.0:
+# OMPI_MCA_smsc=^cma,knem,xpmem); a value already in the environment wins.
+MPI_LAUNCH_ENV := $(if $(MPI_LAUNCH),$(patsubst env=%,%,$(filter env=%,$(MPI_LAUNCH))),OMPI_MCA_btl_vader_single_copy_mechanism=none)
+mpi_env_name = $(firstword $(subst =, ,$(1)))
+$(foreach kv,$(MPI_LAUNCH_ENV),$(eval export $(call mpi_env_name,$(kv)) ?= $(patsubst $(call mpi_env_name,$(kv))=%,%,$(kv))))
 ifeq ($(shell id -u),0)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1

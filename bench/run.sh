@@ -13,7 +13,8 @@
 #
 # Environment (defaults in brackets):
 #   BENCH_BIN [build/bench/shardtensor_bench]   RESULTS [bench/results]
-#   MPIRUN [mpirun]  MPIRUN_FLAGS [--oversubscribe --bind-to none]
+#   MPIRUN [mpirun]  MPIRUN_FLAGS [this Open MPI's: 4.1 --oversubscribe --bind-to none,
+#     5.0 --map-by :OVERSUBSCRIBE --bind-to none; cmake/MpiLaunch.cmake]
 #   NPS ["1 2 4 8"]  STEPS [5]  WARMUP [2]  BASELINE_THREADS [1,match]
 #   FIXED_SHAPE_2D [256,256]  FIXED_SHAPE_3D [32,32,32]  FIXED_SHAPE_CONV [512,512]
 #   WEAK_ROWS_PER_RANK [64]  WEAK_COLS [256]   (unet2d weak scaling: global [64*P, 256])
@@ -30,7 +31,27 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BENCH_BIN=${BENCH_BIN:-build/bench/shardtensor_bench}
 RESULTS=${RESULTS:-bench/results}
 MPIRUN=${MPIRUN:-mpirun}
-read -r -a MPIRUN_ARGS <<<"${MPIRUN_FLAGS:---oversubscribe --bind-to none}"
+# This Open MPI's flags and variables (4.1 or 5.0), from cmake/MpiLaunch.cmake (Note [Open MPI
+# 4.1 and 5.0 spellings]); MPIRUN_FLAGS and variables already set win. Without cmake: 4.1's
+# (5.0's mpirun accepts them too). bench/run_io.sh has the same lines.
+mpi_version="" mpi_flags=() mpi_env=()
+for w in $(cmake -DMPIEXEC_EXECUTABLE="$MPIRUN" -DSHARDTENSOR_MPI_PRINT=words \
+  -P cmake/MpiLaunch.cmake 2>/dev/null); do
+  case $w in
+    version=*) mpi_version=${w#version=} ;;
+    flag=*) mpi_flags+=("${w#flag=}") ;;
+    env=*) mpi_env+=("${w#env=}") ;;
+  esac
+done
+if [ -z "$mpi_version" ]; then
+  mpi_flags=(--oversubscribe --bind-to none) mpi_env=(OMPI_MCA_btl_vader_single_copy_mechanism=none)
+fi
+for kv in "${mpi_env[@]}"; do  # single copy off (containers), in this version's spelling
+  name=${kv%%=*}
+  [ -n "${!name:-}" ] || export "$kv"
+done
+MPIRUN_FLAGS=${MPIRUN_FLAGS-${mpi_flags[*]}}
+read -r -a MPIRUN_ARGS <<<"$MPIRUN_FLAGS"
 NPS=${NPS:-1 2 4 8}
 STEPS=${STEPS:-5}
 WARMUP=${WARMUP:-2}
@@ -52,10 +73,9 @@ PROFILE_SHAPE=${PROFILE_SHAPE:-512,512}
 PROFILE_NPS=${PROFILE_NPS:-1 2}
 PROFILE_STEPS=${PROFILE_STEPS:-3}
 # The records store the launcher's flags (Note [baseline honesty]).
-export BENCH_MPIRUN_FLAGS="${MPIRUN_FLAGS:---oversubscribe --bind-to none}"
+export BENCH_MPIRUN_FLAGS="$MPIRUN_FLAGS"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
 if [ "$(id -u)" = 0 ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
@@ -213,7 +233,7 @@ scenario_io() {
     FAILED=$((FAILED + 1))
     return 0
   fi
-  BENCH_IO_BIN=$bin RESULTS=$RESULTS MPIRUN=$MPIRUN NPS="${IO_NPS:-1 2 4}" \
+  BENCH_IO_BIN=$bin RESULTS=$RESULTS MPIRUN=$MPIRUN MPIRUN_FLAGS=$MPIRUN_FLAGS NPS="${IO_NPS:-1 2 4}" \
     IO_SHAPES="${IO_SHAPES:-4096,4096 256,256,256}" REPEATS="${IO_REPEATS:-5}" \
     bench/run_io.sh || FAILED=$((FAILED + 1))
 }

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -183,6 +184,48 @@ TEST(Runtime, ThreadPolicy) {
     expected = std::atoi(v2);
   }
   EXPECT_EQ(at::get_num_threads(), expected);
+}
+
+// Note [OMPIO vulcan write corruption] (src/core/runtime.cpp): internal, declared here.
+namespace shardtensor::detail {
+std::string mpi_library_version();
+bool is_open_mpi_4_1(const std::string& library_version);
+bool ompio_vulcan_workaround_applied();
+}  // namespace shardtensor::detail
+
+TEST(Runtime, OmpioWorkaroundOnlyOnOpenMpi41) {
+  // The version test on the strings MPI_Get_library_version returns.
+  EXPECT_TRUE(st::detail::is_open_mpi_4_1(
+      "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022"));
+  EXPECT_TRUE(st::detail::is_open_mpi_4_1("Open MPI v4.1.8"));
+  EXPECT_FALSE(st::detail::is_open_mpi_4_1(
+      "Open MPI v5.0.7, package: Debian OpenMPI, ident: 5.0.7, repo rev: v5.0.7, Feb 14, 2025"));
+  EXPECT_FALSE(st::detail::is_open_mpi_4_1("Open MPI v4.0.7"));
+  EXPECT_FALSE(st::detail::is_open_mpi_4_1("Open MPI v4.10.0"));
+  EXPECT_FALSE(st::detail::is_open_mpi_4_1("MPICH Version:      4.1.2\nMPICH Release date: ..."));
+  EXPECT_FALSE(st::detail::is_open_mpi_4_1(""));
+
+  // This process: the test main's Runtime started MPI, so init() decided. OMPI_MCA_fcoll
+  // is set exactly when the library is Open MPI 4.1 and nothing overrode the choice
+  // (OMPI_MCA_io, SHARDTENSOR_KEEP_OMPIO_VULCAN, or an OMPI_MCA_fcoll of the user's own).
+  const std::string library = st::detail::mpi_library_version();
+  const bool is41 = st::detail::is_open_mpi_4_1(library);
+  const bool applied = st::detail::ompio_vulcan_workaround_applied();
+  auto set = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0';
+  };
+  const char* fcoll = std::getenv("OMPI_MCA_fcoll");
+  const bool user_fcoll = set("OMPI_MCA_fcoll") && !applied;
+  const bool overridden = set("OMPI_MCA_io") || set("SHARDTENSOR_KEEP_OMPIO_VULCAN") || user_fcoll;
+  SCOPED_TRACE("library: " + library + "; OMPI_MCA_fcoll=" + (fcoll ? fcoll : "(unset)"));
+  EXPECT_EQ(applied, is41 && !overridden);
+  if (applied) {
+    EXPECT_STREQ(fcoll, "dynamic");
+  }
+  if (!overridden) {
+    EXPECT_EQ(set("OMPI_MCA_fcoll"), is41);
+  }
 }
 
 // ---- errors ------------------------------------------------------------------

@@ -6,6 +6,7 @@
 
 #include "core/channel.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -25,6 +26,22 @@ namespace detail {
 // happen in finalize() while MPI is still usable, e.g. mesh/ frees the
 // library's communicators. Hooks run in reverse order of registration.
 void register_finalize_hook(std::function<void()> hook);
+
+// Internal, for Note [OMPIO vulcan write corruption] and its test (tests/test_core.cpp
+// declares them too). Local; callable before MPI_Init.
+// MPI_Get_library_version's string, e.g. "Open MPI v4.1.4, package: Debian OpenMPI, ...".
+std::string mpi_library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int length = 0;
+  if (MPI_Get_library_version(text, &length) != MPI_SUCCESS) return {};
+  return std::string(text, static_cast<size_t>(std::max(0, length)));
+}
+// True for Open MPI 4.1.x ("Open MPI v4.1." at the start of the library version string).
+bool is_open_mpi_4_1(const std::string& library_version) {
+  return library_version.rfind("Open MPI v4.1.", 0) == 0;
+}
+// Whether init() started MPI with OMPI_MCA_fcoll=dynamic set by itself.
+bool ompio_vulcan_workaround_applied();
 }  // namespace detail
 
 namespace {
@@ -36,6 +53,8 @@ struct RuntimeState {
   int thread_level = -1;                   // MPI_THREAD_* provided
   MPI_Comm error_channel = MPI_COMM_NULL;  // Note [carried errors] (comm/error_channel.h)
   std::vector<std::function<void()>> finalize_hooks;
+  bool ompio_vulcan_avoided =
+      false;  // init() set OMPI_MCA_fcoll (Note [OMPIO vulcan write corruption])
 };
 
 RuntimeState& state() {
@@ -67,13 +86,21 @@ bool mpi_finalized() {
 // (OMPI_MCA_io, OMPI_MCA_fcoll), or SHARDTENSOR_KEEP_OMPIO_VULCAN=1. The Python
 // package does the same at import time. A host that starts MPI itself keeps
 // its own settings; docs/io.md says what to export.
+// Only for Open MPI 4.1, the version it was seen on (Note [Open MPI 4.1 and 5.0
+// spellings], cmake/MpiLaunch.cmake): the library is asked with
+// MPI_Get_library_version, which MPI-3 allows before MPI_Init. Open MPI 5.0 (and
+// any other MPI) starts with its own defaults; should 5.0's vulcan lose values
+// too, WriteHdf5.RepeatedCollectiveBlockWritesAreExact (tests/test_io.cpp) fails
+// there, and this gate is where to widen it.
 void avoid_ompio_vulcan() {
   auto set = [](const char* name) {
     const char* v = std::getenv(name);
     return v != nullptr && *v != '\0';
   };
   if (set("OMPI_MCA_io") || set("OMPI_MCA_fcoll") || set("SHARDTENSOR_KEEP_OMPIO_VULCAN")) return;
+  if (!detail::is_open_mpi_4_1(detail::mpi_library_version())) return;
   setenv("OMPI_MCA_fcoll", "dynamic", /*overwrite=*/0);
+  state().ompio_vulcan_avoided = true;
 }
 
 // Number of intra-op threads per rank: SHARDTENSOR_NUM_THREADS, else
@@ -102,6 +129,12 @@ int thread_count_from_env() {
 }  // namespace
 
 namespace detail {
+bool ompio_vulcan_workaround_applied() {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.ompio_vulcan_avoided;
+}
+
 void register_finalize_hook(std::function<void()> hook) {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
