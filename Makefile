@@ -43,10 +43,10 @@ CLANG_FORMAT ?= $(VENV)/bin/clang-format
 BUILD_ABS    := $(if $(filter /%,$(BUILD_DIR)),$(BUILD_DIR),$(REPO_ROOT)/$(BUILD_DIR))
 
 # System parts from Debian (12 or 13; the names are the same on both): MPI, parallel
-# HDF5, compilers, GoogleTest, header-only CLI11/JSON, libpng. Python and torch come
+# HDF5, compilers, GoogleTest, header-only CLI11/JSON. Python and torch come
 # from PyPI into a virtual environment (below), never from Debian.
 DEB_PACKAGES ?= libopenmpi-dev openmpi-bin libgtest-dev cmake make g++ ccache \
-                libpng-dev pkg-config libhdf5-openmpi-dev hdf5-tools \
+                pkg-config libhdf5-openmpi-dev hdf5-tools \
                 nlohmann-json3-dev libcli11-dev jq
 
 # The project's Python: the active virtual environment ($$VIRTUAL_ENV), else .venv in the
