@@ -573,8 +573,7 @@ TEST_F(Attention, Errors) {
   EXPECT_TRUE(has(error_of([&] { at::scaled_dot_product_attention(sq, sk, sk, {}, 0.5); }),
                   "dropout_p must be 0"));
   auto sq4 = st::distribute_tensor(rnd_d({2, 4, 13, 8}, 16), mesh, fit_placements(mesh, {S2, S0}));
-  EXPECT_TRUE(has(error_of([&] { at::scaled_dot_product_attention(sq4, sk, sk); }),
-                  "enable_gqa"));
+  EXPECT_TRUE(has(error_of([&] { at::scaled_dot_product_attention(sq4, sk, sk); }), "enable_gqa"));
   // Still in step afterwards.
   auto out = st::scaled_dot_product_attention(sq, sk, sk);
   EXPECT_TRUE(all_close(gathered(out), reference(q, k, k, {}, false, std::nullopt)));

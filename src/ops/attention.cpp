@@ -846,8 +846,8 @@ void sdpa_rule(const c10::OperatorHandle& op, ops::Stack* stack) {
   at::Tensor mask = args[3].isTensor() ? args[3].toTensor() : at::Tensor();
   std::optional<double> scale;
   if (!args[6].isNone()) scale = args[6].toDouble();
-  at::Tensor out = scaled_dot_product_attention(q, k, args[2].toTensor(), mask,
-                                                args[5].toBool(), scale);
+  at::Tensor out =
+      scaled_dot_product_attention(q, k, args[2].toTensor(), mask, args[5].toBool(), scale);
   stack->push_back(out);
 }
 

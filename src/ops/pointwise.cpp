@@ -306,8 +306,7 @@ const RuleRegistrar pointwise_ops(
      "relu", "relu_", "relu6", "gelu", "gelu_", "silu", "silu_", "sigmoid", "sigmoid_",
      "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "selu_", "celu", "celu_", "softplus",
      "mish", "mish_", "hardtanh", "hardtanh_", "hardsigmoid", "hardsigmoid_", "hardswish",
-     "hardswish_", "log_sigmoid", "softshrink", "hardshrink", "threshold",
-     "threshold_", "rrelu",
+     "hardswish_", "log_sigmoid", "softshrink", "hardshrink", "threshold", "threshold_", "rrelu",
      // clamping, selection, comparison, logic
      "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "clip", "clip_",
      "where.self", "where.ScalarSelf", "where.ScalarOther", "where.Scalar", "where.self_out",

@@ -166,4 +166,3 @@ const InstallHooks install_hooks;
 
 }  // namespace
 }  // namespace shardtensor::detail
-
