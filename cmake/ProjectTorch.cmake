@@ -58,6 +58,11 @@ if(_st_torch_ver VERSION_LESS SHARDTENSOR_TORCH_MIN OR
     "supported: torch >= ${SHARDTENSOR_TORCH_MIN} and < ${SHARDTENSOR_TORCH_MAX_EXCLUSIVE} "
     "(CI tests 2.13.0). `make deps` installs the pinned version into .venv.")
 endif()
+# torch 2.14's headers require C++20 (ATen.h: "#error C++20 or later compatible compiler is
+# required"); 2.11-2.13 take C++17, which stays the project's standard there.
+if(NOT _st_torch_ver VERSION_LESS 2.14)
+  set(CMAKE_CXX_STANDARD 20)
+endif()
 list(PREPEND CMAKE_PREFIX_PATH "${SHARDTENSOR_TORCH_CMAKE_PREFIX}")
 find_package(Torch REQUIRED CONFIG)
 message(STATUS "shardtensor: torch ${SHARDTENSOR_TORCH_PY_VERSION} from ${Python3_EXECUTABLE}")

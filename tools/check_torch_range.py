@@ -80,6 +80,8 @@ def main():
                     out += ["-include", os.path.join(ROOT, "src", "pch.h")]
                     continue
                 out.append(re.sub(r"[^ ]*/torch/include", inc, a) if "/torch/include" in a else a)
+            if tuple(int(x) for x in version.split(".")[:2]) >= (2, 14):  # 2.14's headers need C++20
+                out = ["-std=c++20" if a in ("-std=c++17", "-std=gnu++17") else a for a in out]
             out.append("-fsyntax-only")
             r = subprocess.run(out, cwd=e["directory"], capture_output=True, text=True)
             return e["file"], r.returncode, r.stderr
