@@ -27,6 +27,11 @@
 #   (CMA, KNEM, XPMEM) is the smsc framework's, chosen with the `smsc` selection
 #   parameter; excluding every component leaves the sm BTL's copy-in/copy-out.
 #   An exclusion of a component that is not built is not an error.
+# - Verified in a Debian 13.2 chroot on this project's machine (2026-11-28, Open MPI
+#   5.0.7): with the TCP BTL left in, every 5.0 rank prints "btl_tcp_proc.c:266 ...
+#   Unable to find reachable pairing between local and remote interfaces" (the machine
+#   has ifb0/ifb1 virtual interfaces; 4.1 stays silent), so the 5.0 launch environment
+#   of our own one-machine launches (make demo, bench/) also selects OMPI_MCA_btl=self,sm.
 # 4.1-only workarounds are gated on the version where they are applied: the OMPIO
 # fcoll/vulcan one at run time (src/core/runtime.cpp, Note [OMPIO vulcan write
 # corruption]), the mpirun PMIx_server_finalize crash in tests/watchdog_check.sh.
@@ -91,9 +96,9 @@ macro(shardtensor_mpi_launch version)
            OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader)
     else()
       set(_st_flags --map-by :OVERSUBSCRIBE --bind-to none)
-      set(_st_launch_env OMPI_MCA_smsc=^cma,knem,xpmem)
+      set(_st_launch_env OMPI_MCA_smsc=^cma,knem,xpmem OMPI_MCA_btl=self,sm)
       list(APPEND _st_test_env ${_st_launch_env}
-           PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMPI_MCA_btl=self,sm)
+           PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe)
     endif()
   endif()
 endmacro()
