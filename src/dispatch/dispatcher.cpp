@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "comm/diagnostic.h"
 #include "core/debug.h"
@@ -112,6 +113,42 @@ struct Handler {
   bool decomposes = false;                // the op has a CompositeImplicitAutograd kernel
 };
 
+// Note [integer arguments of decompositions]: some decompositions read the
+// data of an integer tensor argument on the host (tensor_split's indices,
+// ctc_loss's lengths: data_ptr, after .to(kLong) or .contiguous()), which a
+// ShardTensor cannot give (its storage access throws). An integer or bool
+// argument that is a replicated ShardTensor holds the whole value on every
+// rank, so before decomposing it is replaced by its local tensor: the result
+// is the same on every rank, and such an argument carries no gradient. Only
+// while another ShardTensor argument remains, so that the op still comes back
+// here with its results sharded; a call whose only ShardTensors are such
+// integers keeps them. The decision reads metadata only (alike on every rank).
+void unwrap_replicated_integers(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const auto first = stack->end() - static_cast<std::ptrdiff_t>(n);
+  auto unwrappable = [](const c10::IValue& v) {
+    if (!v.isTensor()) return false;
+    const ShardSpec* s = ops::spec_of(v.toTensor());
+    return s != nullptr && s->is_replicated() &&
+           at::isIntegralType(v.toTensor().scalar_type(), /*includeBool=*/true);
+  };
+  bool other = false;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = *(first + static_cast<std::ptrdiff_t>(i));
+    if (unwrappable(v)) {
+      which.push_back(i);
+    } else if (!ops::shard_args({v}).empty()) {
+      other = true;
+    }
+  }
+  if (!other) return;
+  for (size_t i : which) {
+    c10::IValue& v = *(first + static_cast<std::ptrdiff_t>(i));
+    v = ops::local_of(v.toTensor());
+  }
+}
+
 void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
          const Handler& h) {
   Counters& c = counters();
@@ -130,6 +167,7 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stac
     // reaches the CompositeImplicitAutograd kernel straight from AutogradCPU; so does a
     // ShardTensor here, by leaving ADInplaceOrView out of the redispatch.
     c.decompositions.fetch_add(1, std::memory_order_relaxed);
+    unwrap_replicated_integers(op, stack);  // Note [integer arguments of decompositions]
     op.redispatchBoxed((ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
                                                  c10::DispatchKey::AutogradPrivateUse1))
                            .remove(c10::DispatchKey::ADInplaceOrView),

@@ -28,12 +28,15 @@
 // cannot be re-sharded is returned replicated on every mesh dim, not plain)
 // on which an in-place op raises on every rank, naming the op (Note [view
 // write-back]), instead of being lost. Random ops draw on the full tensor on
-// every rank.
+// every rank. A result that is not strided (to_sparse, to_mkldnn) cannot be
+// split: where it would be re-sharded it is refused on every rank, naming the
+// op, its arguments' placements and the layout.
 #include "dispatch/fallback.h"
 
 #include <shardtensor/core/policy.h>
 
 #include <string>
+#include <vector>
 
 #include "ops/common.h"
 
@@ -149,6 +152,25 @@ void generic_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* s
   const size_t nret = schema.returns().size();
   TORCH_INTERNAL_ASSERT(call.size() == nret, "unexpected number of results of ",
                         op.operator_name());
+  // A sparse (or otherwise non-strided) result cannot be split into pieces: refused
+  // where it would be re-sharded (a replicated one is returned whole).
+  // Every rank ran the same op on the same gathered tensors, so every rank sees the
+  // same layouts and throws here, with no collective pending.
+  for (const c10::IValue& r : call) {
+    std::vector<at::Tensor> ts;
+    if (r.isTensor()) ts.push_back(r.toTensor());
+    if (r.isTensorList()) ts = r.toTensorList().vec();
+    for (const at::Tensor& t : ts) {
+      if (!t.defined() || t.layout() == at::kStrided) continue;
+      const ops::SpecPtr spec = result_spec(t, first);
+      if (spec && !spec->is_replicated()) {
+        ops::fail(op, args,
+                  "its result has layout " + c10::str(t.layout()) +
+                      "; a ShardTensor holds strided pieces only (call full_tensor() first "
+                      "for a plain tensor of that layout)");
+      }
+    }
+  }
 
   // Copy written pieces back (in-place ops, out=).
   for (size_t i = 0; i < args.size() && i < schema.arguments().size(); ++i) {

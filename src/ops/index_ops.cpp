@@ -200,7 +200,9 @@ std::optional<EmbeddingLayout> embedding_layout(const std::vector<c10::IValue>& 
   Placements tp = L.is.placements();
   ShardSizes ts = L.is.all_shard_sizes();
   if (L.m >= 0) {
-    if (L.is.mesh_dim_of(0) < 0 && idx.dim() == 0) return std::nullopt;
+    // A 0-d index has no dim to split along: the generic fallback (before, asking the
+    // layout of its dim 0 raised an internal error).
+    if (idx.dim() == 0) return std::nullopt;
     if (!is_shard(tp[L.m])) {
       int64_t j = -1;
       for (int64_t e = 0; e < idx.dim() && j < 0; ++e) {
