@@ -80,7 +80,7 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: deps-debian deps-python fuzz test-asan test-large help demo demo-vit demo-py demo-py-fno test deps configure build install format format-check clean \
+.PHONY: deps-debian deps-python fuzz test-asan test-large help demo demo-vit demo-py demo-py-fno test test-opinfo-full deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
         bench-overhead bench-attention bench-scale bench-profile bench-io bench-report bench-deps
 
@@ -90,6 +90,7 @@ help:
 	@echo "make demo-py  build the Python package and run examples/python/unet_train.py on 4 ranks"
 	@echo "make demo-py-fno  the same for examples/python/fno_train.py (the FNO, Python)"
 	@echo "make test     build and run all tests (ctest)"
+	@echo "make test-opinfo-full  every sample of PyTorch's OpInfo database through the Python package, 2 and 3 ranks"
 	@echo "make deps | configure | build | install PREFIX=dir | format | format-check | clean"
 	@echo "make fuzz SECONDS=300 NP=4 [MESH=2x2] [FUZZ_SEED=n]  random programs, sharded vs plain libtorch"
 	@echo "                   (reproduce one: FUZZ_SEED=n FUZZ_COUNT=1; tests/fuzz/test_fuzz.cpp lists FUZZ_* knobs)"
@@ -131,6 +132,15 @@ demo-py-fno: configure
 test: build
 	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error -LE large \
 	  --timeout $(TEST_TIMEOUT) -j $(TEST_JOBS)
+
+# PyTorch's OpInfo database, every sample (tests/python/opinfo_sweep.py --full), at 2 and 3
+# ranks; `make test` runs its first-sample subset (CTests opinfo.np2, opinfo.np3).
+test-opinfo-full: build
+	py=$$(sed -n 's/^Python3_EXECUTABLE:FILEPATH=//p' $(BUILD_ABS)/CMakeCache.txt); \
+	for np in 2 3; do \
+	  PYTHONPATH=$(BUILD_ABS)/python SHARDTENSOR_TIMEOUT=120 $(MPIRUN) $(MPIRUN_FLAGS) -np $$np \
+	    $${py:-$(VENV_PY)} $(REPO_ROOT)/tests/python/opinfo_sweep.py --full || exit 1; \
+	done
 
 test-large: build
 	ctest --test-dir $(BUILD_ABS) --output-on-failure --no-tests=error -L large \
