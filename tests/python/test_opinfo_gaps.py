@@ -44,7 +44,7 @@ def test_embedding_zero_dim_index(mesh, wdim, index_kind):
 def test_tensor_split_replicated_indices(mesh, dim, empty):
     # Before: "Cannot access data pointer of Tensor that doesn't have storage".
     x = rnd((7, 5), 3, torch.float64)
-    pl = placements(mesh, dim)
+    pl = placements(mesh, dim, data_dim=1 - dim)
     sizes = empty_first_sizes(mesh, x.shape, pl) if empty else None
     sx = st.distribute_tensor(x, mesh, pl, requires_grad=True, sharding_shapes=sizes)
     xr = x.clone().requires_grad_(True)
@@ -87,7 +87,7 @@ def test_ctc_loss_replicated_integer_arguments(mesh, dim):
 def test_to_sparse_refused_on_every_rank(mesh, dim):
     # Before: NotImplementedError from aten::as_strided on SparseCPU inside the fallback.
     x = rnd((5, 3), 5, torch.float64)
-    sx = st.distribute_tensor(x, mesh, placements(mesh, dim))
+    sx = st.distribute_tensor(x, mesh, placements(mesh, dim, data_dim=1 - dim))
     with pytest.raises(RuntimeError, match=r"layout Sparse.*aten::_to_sparse.*Shard\("):
         sx.to_sparse()
     # A replicated one keeps working (the whole sparse tensor on every rank).
