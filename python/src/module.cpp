@@ -21,6 +21,7 @@
 // Placements cross as (kind, dim) pairs: kind 0 = Shard(dim), 1 = Replicate,
 // 2 = Partial. Communicators cross as the integer handle mpi4py gives
 // (MPI._handleof(comm)); 0 means MPI_COMM_WORLD.
+#include <shardtensor/core/launch.h>
 #include <shardtensor/shardtensor.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -635,4 +636,43 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("reset_peak_memory_stats", &st::reset_peak_memory_stats);
+  // ---- launcher detection (Note [launcher detection], src/core/launch.cpp) ----
+  // env: a dict of variables, or None for this process's environment.
+  auto env_of = [](const std::optional<std::map<std::string, std::string>>& env) -> st::EnvLookup {
+    if (!env) return st::process_env();
+    return [vars = *env](const char* name) -> std::optional<std::string> {
+      auto it = vars.find(name);
+      if (it == vars.end()) return std::nullopt;
+      return it->second;
+    };
+  };
+  m.def(
+      "detect_launch",
+      [env_of](const std::optional<std::map<std::string, std::string>>& env) {
+        const st::LaunchInfo info = st::detect_launch(env_of(env));
+        py::dict d;
+        d["launcher"] = info.launcher;
+        d["rank_variable"] = info.rank_variable;
+        d["size_variable"] = info.size_variable;
+        d["rank"] = info.rank;
+        d["world_size"] = info.world_size;
+        d["local_rank"] = info.local_rank;
+        d["local_world_size"] = info.local_world_size;
+        d["mpi_launcher"] = info.mpi_launcher;
+        return d;
+      },
+      py::arg("env") = py::none(), "Local. Which launcher started this process (a dict).");
+  m.def(
+      "resolve_transport",
+      [env_of](const std::optional<std::map<std::string, std::string>>& env) {
+        const auto lookup = env_of(env);
+        return st::resolve_transport(st::detect_launch(lookup), lookup);
+      },
+      py::arg("env") = py::none(),
+      "Local. 'mpi', or raises (SHARDTENSOR_BACKEND, torchrun-only launch).");
+  m.def("exported_launch_env", [] {
+    py::dict d;
+    for (const auto& [k, v] : st::exported_launch_env()) d[py::str(k)] = v;
+    return d;
+  });
 }

@@ -1,8 +1,12 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <mpi.h>
+#include <netinet/in.h>
 #include <shardtensor/core/error.h>
+#include <shardtensor/core/launch.h>
 #include <shardtensor/core/runtime.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "core/channel.h"
 
@@ -55,6 +59,7 @@ struct RuntimeState {
   std::vector<std::function<void()>> finalize_hooks;
   bool ompio_vulcan_avoided =
       false;  // init() set OMPI_MCA_fcoll (Note [OMPIO vulcan write corruption])
+  std::vector<std::pair<std::string, std::string>> exported_env;  // Note [launcher detection]
 };
 
 RuntimeState& state() {
@@ -126,7 +131,113 @@ int thread_count_from_env() {
   return 1;
 }
 
+// Note [launcher detection] (src/core/launch.cpp): the launcher's process count
+// and rank must be MPI_COMM_WORLD's. A size mismatch is seen alike by every
+// process; a rank mismatch may be seen by some only, so it is agreed with an
+// all-reduce first and every process throws. Collective over MPI_COMM_WORLD.
+void check_launch_against_mpi(const LaunchInfo& launch) {
+  int rank = 0;
+  int size = 1;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  if (launch.launcher == "none") return;
+  const std::string who = launch.launcher + "'s " + launch.size_variable;
+  TORCH_CHECK(launch.world_size == size, "shardtensor::init: ", who, "=", launch.world_size,
+              " says ", launch.world_size, " processes, but MPI_COMM_WORLD has ", size,
+              size == 1 ? ": MPI did not join the processes (srun needs PMI: `srun --mpi=pmix`; "
+                          "torchrun needs the c10d transport, not in this build yet: use "
+                          "`mpirun -np N`)"
+                        : ": the launcher and MPI disagree about the job");
+  int mismatch = launch.rank != rank ? 1 : 0;
+  int any = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Allreduce(&mismatch, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  TORCH_CHECK(any == 0, "shardtensor::init: ", launch.launcher, "'s ", launch.rank_variable, "=",
+              launch.rank, mismatch ? " but" : " and", " MPI_COMM_WORLD's rank is ", rank, " (of ",
+              size, ")", mismatch ? "" : " here, but they differ on another process",
+              ": the launcher's ranks and MPI's disagree (a stale RANK/WORLD_SIZE in the "
+              "environment?)");
+}
+
+// Rank 0's hostname and a port it found free, broadcast to every rank.
+// Collective over MPI_COMM_WORLD.
+std::pair<std::string, std::string> agree_master_address() {
+  int rank = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  char buffer[256 + 16] = {};
+  if (rank == 0) {
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "127.0.0.1");
+    int port = 29500;  // torch's default, when no free port can be found
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd >= 0) {
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_ANY);
+      addr.sin_port = 0;
+      socklen_t len = sizeof(addr);
+      if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+          getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+        port = ntohs(addr.sin_port);
+      }
+      close(fd);
+    }
+    std::snprintf(buffer, sizeof(buffer), "%s", host);
+    std::snprintf(buffer + 256, 16, "%d", port);
+  }
+  SHARDTENSOR_MPI_CHECK(MPI_Bcast(buffer, sizeof(buffer), MPI_CHAR, 0, MPI_COMM_WORLD));
+  buffer[255] = '\0';
+  buffer[sizeof(buffer) - 1] = '\0';
+  return {std::string(buffer), std::string(buffer + 256)};
+}
+
+// Under an MPI launch, export torch's variables where unset (as DeepSpeed
+// does), so that torch.distributed.init_process_group("gloo") works beside
+// shardtensor. Collective over MPI_COMM_WORLD. Returns what it set.
+std::vector<std::pair<std::string, std::string>> export_torch_env(const LaunchInfo& launch) {
+  int rank = 0;
+  int size = 1;
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  SHARDTENSOR_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  int local_rank = launch.local_rank;
+  int local_size = launch.local_world_size;
+  {
+    // The node's processes, from MPI itself (the launcher may not say).
+    MPI_Comm node = MPI_COMM_NULL;
+    SHARDTENSOR_MPI_CHECK(
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+    int r = 0;
+    int n = 1;
+    MPI_Comm_rank(node, &r);
+    MPI_Comm_size(node, &n);
+    MPI_Comm_free(&node);
+    if (local_rank < 0) local_rank = r;
+    if (local_size < 0) local_size = n;
+  }
+  const auto master = agree_master_address();
+  const std::pair<std::string, std::string> wanted[] = {
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(size)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(local_size)},
+      {"MASTER_ADDR", master.first},
+      {"MASTER_PORT", master.second},
+  };
+  std::vector<std::pair<std::string, std::string>> set;
+  for (const auto& [name, value] : wanted) {
+    const char* old = std::getenv(name.c_str());
+    if (old != nullptr && *old != '\0') continue;
+    setenv(name.c_str(), value.c_str(), /*overwrite=*/1);
+    set.emplace_back(name, value);
+  }
+  return set;
+}
 }  // namespace
+
+std::vector<std::pair<std::string, std::string>> exported_launch_env() {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.exported_env;
+}
 
 namespace detail {
 bool ompio_vulcan_workaround_applied() {
@@ -150,6 +261,9 @@ void init(int* argc, char*** argv) {
   }
   // Read the thread policy first, so that a bad value throws before MPI starts.
   const int threads = thread_count_from_env();
+  // Note [launcher detection]: a bad launch throws here, before MPI starts, when it can.
+  const LaunchInfo launch = detect_launch();
+  resolve_transport(launch, process_env());
   TORCH_CHECK(!mpi_finalized(),
               "shardtensor::init: MPI has already been finalized and cannot be initialized "
               "again (MPI allows one MPI_Init/MPI_Finalize per process)");
@@ -166,6 +280,16 @@ void init(int* argc, char*** argv) {
     s.owns_mpi = true;
     s.thread_level = provided;
   }
+  try {
+    check_launch_against_mpi(launch);  // collective; every rank throws alike
+  } catch (...) {
+    if (s.owns_mpi) {
+      MPI_Finalize();  // every rank is here, so nothing waits
+      s.owns_mpi = false;
+    }
+    throw;
+  }
+  s.exported_env = export_torch_env(launch);
   at::set_num_threads(threads);
   // Every rank calls init(), so the duplicate is collective like MPI_Init itself.
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s.error_channel));
