@@ -1299,8 +1299,12 @@ TEST(CommGatherRange, NeighbourhoodCollectivesMatchPointToPoint) {
     comm::halo_exchange(local, mesh, a.mesh_dim, 1, sizes, 1, 1);
     comm::halo_exchange(local.to(at::kDouble), mesh, a.mesh_dim, 1, sizes, 1, 1);
     EXPECT_TRUE(all_ranks(comm::transport::neighbor_graph_count(a.comm) == graphs));
+    // Open MPI 5.0 ignores the opt-in (Note [neighbourhood collectives on Open MPI
+    // 5.0]): no graph is made there, and the comparisons above ran point-to-point
+    // twice.
+    const bool usable = comm::transport::neighbor_collectives_usable();
     EXPECT_TRUE(all_ranks(graphs <= comm::transport::kMaxNeighborGraphs &&
-                          (a.P == 1 ? graphs == 0 : graphs > 0)));
+                          (a.P == 1 || !usable ? graphs == 0 : graphs > 0)));
   }
   EXPECT_GT(checked, 0);
 }

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -183,10 +184,22 @@ at::Tensor run_grad(const at::Tensor& grad_out_rows, const Run& r) {
   return r.dir == 0 ? g.sum(0, /*keepdim=*/true) : g;
 }
 
-/// SHARDTENSOR_HALO_NEIGHBOR=1 (read per call; Note [neighbourhood collectives]).
+/// SHARDTENSOR_HALO_NEIGHBOR=1 (read per call; Note [neighbourhood collectives]),
+/// honoured only where the MPI library takes our datatypes there (Note
+/// [neighbourhood collectives on Open MPI 5.0]); elsewhere the point-to-point
+/// path runs, with one warning per process.
 bool neighbor_requested() {
   const char* v = std::getenv("SHARDTENSOR_HALO_NEIGHBOR");
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "0") == 0) return false;
+  if (transport::neighbor_collectives_usable()) return true;
+  static std::once_flag warned;
+  std::call_once(warned, [] {
+    std::fprintf(stderr,
+                 "shardtensor: SHARDTENSOR_HALO_NEIGHBOR=1 is ignored on Open MPI 5.0 (its "
+                 "neighbourhood alltoallw rejects the halo datatypes with MPI_ERR_TYPE); halos "
+                 "use point-to-point messages\n");
+  });
+  return false;
 }
 
 int64_t total_rows(const std::vector<Run>& runs) {

@@ -288,6 +288,12 @@ int64_t max_message_bytes();
 /// Local. Graphs cached on `comm` by neighbor_graph() (tests).
 int64_t neighbor_graph_count(MPI_Comm comm);
 
+/// Local, callable before MPI_Init. False where the MPI library is known to
+/// reject the derived datatypes of start_neighbor_exchange() (Open MPI 5.0:
+/// Note [neighbourhood collectives on Open MPI 5.0]); the halo then keeps its
+/// point-to-point path. Never throws.
+bool neighbor_collectives_usable();
+
 /// Rows of a contiguous tensor read as [outer, rows, row_bytes] bytes: `count`
 /// rows from row `first`, going up (step = 1) or down (step = -1).
 struct RowRun {

@@ -17,6 +17,11 @@
 #include <numeric>
 #include <utility>
 
+namespace shardtensor::detail {
+// MPI_Get_library_version's string; defined in src/core/runtime.cpp (its one home).
+std::string mpi_library_version();
+}  // namespace shardtensor::detail
+
 namespace shardtensor::comm::transport {
 
 namespace {
@@ -1062,6 +1067,28 @@ MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
 }
 
 int64_t max_message_bytes() { return max_count(); }
+
+// Note [neighbourhood collectives on Open MPI 5.0]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// On Debian 13's Open MPI 5.0.7 (checked in a Debian 13.2 chroot, 2026-11-28)
+// MPI_Ineighbor_alltoallw and MPI_Neighbor_alltoallw fail with MPI_ERR_TYPE on
+// every rank for the struct-of-hvector types that NeighborExchange builds
+// (CommGatherRange.NeighbourhoodCollectivesMatchPointToPoint, 2 ranks, one
+// neighbour each), although the same types pass MPI_Isend/MPI_Irecv's
+// argument checks on the same communicator, and a stand-alone program with
+// struct-of-hvector types (negative strides and empty neighbours included)
+// works there. The rejection comes from the collective component, not from
+// the argument checks of the MPI_ function (its checks are those of the
+// point-to-point calls). Open MPI 4.1 takes the same types and gives results
+// bit-identical to the point-to-point path. As the neighbourhood path is
+// opt-in (Note [neighbourhood collectives]), Open MPI 5.x ignores the opt-in
+// and keeps the point-to-point path, decided from the library version string
+// alone, so every rank decides alike.
+bool neighbor_collectives_usable() {
+  static const bool usable =
+      shardtensor::detail::mpi_library_version().rfind("Open MPI v5.", 0) != 0;
+  return usable;
+}
 
 int64_t neighbor_graph_count(MPI_Comm comm) {
   GraphCache* cache = graph_cache(comm, /*create=*/false);
