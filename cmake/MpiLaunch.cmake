@@ -27,7 +27,7 @@
 #   (CMA, KNEM, XPMEM) is the smsc framework's, chosen with the `smsc` selection
 #   parameter; excluding every component leaves the sm BTL's copy-in/copy-out.
 #   An exclusion of a component that is not built is not an error.
-# - Verified in a Debian 13.2 chroot on this project's machine (2026-11-28, Open MPI
+# - Verified in a Debian 13.8 chroot on this project's machine (2026-11-28, Open MPI
 #   5.0.7): with the TCP BTL left in, every 5.0 rank prints "btl_tcp_proc.c:266 ...
 #   Unable to find reachable pairing between local and remote interfaces" (the machine
 #   has ifb0/ifb1 virtual interfaces; 4.1 stays silent), so the 5.0 launch environment

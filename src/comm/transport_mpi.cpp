@@ -1070,7 +1070,7 @@ int64_t max_message_bytes() { return max_count(); }
 
 // Note [neighbourhood collectives on Open MPI 5.0]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// On Debian 13's Open MPI 5.0.7 (checked in a Debian 13.2 chroot, 2026-11-28)
+// On Debian 13's Open MPI 5.0.7 (checked in a Debian 13.8 chroot, 2026-11-28)
 // MPI_Ineighbor_alltoallw and MPI_Neighbor_alltoallw fail with MPI_ERR_TYPE on
 // every rank for the struct-of-hvector types that NeighborExchange builds
 // (CommGatherRange.NeighbourhoodCollectivesMatchPointToPoint, 2 ranks, one
