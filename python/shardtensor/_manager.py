@@ -9,12 +9,36 @@ from . import _runtime
 __all__ = ["DistributedManager"]
 
 
+def check_torch_distributed(rank, world_size):
+    """Local. If torch.distributed is already initialized, its rank and world size
+    must be MPI's: MPI is the only transport in this build, so shardtensor runs
+    beside torch's process group and cannot adopt it (that needs the c10d
+    transport, not in this build yet). Raises RuntimeError if they differ."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    t_rank, t_size = dist.get_rank(), dist.get_world_size()
+    if (t_rank, t_size) != (rank, world_size):
+        raise RuntimeError(
+            f"shardtensor.DistributedManager.initialize: torch.distributed is initialized "
+            f"with rank {t_rank} of {t_size}, but MPI_COMM_WORLD has rank {rank} of "
+            f"{world_size}. MPI is shardtensor's only transport in this build; adopting "
+            f"torch.distributed's process group needs the c10d transport (Gloo/NCCL), which "
+            f"is not in this build yet. Launch with mpirun/srun so both agree.")
+
+
 class DistributedManager:
     """``DistributedManager.initialize()`` then ``DistributedManager()`` (shared state)
-    with ``.rank``, ``.world_size``, ``.local_rank``, ``.device`` (cpu) and
+    with ``.rank``, ``.world_size``, ``.local_rank``, ``.device`` and
     ``.initialize_mesh(mesh_shape=(-1,), mesh_dim_names=("domain_parallel",))``.
     Initializing is collective over MPI_COMM_WORLD (shardtensor's own MPI init,
-    or adoption of mpi4py's)."""
+    or adoption of mpi4py's). The launcher is detected as PhysicsNeMo's manager
+    does (torchrun, Slurm, Open MPI, PMI: Note [launcher detection]) and checked
+    against MPI: a launch that says N > 1 processes but gets an MPI world of one
+    (torchrun; srun without PMI) raises on every process. ``local_rank`` is the
+    launcher's, else the rank on this node. ``device`` is cpu unless CUDA is
+    available and the launcher gives a local rank (this build runs on cpu)."""
 
     _shared_state = {}
 
@@ -31,12 +55,18 @@ class DistributedManager:
         _runtime.ensure_init()
         from . import _C
 
-        s["_rank"] = _C.world_rank()
-        s["_world_size"] = _C.world_size()
-        local = os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK",
-                               os.environ.get("MPI_LOCALRANKID", os.environ.get("SLURM_LOCALID")))
-        s["_local_rank"] = int(local) if local is not None else s["_rank"]
-        s["_device"] = torch.device("cpu")
+        rank, size = _C.world_rank(), _C.world_size()
+        check_torch_distributed(rank, size)
+        launch = _runtime.detect_launch()
+        s["_rank"] = rank
+        s["_world_size"] = size
+        # init() exported LOCAL_RANK (the node's rank) where no launcher gave one.
+        local = launch["local_rank"]
+        s["_local_rank"] = local if local >= 0 else int(os.environ.get("LOCAL_RANK", rank))
+        if launch["local_rank"] >= 0 and torch.cuda.is_available():
+            s["_device"] = torch.device("cuda", launch["local_rank"] % torch.cuda.device_count())
+        else:
+            s["_device"] = torch.device("cpu")
         s["global_mesh"] = None
         s["_initialized"] = True
 

@@ -33,7 +33,20 @@ def ensure_init():
             return
         _C.init()
         atexit.register(_finalize_at_exit)
+        # Note [launcher detection]: init() exported torch's RANK, WORLD_SIZE, ... where
+        # unset (C environ); os.environ is Python's copy, which torch.distributed reads.
+        for name, value in _C.exported_launch_env().items():
+            os.environ.setdefault(name, value)
         _started = True
+
+
+def detect_launch(env=None):
+    """Local. Which launcher started this process (Note [launcher detection]): a dict
+    with launcher ("torchrun", "slurm", "openmpi", "pmi" or "none"), rank, world_size,
+    local_rank and local_world_size (-1 when not given), mpi_launcher. ``env``: a dict
+    of variables, default this process's environment. Raises RuntimeError naming the
+    variable on a malformed value."""
+    return _C.detect_launch(None if env is None else {str(k): str(v) for k, v in env.items()})
 
 
 def _finalize_at_exit():
