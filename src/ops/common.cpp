@@ -1,10 +1,12 @@
 #include "ops/common.h"
 
+#include <ATen/Dispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <shardtensor/core/policy.h>
 #include <shardtensor/tensor/shard_tensor.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -15,6 +17,20 @@ namespace shardtensor::ops {
 at::ScalarType acc_dtype(at::ScalarType t) { return is_reduced_float(t) ? at::kFloat : t; }
 
 bool is_reduced_float(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+at::Scalar extreme_identity(at::ScalarType t, bool is_max) {
+  if (at::isFloatingType(t)) {
+    const double inf = std::numeric_limits<double>::infinity();
+    return is_max ? -inf : inf;
+  }
+  if (t == at::kBool) return at::Scalar(!is_max);
+  at::Scalar r;
+  AT_DISPATCH_INTEGRAL_TYPES(t, "extreme_identity", [&] {
+    r = is_max ? at::Scalar(std::numeric_limits<scalar_t>::lowest())
+               : at::Scalar(std::numeric_limits<scalar_t>::max());
+  });
+  return r;
+}
 
 bool will_backward(const at::Tensor& t) {
   return t.defined() && at::GradMode::is_enabled() && t.requires_grad();

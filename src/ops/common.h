@@ -138,6 +138,13 @@ at::ScalarType acc_dtype(at::ScalarType t);
 /// Whether `t` is float16 or bfloat16.
 bool is_reduced_float(at::ScalarType t);
 
+/// Local. The identity of max (`is_max`) or min for dtype `t`: -inf / +inf
+/// for floating types, the lowest / highest value for integral types, false /
+/// true for bool. Used where an empty piece contributes to a max or min across
+/// ranks (reductions, cummax/cummin). Throws for complex and other dtypes
+/// without an order.
+at::Scalar extreme_identity(at::ScalarType t, bool is_max);
+
 /// Note [reduced precision]. A tiny plain call of the op family's libtorch
 /// kernel with the given dtypes (the input's first, then its parameters';
 /// at::ScalarType::Undefined for an absent one), on an input that requires

@@ -191,15 +191,18 @@ void pad_rule(const c10::OperatorHandle& op, Stack* stack) {
   // ones: the gathered halos then already carry the unsharded padding.
   at::Tensor x;
   if (local.numel() == 0) {
-    // An empty piece: libtorch's pad kernels reject empty inputs, but the
-    // padded piece is just as empty. Build it by shape, still connected to
+    // An empty piece: libtorch's pad kernels reject empty inputs. Build the
+    // padded piece by shape (filled with the constant: it is not empty when
+    // the padding grows a zero-extent unsharded dim), still connected to
     // `local` so this rank takes part in the backward halo exchange like the
     // others (Note [collective discipline]).
     std::vector<int64_t> shape = local.sizes().vec();
     for (int64_t j = 0; j < npad; ++j) {
       shape[self.dim() - 1 - j] += local_pads[2 * j] + local_pads[2 * j + 1];
     }
-    x = local.new_zeros(shape) + local.sum() * 0;
+    // A constant pad of a zero-extent dim yields pad values, not zeros.
+    x = local.new_full(shape, mode == Mode::Constant ? value : 0.0);
+    if (local.is_floating_point() || local.is_complex()) x = x + local.sum() * 0;
   } else {
     x = local_pad(local, local_pads, mode, value);
   }

@@ -196,18 +196,6 @@ bool reduced_empty(const at::Tensor& local, const Plan& p) {
   return false;
 }
 
-// Identity of max (is_max) or min for a dtype.
-at::Scalar extreme_identity(at::ScalarType t, bool is_max) {
-  if (at::isFloatingType(t)) return is_max ? -kInf : kInf;
-  if (t == at::kBool) return at::Scalar(!is_max);
-  at::Scalar r;
-  AT_DISPATCH_INTEGRAL_TYPES(t, "extreme_identity", [&] {
-    r = is_max ? at::Scalar(std::numeric_limits<scalar_t>::lowest())
-               : at::Scalar(std::numeric_limits<scalar_t>::max());
-  });
-  return r;
-}
-
 // Element-wise max (or min) over mesh dims of a detached local partial result,
 // propagating NaN as libtorch does (MPI's MAX is unspecified for NaN): NaN is
 // replaced by the identity and a NaN flag travels in the same message.

@@ -10,12 +10,13 @@
 // folds that prefix into its local scan: prefix + local (cumsum), prefix *
 // local (cumprod), logaddexp(prefix, local) (logcumsumexp), and for
 // cummax/cummin the prefix wins where it is strictly better (ties keep the
-// later index, as libtorch does). The gathered totals are used differently on
-// every rank, so they are marked with comm::use_replicated over m: their
-// gradient is summed over m before all-gather's adjoint hands every rank the
-// gradient of its own total (Note [replicated gradients]). Every rank runs the
-// same ops (an empty prefix is an empty narrow), so backward makes the same
-// collective calls everywhere. Cost: one all-gather of P cross-sections in
+// later index, as libtorch does) or NaN over a non-NaN local value. The
+// identity of an empty piece is extreme_identity (ops/common.h) for
+// cummax/cummin, so integer and bool dtypes work, on every rank alike. The gathered totals are used
+// differently on every rank, so they are marked with comm::use_replicated over m: their gradient is
+// summed over m before all-gather's adjoint hands every rank the gradient of its own total (Note
+// [replicated gradients]). Every rank runs the same ops (an empty prefix is an empty narrow), so
+// backward makes the same collective calls everywhere. Cost: one all-gather of P cross-sections in
 // forward, one all-reduce of P cross-sections in backward.
 #include <ATen/ATen.h>
 
@@ -51,10 +52,10 @@ at::Tensor identity_like(Scan kind, const at::Tensor& like) {
     case Scan::Prod:
       return at::ones_like(like);
     case Scan::LogSumExp:
-    case Scan::Max:
       return at::full_like(like, -std::numeric_limits<double>::infinity());
+    case Scan::Max:
     case Scan::Min:
-      return at::full_like(like, std::numeric_limits<double>::infinity());
+      return at::full_like(like, extreme_identity(like.scalar_type(), kind == Scan::Max));
   }
   TORCH_INTERNAL_ASSERT(false, "unexpected scan");
   return at::Tensor();
@@ -167,8 +168,12 @@ void scan_arg_rule(bool is_max, const c10::OperatorHandle& op, Stack* stack) {
     auto [sv, si] = is_max ? at::cummax(cv, p.d) : at::cummin(cv, p.d);
     at::Tensor pv = sv.narrow(p.d, p.coord, 1);
     at::Tensor pi = ci.gather(p.d, si.narrow(p.d, p.coord, 1));
-    // The prefix wins only where strictly better (ties keep the later index).
+    // The prefix wins only where strictly better (ties keep the later index),
+    // or where it is NaN and the local value is not: libtorch's scan lets a
+    // NaN win over everything, and a later NaN over an earlier one.
     at::Tensor prefix_wins = is_max ? pv > v : pv < v;
+    if (v.is_floating_point())
+      prefix_wins = prefix_wins.logical_or(pv.isnan().logical_and(v.isnan().logical_not()));
     v = at::where(prefix_wins, pv.expand_as(v), v);
     i = at::where(prefix_wins, pi.expand_as(i), i);
   }
