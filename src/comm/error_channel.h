@@ -38,35 +38,10 @@
 /// So every rank throws, names the op and the failing rank, and nothing hangs
 /// or computes on with half-finished communication. With SHARDTENSOR_TIMEOUT=0
 /// waits still poll (they only never expire).
-///
-/// Note [rule errors]
-/// ~~~~~~~~~~~~~~~~~~
-/// A rule (ops/*) can also throw on one rank only, outside any primitive: a
-/// check of its local piece, an allocation failure, a libtorch kernel error.
-/// The dispatcher hands such an exception (one the channel did not raise
-/// itself) to rule_failed() before rethrowing it. The rank posts it to every
-/// other rank of the op's mesh with a snapshot of where it stands: its next
-/// call number on every communicator it has used. Each other rank then:
-///  - at the entry of its next call, if it stands at the same point as the
-///    failing rank (on that communicator when the failing rank belongs to it,
-///    else on every communicator the two share), raises the error before it
-///    communicates and does not number the call (the failing rank never
-///    entered it), and answers "failed alike";
-///  - if it finds the error while waiting in a call the failing rank never
-///    entered, poisons the job (as above);
-///  - if its own rule threw at the same point, both failed alike (every rank
-///    rejecting the same bad argument): nothing is lost, the job continues.
-/// The failing rank, at its next call on a communicator, first waits
-/// (watchdog-bounded) for the verdicts of that communicator's ranks. Every
-/// rank has then raised exactly once (the failing rank in the rule, the others
-/// at their next communication, possibly at a later op when the failed op did
-/// not communicate), so code that catches the error goes on alike everywhere
-/// and the ranks stay numbered alike.
 
 #include <mpi.h>
 
 #include <cstdint>
-#include <exception>
 #include <string>
 
 namespace shardtensor::comm::errors {
@@ -99,21 +74,6 @@ CallId enter(MPI_Comm comm);
 /// the requests (they are set to MPI_REQUEST_NULL), when another rank has
 /// carried an error here or poisoned the job.
 void poll(int n, MPI_Request* requests, bool p2p, const char* what);
-
-/// Local. Called by the dispatcher as each top-level op begins (before its
-/// rule runs; Note [rule errors]). Throws c10::Error on the
-/// world rank and op named by SHARDTENSOR_INJECT_RULE_FAULT=op@rank[@n] (a test
-/// hook: the n-th top-level call of that op fails there, as a rule would;
-/// rank * = every rank).
-void op_begins(const char* op);
-
-/// Local, or a few point-to-point messages on the error channel. Called by the
-/// dispatcher when an exception `e` escapes the top-level rule of `op` on this
-/// rank (Note [rule errors]); `comm` is the op's mesh communicator
-/// (MPI_COMM_NULL: every world rank). Posts the error to the other ranks of
-/// `comm` unless the error channel itself raised it; never throws (the caller
-/// rethrows `e`).
-void rule_failed(MPI_Comm comm, const char* op, const std::exception& e);
 
 /// Local. True once the job is poisoned (Note [carried errors]).
 bool poisoned();

@@ -30,7 +30,6 @@
 #include <vector>
 
 #include "comm/diagnostic.h"
-#include "comm/error_channel.h"
 #include "core/debug.h"
 #include "core/fingerprint.h"
 #include "dispatch/fallback.h"
@@ -194,12 +193,10 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   // source of a view op (Note [view write-back]).
   std::vector<at::Tensor> written;
   at::Tensor view_source;
-  MPI_Comm op_comm = MPI_COMM_NULL;  // the op's mesh, for Note [rule errors]
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[stack->size() - n + i];
     if (!v.isTensor()) continue;
     auto* impl = detail::shard_impl(v.toTensor());
-    if (impl && op_comm == MPI_COMM_NULL) op_comm = impl->spec()->mesh().comm();
     if (!impl || !impl->write_back()) continue;
     const auto* a = schema.arguments()[i].alias_info();
     if (a && a->isWrite()) {
@@ -219,13 +216,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
   struct Leave {
     ~Leave() { --depth; }
   } leave;
-  try {  // Note [rule errors] (comm/error_channel.h): one rank's throw reaches the others
-    if (depth == 1) comm::errors::op_begins(op.operator_name().name.c_str());
-    run(op, ks, stack, h);
-  } catch (const std::exception& e) {
-    if (depth == 1) comm::errors::rule_failed(op_comm, op.operator_name().name.c_str(), e);
-    throw;
-  }
+  run(op, ks, stack, h);
   const int64_t t_ran = now_ns();
   if (depth == 1) c.handler_ns.fetch_add(t_ran - t_run, std::memory_order_relaxed);
   for (const auto& t : written) detail::shard_impl(t)->write_back()->fn(t);
