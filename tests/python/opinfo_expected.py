@@ -50,16 +50,12 @@ EXPECTED = {
                   "refused on every rank naming the op, placements and layout (was an internal error)"),
     # ---- gaps: refused on every rank, but by libtorch's own error on the pieces (no message
     # naming the op and placements, or an op plain torch supports): to be fixed ----
-    'cummax': ("gap", 'int64 (5, 5, 5) S(0): RuntimeError: value cannot be converted to type int64_t without overflow'),
-    'cummin': ("gap", 'int64 (5, 5, 5) S(0): RuntimeError: value cannot be converted to type int64_t without overflow'),
     'logsumexp': ("gap", 'complex128 (5, 5) S(1): NotImplementedError: "max_values_cpu" not implemented for \'ComplexDouble\''),
     'masked.logsumexp': ("gap", 'complex128 (3, 5) S(0): NotImplementedError: "max_values_cpu" not implemented for \'ComplexDouble\''),
     'nn.functional.avg_pool1d': ("gap", "int64 (2, 3, 9) S(2): RuntimeError: result type Float can't be cast to the desired output type Long"),
     'nn.functional.local_response_norm': ("gap", "int64 (1, 6, 3) S(1): RuntimeError: result type Float can't be cast to the desired output type Long"),
     'nn.functional.interpolate.bilinear': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
     'nn.functional.interpolate.bicubic': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
-    'nn.functional.interpolate.linear': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
-    'nn.functional.interpolate.trilinear': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
     'nn.functional.upsample_bilinear': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
     'sparse.mm.reduce': ("gap", 'float64 (5, 5) R: RuntimeError: unsupported memory format option Contiguous'),
     'sparse.sampled_addmm': ("gap", 'float64 (0, 5) R: RuntimeError: unsupported memory format option Contiguous'),
