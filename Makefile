@@ -47,7 +47,7 @@ BUILD_ABS    := $(if $(filter /%,$(BUILD_DIR)),$(BUILD_DIR),$(REPO_ROOT)/$(BUILD
 # from PyPI into a virtual environment (below), never from Debian.
 DEB_PACKAGES ?= libopenmpi-dev openmpi-bin libgtest-dev cmake make g++ ccache \
                 pkg-config libhdf5-openmpi-dev hdf5-tools \
-                nlohmann-json3-dev libcli11-dev jq
+                nlohmann-json3-dev libcli11-dev jq libgloo-dev
 
 # The project's Python: the active virtual environment ($$VIRTUAL_ENV), else .venv in the
 # repo root, made from the machine's python3 (3.11) by `make deps`, with every Python
@@ -80,7 +80,7 @@ else
 SUDO := $(shell command -v sudo >/dev/null 2>&1 && echo sudo)
 endif
 
-.PHONY: deps-debian deps-python fuzz test-asan test-large help demo demo-vit demo-py demo-py-fno test test-opinfo-full deps configure build install format format-check clean \
+.PHONY: bench-transport deps-debian deps-python fuzz test-asan test-large help demo demo-vit demo-py demo-py-fno test test-opinfo-full deps configure build install format format-check clean \
         bench-build bench-quick bench bench-fixed bench-weak bench-strong bench-maxsize \
         bench-overhead bench-attention bench-scale bench-profile bench-io bench-report bench-deps
 
@@ -98,7 +98,7 @@ help:
 	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
 	@echo "make bench         every benchmark scenario -> bench/results/*.json"
 	@echo "make bench-fixed | bench-weak | bench-strong | bench-maxsize | bench-overhead | bench-attention"
-	@echo "make bench-scale | bench-profile | bench-io | bench-targets   scale model (P = 1..16), per-op profile, HDF5 reads, issue 13's targets"
+	@echo "make bench-scale | bench-profile | bench-io | bench-targets | bench-transport   scale model (P = 1..16), per-op profile, HDF5 reads, issue 13's targets, MPI vs Gloo"
 	@echo "make bench-report  docs/benchmarks.md + docs/img/bench_*.png from bench/results/*.json (gnuplot)"
 
 # Builds only the demo (and the library), not the tests.
@@ -257,7 +257,7 @@ clean:
 # ---- benchmarks (bench/run.sh: scenarios; bench/report.sh: docs/benchmarks.md) ----
 # Scenario knobs pass through the environment, e.g. make bench CAP_MIB=512 NPS="1 2 4".
 BENCH_ENV := BENCH_BIN=$(BUILD_ABS)/bench/shardtensor_bench MPIRUN=$(MPIRUN) MPIRUN_FLAGS="$(MPIRUN_FLAGS)"
-BENCH_SCENARIOS := fixed weak strong maxsize overhead attention scale profile io targets
+BENCH_SCENARIOS := fixed weak strong maxsize overhead attention scale profile io targets transport
 
 bench-build: configure
 	cmake --build $(BUILD_ABS) -j $(JOBS) --target shardtensor_bench shardtensor_bench_io

@@ -680,6 +680,8 @@ Json environment_fields(const std::vector<cpu_set_t>& affinity) {
   for (const auto& a : affinity) masks.push_back(cpu_list(a));
   r["rank_affinity"] = masks;
   r["mpirun_flags"] = env_or("BENCH_MPIRUN_FLAGS", "unknown");
+  // The transport (Note [c10d handles]): MPI unless SHARDTENSOR_BACKEND chose gloo.
+  r["transport"] = env_or("SHARDTENSOR_BACKEND", "mpi");
   r["mpi_binding_policy"] = env_or("OMPI_MCA_hwloc_base_binding_policy", "default");
   r["omp_num_threads_env"] = env_or("OMP_NUM_THREADS", "unset");
   r["intra_op_threads"] = at::get_num_threads();

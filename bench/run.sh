@@ -9,6 +9,7 @@
 #   bench/run.sh profile                   # per-op profile, unet2d PROFILE_SHAPE at P = 1, 2
 #   bench/run.sh io                        # parallel HDF5 reads (bench/run_io.sh): bench/results/io.json
 #   bench/run.sh targets                   # `make bench-targets`: issue 13's targets, bench/results/targets.json
+#   bench/run.sh transport                 # `make bench-transport`: MPI vs Gloo, U-Net 512^2 train, P = 2
 #   bench/run.sh all                       # `make bench`: every scenario above but quick and scale
 #
 # Environment (defaults in brackets):
@@ -263,10 +264,23 @@ scenario_targets() {
   fi
 }
 
+# Issue 24: the same U-Net 512^2 training step at P = 2 on the MPI transport and on
+# the c10d (Gloo) transport (SHARDTENSOR_BACKEND=gloo under the same mpirun, so only
+# the transport differs): time and bytes per step, bench/results/transport.json.
+scenario_transport() {
+  fresh transport
+  local backend
+  for backend in mpi gloo; do
+    SHARDTENSOR_BACKEND=$backend bench 2 transport run --scenario transport --workload unet2d \
+      --norm "$NORM" --mode train --shape 512,512 --steps ${TRANSPORT_STEPS:-5} --warmup 1 \
+      --baseline-threads 1
+  done
+}
+
 [ $# -ge 1 ] || set -- quick
 for s in "$@"; do
   case $s in
-    quick | fixed | weak | strong | maxsize | overhead | attention | scale | profile | io | targets)
+    quick | fixed | weak | strong | maxsize | overhead | attention | scale | profile | io | targets | transport)
       echo "run.sh: $s: load before: $(uptime)"
       "scenario_$s"
       echo "run.sh: $s: load after: $(uptime)"

@@ -1,5 +1,5 @@
 # Core and mesh layers: runtime, MPI errors, DeviceMesh, observability.
-shardtensor_add_mpi_test(test_core SOURCES test_core.cpp RANKS 1 2 3 4 MESH2X2)
+shardtensor_add_mpi_test(test_core SOURCES test_core.cpp RANKS 1 2 3 4 MESH2X2 TORCHRUN)
 
 # The host application owns MPI (MPI_Init/MPI_Finalize in its own main) and
 # shardtensor adopts it: a separate executable without the shared MPI main.

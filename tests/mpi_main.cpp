@@ -1,9 +1,10 @@
-// Shared main for the MPI test binaries: every rank runs every test, rank 0
+// Shared main for the test binaries (MPI or c10d transport): every rank runs every test, rank 0
 // prints the usual gtest report, other ranks print only their failures, and
 // the exit code is reduced so that every rank exits with the same status.
 #include <gtest/gtest.h>
-#include <mpi.h>
 #include <shardtensor/shardtensor.h>
+
+#include "testing.h"
 
 #include <cstdio>
 
@@ -35,8 +36,7 @@ int main(int argc, char** argv) {
     listeners.Append(new FailurePrinter(rank));
   }
   int rc = RUN_ALL_TESTS();
-  int global_rc = rc;
-  MPI_Allreduce(&rc, &global_rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  const int global_rc = static_cast<int>(shardtensor::testing::max_over_ranks(rc));
   if (rank == 0 && global_rc != rc) {
     std::fprintf(stderr, "some rank other than 0 failed; see [rank N] lines above\n");
   }

@@ -1,4 +1,4 @@
-shardtensor_add_mpi_test(test_tensor SOURCES test_tensor.cpp RANKS 1 2 3 4 MESH2X2)
+shardtensor_add_mpi_test(test_tensor SOURCES test_tensor.cpp RANKS 1 2 3 4 MESH2X2 TORCHRUN)
 # The whole suite again with the cross-rank agreement checks of SHARDTENSOR_DEBUG.
 add_test(NAME test_tensor.debug.np3
   COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np 3 $<TARGET_FILE:test_tensor>)

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "comm/transport.h"
+#include "core/channel.h"
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -22,17 +24,21 @@ using Shape = std::vector<int64_t>;
 
 namespace {
 
-int world_size_mpi() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+// The whole job's size and this rank, asked of the transport directly (not
+// through the runtime under test): MPI_COMM_WORLD or the c10d world.
+int world_size_mpi() { return st::comm::transport::comm_size(st::detail::world_comm()); }
 
-int world_rank_mpi() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+int world_rank_mpi() { return st::comm::transport::comm_rank(st::detail::world_comm()); }
+
+bool on_mpi() { return st::detail::transport() == "mpi"; }
+
+// For tests that inspect MPI objects (Cartesian topology, error handlers,
+// user communicators): the c10d transport has none (Note [c10d handles]).
+#define SKIP_UNLESS_MPI_TRANSPORT()                                                           \
+  do {                                                                                        \
+    if (!on_mpi())                                                                            \
+      GTEST_SKIP() << "inspects MPI communicators; transport is " << st::detail::transport(); \
+  } while (0)
 
 std::string shape_string(const Shape& s) {
   std::string out = "[";
@@ -42,23 +48,16 @@ std::string shape_string(const Shape& s) {
   return out + "]";
 }
 
-int comm_size(MPI_Comm c) {
-  int n = -1;
-  MPI_Comm_size(c, &n);
-  return n;
-}
+int comm_size(MPI_Comm c) { return st::comm::transport::comm_size(c); }
 
-int comm_rank(MPI_Comm c) {
-  int r = -1;
-  MPI_Comm_rank(c, &r);
-  return r;
-}
+int comm_rank(MPI_Comm c) { return st::comm::transport::comm_rank(c); }
 
 // Collective over mesh.comm(). Checks everything a created mesh promises:
 // the Cartesian communicator, coordinates, one sub-communicator per dim whose
 // rank is the coordinate and whose members agree on the other coordinates.
 void check_mesh(const DeviceMesh& mesh, const Shape& shape, MPI_Comm base) {
   SCOPED_TRACE("mesh " + mesh.to_string());
+  if (base == MPI_COMM_WORLD) base = st::detail::world_comm();
   EXPECT_FALSE(mesh.is_abstract());
   EXPECT_EQ(mesh.shape(), shape);
   EXPECT_EQ(mesh.ndim(), static_cast<int64_t>(shape.size()));
@@ -69,17 +68,19 @@ void check_mesh(const DeviceMesh& mesh, const Shape& shape, MPI_Comm base) {
   // No reordering: the mesh rank is the rank in the base communicator.
   EXPECT_EQ(mesh.rank(), comm_rank(base));
   EXPECT_EQ(comm_rank(mesh.comm()), mesh.rank());
-  int topo = MPI_UNDEFINED;
-  MPI_Topo_test(mesh.comm(), &topo);
-  EXPECT_EQ(topo, MPI_CART);
   const int nd = static_cast<int>(shape.size());
-  std::vector<int> coords(nd, -1);
-  MPI_Cart_coords(mesh.comm(), mesh.rank(), nd, coords.data());
-  EXPECT_EQ(mesh.coordinate(), Shape(coords.begin(), coords.end()));
+  if (on_mpi()) {
+    int topo = MPI_UNDEFINED;
+    MPI_Topo_test(mesh.comm(), &topo);
+    EXPECT_EQ(topo, MPI_CART);
+    std::vector<int> coords(nd, -1);
+    MPI_Cart_coords(mesh.comm(), mesh.rank(), nd, coords.data());
+    EXPECT_EQ(mesh.coordinate(), Shape(coords.begin(), coords.end()));
+  }
   EXPECT_EQ(mesh.coordinate_of(mesh.rank()), mesh.coordinate());
   EXPECT_EQ(mesh.rank_of(mesh.coordinate()), mesh.rank());
   // Round trip over every rank, against MPI's own Cartesian arithmetic.
-  for (int r = 0; r < n; ++r) {
+  for (int r = 0; r < n && on_mpi(); ++r) {
     const auto c = mesh.coordinate_of(r);
     std::vector<int> mc(nd, -1);
     MPI_Cart_coords(mesh.comm(), r, nd, mc.data());
@@ -101,9 +102,12 @@ void check_mesh(const DeviceMesh& mesh, const Shape& shape, MPI_Comm base) {
     for (int e = 0; e < nd; ++e) {
       key = key * 16 + (e == d ? 0 : mesh.coordinate()[e]);
     }
-    long sum = 0;
-    MPI_Allreduce(&key, &sum, 1, MPI_LONG, MPI_SUM, sub);
-    EXPECT_EQ(sum, key * shape[d]) << "mesh dim " << d;
+    at::Tensor sum = at::full({1}, static_cast<int64_t>(key), at::kLong);
+    {
+      st::detail::UncountedComm uncounted;
+      st::comm::transport::all_reduce_(sum, st::ReduceOp::Sum, sub);
+    }
+    EXPECT_EQ(sum.item<int64_t>(), key * shape[d]) << "mesh dim " << d;
   }
   EXPECT_THROW(mesh.comm(nd), c10::Error);
   EXPECT_THROW(mesh.comm(-nd - 1), c10::Error);
@@ -167,9 +171,11 @@ TEST(Runtime, WorldRankAndSize) {
   EXPECT_TRUE(st::is_initialized());
   EXPECT_EQ(st::world_rank(), world_rank_mpi());
   EXPECT_EQ(st::world_size(), world_size_mpi());
-  int provided = -1;
-  MPI_Query_thread(&provided);
-  EXPECT_EQ(st::mpi_thread_level(), provided);
+  if (on_mpi()) {
+    int provided = -1;
+    MPI_Query_thread(&provided);
+    EXPECT_EQ(st::mpi_thread_level(), provided);
+  }
   st::init();  // idempotent
   EXPECT_TRUE(st::is_initialized());
   EXPECT_EQ(st::world_size(), world_size_mpi());
@@ -194,6 +200,7 @@ bool ompio_vulcan_workaround_applied();
 }  // namespace shardtensor::detail
 
 TEST(Runtime, OmpioWorkaroundOnlyOnOpenMpi41) {
+  SKIP_UNLESS_MPI_TRANSPORT();
   // The version test on the strings MPI_Get_library_version returns.
   EXPECT_TRUE(st::detail::is_open_mpi_4_1(
       "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022"));
@@ -231,6 +238,7 @@ TEST(Runtime, OmpioWorkaroundOnlyOnOpenMpi41) {
 // ---- errors ------------------------------------------------------------------
 
 TEST(Error, MpiErrorString) {
+  SKIP_UNLESS_MPI_TRANSPORT();
   char buf[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(MPI_ERR_RANK, buf, &len);
@@ -241,6 +249,7 @@ TEST(Error, MpiErrorString) {
 }
 
 TEST(Error, MpiCheckTurnsMpiErrorsIntoExceptions) {
+  SKIP_UNLESS_MPI_TRANSPORT();
   auto mesh = st::testing::test_mesh();
   char buf[MPI_MAX_ERROR_STRING];
   int len = 0;
@@ -272,6 +281,7 @@ TEST(Error, MpiCheckTurnsMpiErrorsIntoExceptions) {
 }
 
 TEST(Error, HostErrorHandlersAreUntouched) {
+  SKIP_UNLESS_MPI_TRANSPORT();
   MPI_Errhandler world_before = MPI_ERRHANDLER_NULL;
   MPI_Comm_get_errhandler(MPI_COMM_WORLD, &world_before);
   // A user communicator with a handler of its own.
@@ -362,6 +372,7 @@ TEST(DeviceMesh, TestMesh) {
 }
 
 TEST(DeviceMesh, OverUserCommunicator) {
+  SKIP_UNLESS_MPI_TRANSPORT();
   // Two groups (even and odd world ranks); a mesh over each.
   MPI_Comm half = MPI_COMM_NULL;
   MPI_Comm_split(MPI_COMM_WORLD, world_rank_mpi() % 2, world_rank_mpi(), &half);
@@ -395,10 +406,13 @@ TEST(DeviceMesh, CommKeepDims) {
     MPI_Comm none = m.comm(std::vector<bool>{false, false, false});
     EXPECT_EQ(comm_size(none), 1);
     // Members of c02 share coordinate 1.
-    long key = c[1];
-    long sum = 0;
-    MPI_Allreduce(&key, &sum, 1, MPI_LONG, MPI_SUM, c02);
-    EXPECT_EQ(sum, key * shape[0] * shape[2]);
+    const int64_t key = c[1];
+    at::Tensor sum = at::full({1}, key, at::kLong);
+    {
+      st::detail::UncountedComm uncounted;
+      st::comm::transport::all_reduce_(sum, st::ReduceOp::Sum, c02);
+    }
+    EXPECT_EQ(sum.item<int64_t>(), key * shape[0] * shape[2]);
     EXPECT_THROW(m.comm(std::vector<bool>{true, false}), c10::Error);
     // A copy shares the cache.
     DeviceMesh copy = m;
@@ -426,6 +440,7 @@ TEST(DeviceMesh, Equality) {
 }
 
 TEST(DeviceMesh, BadShapesThrowOnEveryRank) {
+  SKIP_UNLESS_MPI_TRANSPORT();
   const int p = world_size_mpi();
   expect_bad_mesh({-1, -1}, {}, {"-1"});
   expect_bad_mesh({0, -1}, {}, {"entry 0 is 0"});

@@ -1,9 +1,17 @@
 #include "testing.h"
 
 #include <mpi.h>
+#include <shardtensor/core/stats.h>
 #include <torch/torch.h>
 
+#include "comm/transport.h"
+#include "core/channel.h"
+
+#include <climits>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace shardtensor::testing {
@@ -84,12 +92,16 @@ ShardSizes sizes_with_empty_first(const DeviceMesh& mesh, const Placements& plac
   return sizes;
 }
 
-bool all_ranks(bool ok) {
-  int local = ok ? 1 : 0;
-  int global = 0;
-  MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  return global == 1;
+// The harness's own agreement: over the whole job under either transport
+// (MPI_COMM_WORLD or the c10d world), and not counted in comm_stats.
+int64_t max_over_ranks(int64_t value) {
+  detail::UncountedComm uncounted;
+  std::vector<int64_t> v{value};
+  comm::transport::diagnostic_max_(v, detail::world_comm());
+  return v[0];
 }
+
+bool all_ranks(bool ok) { return max_over_ranks(ok ? 0 : 1) == 0; }
 
 ::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,
                                      double rtol, double atol) {
@@ -138,17 +150,29 @@ bool all_ranks(bool ok) {
       }
     }
   }
+  // The worst ratio over ranks (non-negative doubles order like their bits),
+  // the lowest rank that has it, and that rank's message.
   struct {
     double v;
     int rank;
-  } in{worst, 0}, out{0.0, 0};
-  MPI_Comm_rank(MPI_COMM_WORLD, &in.rank);
-  MPI_Allreduce(&in, &out, 1, MPI_DOUBLE_INT, MPI_MAXLOC, MPI_COMM_WORLD);
-  // Ship the worst rank's message to everyone.
-  int len = static_cast<int>(why.size());
-  MPI_Bcast(&len, 1, MPI_INT, out.rank, MPI_COMM_WORLD);
-  why.resize(len);
-  MPI_Bcast(why.data(), len, MPI_CHAR, out.rank, MPI_COMM_WORLD);
+  } out{0.0, 0};
+  int64_t bits = 0;
+  const double mine = std::isnan(worst) ? std::numeric_limits<double>::infinity() : worst;
+  std::memcpy(&bits, &mine, sizeof(bits));
+  const int64_t worst_bits = max_over_ranks(bits);
+  std::memcpy(&out.v, &worst_bits, sizeof(bits));
+  const int me = world_rank();
+  out.rank = static_cast<int>(-max_over_ranks(bits == worst_bits ? -me : INT64_MIN));
+  {
+    detail::UncountedComm uncounted;
+    const MPI_Comm world = detail::world_comm();
+    at::Tensor len = at::full({1}, static_cast<int64_t>(why.size()), at::kLong);
+    comm::transport::broadcast_(len, out.rank, world);
+    at::Tensor text = at::zeros({len.item<int64_t>()}, at::kByte);
+    if (me == out.rank && !why.empty()) std::memcpy(text.data_ptr(), why.data(), why.size());
+    comm::transport::broadcast_(text, out.rank, world);
+    why.assign(static_cast<const char*>(text.data_ptr()), static_cast<size_t>(text.numel()));
+  }
   if (out.v <= 1.0) {
     return ::testing::AssertionSuccess();
   }

@@ -29,6 +29,10 @@ bool is_mesh_2x2();
 /// Local. The first mesh.ndim() entries of `wanted` (so one list serves 1-D and 2-D meshes).
 Placements fit_placements(const DeviceMesh& mesh, const Placements& wanted);
 
+/// Collective over the whole job (MPI_COMM_WORLD or the c10d world), not
+/// counted in comm_stats: the maximum of `value` over every rank.
+int64_t max_over_ranks(int64_t value);
+
 /// Collective over MPI_COMM_WORLD: true on every rank iff `ok` on every rank.
 bool all_ranks(bool ok);
 

@@ -11,9 +11,9 @@ __all__ = ["DistributedManager"]
 
 def check_torch_distributed(rank, world_size):
     """Local. If torch.distributed is already initialized, its rank and world size
-    must be MPI's: MPI is the only transport in this build, so shardtensor runs
-    beside torch's process group and cannot adopt it (that needs the c10d
-    transport, not in this build yet). Raises RuntimeError if they differ."""
+    must be shardtensor's: shardtensor runs its own process group beside torch's
+    (MPI under mpirun/srun, its own Gloo group under torchrun; adopting torch's
+    default group is not supported yet). Raises RuntimeError if they differ."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -22,21 +22,22 @@ def check_torch_distributed(rank, world_size):
     if (t_rank, t_size) != (rank, world_size):
         raise RuntimeError(
             f"shardtensor.DistributedManager.initialize: torch.distributed is initialized "
-            f"with rank {t_rank} of {t_size}, but MPI_COMM_WORLD has rank {rank} of "
-            f"{world_size}. MPI is shardtensor's only transport in this build; adopting "
-            f"torch.distributed's process group needs the c10d transport (Gloo/NCCL), which "
-            f"is not in this build yet. Launch with mpirun/srun so both agree.")
+            f"with rank {t_rank} of {t_size}, but shardtensor's world has rank {rank} of "
+            f"{world_size}. shardtensor runs its own process group from the same launch "
+            f"(adopting torch.distributed's group is not supported yet); launch both from "
+            f"one torchrun/mpirun/srun so that they agree.")
 
 
 class DistributedManager:
     """``DistributedManager.initialize()`` then ``DistributedManager()`` (shared state)
     with ``.rank``, ``.world_size``, ``.local_rank``, ``.device`` and
     ``.initialize_mesh(mesh_shape=(-1,), mesh_dim_names=("domain_parallel",))``.
-    Initializing is collective over MPI_COMM_WORLD (shardtensor's own MPI init,
-    or adoption of mpi4py's). The launcher is detected as PhysicsNeMo's manager
-    does (torchrun, Slurm, Open MPI, PMI: Note [launcher detection]) and checked
-    against MPI: a launch that says N > 1 processes but gets an MPI world of one
-    (torchrun; srun without PMI) raises on every process. ``local_rank`` is the
+    Initializing is collective over the whole job: MPI (shardtensor's own MPI init,
+    or adoption of mpi4py's) under mpirun/srun, shardtensor's own Gloo process group
+    under torchrun. The launcher is detected as PhysicsNeMo's manager does
+    (torchrun, Slurm, Open MPI, PMI: Note [launcher detection]) and checked against
+    MPI under an MPI launcher: a launch that says N > 1 processes but gets an MPI
+    world of one (srun without PMI) raises on every process. ``local_rank`` is the
     launcher's, else the rank on this node. ``device`` is cpu unless CUDA is
     available and the launcher gives a local rank (this build runs on cpu)."""
 

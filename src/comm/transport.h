@@ -65,7 +65,12 @@
 #include <shardtensor/comm/primitives.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+namespace shardtensor::comm::c10d {
+class Exchange;
+}
 
 namespace shardtensor::comm::transport {
 
@@ -165,7 +170,7 @@ class PendingExchange {
   /// A second call does nothing.
   void finish();
   /// Local. True between start_exchange() and finish().
-  bool pending() const { return !requests_.empty(); }
+  bool pending() const;
   /// Local, non-blocking (MPI_Testall). Lets MPI progress the transfers, so
   /// that they advance while the caller computes (many MPI libraries move
   /// large messages only inside MPI calls), and returns true once all have
@@ -189,7 +194,8 @@ class PendingExchange {
   std::vector<int> peers_;               // per request, for the watchdog's message
   MPI_Comm comm_ = MPI_COMM_NULL;
   bool completed_ = false;
-  bool collective_ = false;  // one neighbourhood-collective request (not cancellable)
+  bool collective_ = false;               // one neighbourhood-collective request (not cancellable)
+  std::shared_ptr<c10d::Exchange> c10d_;  // the messages, on a c10d group (Note [c10d handles])
 };
 
 /// Point-to-point over `comm`: posts MPI_Irecv for every entry of `recvs`, then

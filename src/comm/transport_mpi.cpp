@@ -2,6 +2,7 @@
 // of the library that moves tensor data through MPI.
 #include "comm/transport.h"
 
+#include "comm/transport_c10d.h"
 #include "comm/watchdog.h"
 
 #include <ATen/ATen.h>
@@ -228,12 +229,14 @@ void record_all_reduce(int64_t numel, int64_t elem, int size, int rank) {
 }  // namespace
 
 int comm_size(MPI_Comm comm) {
+  if (c10d::owns(comm)) return detail::pg::size(comm);
   int size = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Comm_size(comm, &size));
   return size;
 }
 
 int comm_rank(MPI_Comm comm) {
+  if (c10d::owns(comm)) return detail::pg::rank(comm);
   int rank = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   return rank;
@@ -243,6 +246,15 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
   check_buffer(t, "all_reduce_ buffer");
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
+  if (c10d::owns(comm)) {  // Note [c10d data movement]
+    (void)reduction_type(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
+    if (size > 1 && t.numel() > 0) {
+      CommTimer timer;
+      c10d::all_reduce_(t, op, comm);
+    }
+    record_all_reduce(t.numel(), t.element_size(), size, rank);
+    return;
+  }
   if (needs_upcast(t.scalar_type())) {
     at::Tensor wide = t.to(at::kFloat).contiguous();
     if (size > 1 && t.numel() > 0) {
@@ -305,7 +317,10 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
     return;
   }
   const bool fits = total <= max_count();  // then every count and displacement fits too
-  if (!fits) {
+  if (c10d::owns(comm)) {                  // Note [c10d data movement]
+    CommTimer timer;
+    c10d::all_gatherv(send, recv, recv_bytes, comm);
+  } else if (!fits) {
     // Note [large counts]: point-to-point, decided from recv_bytes (the same everywhere).
     CommTimer timer;
     PeerRequests p2p;
@@ -375,9 +390,10 @@ void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
               " bytes, needs ", total_rows * slice);
   const int64_t total = total_rows * slice;
   const bool fits = total <= max_count() && total_rows * row_bytes <= max_count();
-  if (size == 1 || !fits || slice == 0 || total == 0) {
-    // One rank, nothing to move, or too large for one datatype: contiguous
-    // gather, then place the rows (Note [large counts]).
+  if (size == 1 || !fits || slice == 0 || total == 0 || c10d::owns(comm)) {
+    // One rank, nothing to move, too large for one datatype, or a c10d group (Note [c10d data
+    // movement]): contiguous gather, then place the rows (Note [large counts]). for one datatype:
+    // contiguous gather, then place the rows (Note [large counts]).
     std::vector<int64_t> bytes(rows.size());
     for (size_t c = 0; c < rows.size(); ++c) bytes[c] = rows[c] * slice;
     at::Tensor tmp = size == 1 ? send : at::empty({total}, send.options().dtype(at::kByte));
@@ -448,7 +464,10 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
               " bytes but expects ", recv_bytes[rank]);
   auto* rbase = static_cast<char*>(recv.numel() == 0 ? nullptr : recv.data_ptr());
   const auto* sbase = static_cast<const char*>(send.numel() == 0 ? nullptr : send.data_ptr());
-  {
+  if (c10d::owns(comm)) {  // Note [c10d data movement]
+    CommTimer timer;
+    c10d::all_to_allv(send, send_bytes, send_displs, recv, recv_bytes, recv_displs, comm);
+  } else {
     // Note [large counts]: point-to-point, so that no rank needs the others' counts.
     CommTimer timer;
     PeerRequests p2p;
@@ -486,7 +505,10 @@ void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
   if (size == 1 || n == 0) {
     return;
   }
-  {
+  if (c10d::owns(comm)) {  // Note [c10d data movement]
+    CommTimer timer;
+    c10d::broadcast_(t, root, comm);
+  } else {
     CommTimer timer;
     auto* data = static_cast<char*>(ptr(t));
     for (int64_t done = 0; done < n; done += max_count()) {
@@ -534,7 +556,10 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     }
     return;
   }
-  {
+  if (c10d::owns(comm)) {  // Note [c10d data movement]
+    CommTimer timer;
+    c10d::scatterv(send, send_bytes, recv, root, comm);
+  } else {
     // Note [large counts]: point-to-point; a non-root rank knows only its own count.
     CommTimer timer;
     PeerRequests p2p;
@@ -591,7 +616,10 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
     fits = fits && recv_numel[c] <= max_count();
   }
   CommTimer timer;
-  if (!fits) {
+  if (c10d::owns(comm)) {  // Note [c10d data movement]
+    (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
+    c10d::reduce_scatter(send, recv, recv_numel, op, comm);
+  } else if (!fits) {
     // Note [large counts]: a chunked all-reduce of a copy, keeping this rank's
     // piece (decided from recv_numel, the same on every rank).
     const bool upcast = needs_upcast(send.scalar_type());
@@ -640,6 +668,11 @@ void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm) {
   if (values.empty() || comm_size(comm) == 1) {
     return;
   }
+  if (c10d::owns(comm)) {
+    at::Tensor t = at::from_blob(values.data(), {static_cast<int64_t>(values.size())}, at::kLong);
+    c10d::all_reduce_(t, ReduceOp::Max, comm);
+    return;
+  }
   MPI_Request request = MPI_REQUEST_NULL;
   SHARDTENSOR_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, values.data(),
                                        to_count(static_cast<int64_t>(values.size()), "values"),
@@ -657,7 +690,8 @@ PendingExchange::PendingExchange(PendingExchange&& other) noexcept
       peers_(std::move(other.peers_)),
       comm_(other.comm_),
       completed_(other.completed_),
-      collective_(other.collective_) {
+      collective_(other.collective_),
+      c10d_(std::move(other.c10d_)) {
   other.requests_.clear();
   other.peers_.clear();
   other.completed_ = false;
@@ -674,6 +708,7 @@ PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
     comm_ = other.comm_;
     completed_ = other.completed_;
     collective_ = other.collective_;
+    c10d_ = std::move(other.c10d_);
     other.requests_.clear();
     other.peers_.clear();
     other.completed_ = false;
@@ -683,7 +718,12 @@ PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
 
 PendingExchange::~PendingExchange() { abandon(); }
 
+bool PendingExchange::pending() const {
+  return !requests_.empty() || (c10d_ != nullptr && c10d_->pending());
+}
+
 void PendingExchange::abandon() noexcept {
+  c10d_.reset();  // waits, watchdog-bounded (Note [c10d data movement])
   if (requests_.empty()) {
     return;
   }
@@ -709,6 +749,12 @@ void PendingExchange::abandon() noexcept {
 }
 
 void PendingExchange::finish() {
+  if (c10d_ != nullptr) {
+    auto x = std::move(c10d_);
+    CommTimer timer;
+    x->finish("exchange finish (c10d send/recv)");
+    return;
+  }
   if (requests_.empty()) {
     return;
   }
@@ -750,6 +796,9 @@ void PendingExchange::finish() {
 }
 
 bool PendingExchange::test() {
+  // Gloo moves the messages in its own threads; whether they arrived is known
+  // only by waiting, so a c10d exchange reports "not yet" until finish().
+  if (c10d_ != nullptr) return c10d_->arrived();
   if (requests_.empty() || completed_) {
     return true;
   }
@@ -787,6 +836,23 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
   PendingExchange ex;
   ex.comm_ = comm;
   int64_t sent = 0, received = 0, messages = 0;
+  if (c10d::owns(comm)) {  // Note [c10d data movement]
+    std::vector<c10d::Message> c_sends, c_recvs;
+    for (const auto& pb : recvs) {
+      c_recvs.push_back({pb.peer, pb.buffer});
+      received += pb.peer != rank ? nbytes(pb.buffer) : 0;
+    }
+    for (const auto& pb : sends) {
+      c_sends.push_back({pb.peer, pb.buffer});
+      if (pb.peer != rank && nbytes(pb.buffer) > 0) {
+        sent += nbytes(pb.buffer);
+        messages += 1;
+      }
+    }
+    ex.c10d_ = std::make_shared<c10d::Exchange>(c10d::start(c_sends, c_recvs, comm, tag));
+    detail::record_comm(sent, received, messages);
+    return ex;
+  }
   ex.requests_.reserve(sends.size() + recvs.size());
   for (const auto& pb : recvs) {
     const int64_t n = nbytes(pb.buffer);
@@ -890,7 +956,8 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
   if (size <= 1 || t.numel() == 0) {
     return pending;
   }
-  if (t.numel() > max_count()) {  // Note [large counts]
+  if (t.numel() > max_count() || c10d::owns(comm)) {  // Note [large counts]
+    // (c10d: blocking; Note [c10d data movement] has no non-blocking all-reduce yet)
     all_reduce_(t, op, comm);
     return pending;
   }
@@ -925,6 +992,13 @@ std::atomic<int64_t> g_live_duplicates{0};
 }  // namespace
 
 MPI_Comm duplicate(MPI_Comm comm) {
+  if (c10d::owns(comm)) {
+    std::vector<int> all(static_cast<size_t>(comm_size(comm)));
+    std::iota(all.begin(), all.end(), 0);
+    MPI_Comm dup = detail::pg::split(comm, all, "duplicate of a communicator", /*shared=*/false);
+    g_live_duplicates.fetch_add(1);
+    return dup;
+  }
   MPI_Comm dup = MPI_COMM_NULL;
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(comm, &dup));
   g_live_duplicates.fetch_add(1);
@@ -932,6 +1006,11 @@ MPI_Comm duplicate(MPI_Comm comm) {
 }
 
 void free_duplicate(MPI_Comm& comm) noexcept {
+  if (c10d::owns(comm)) {
+    g_live_duplicates.fetch_sub(1);
+    detail::pg::free_group(comm);
+    return;
+  }
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (comm != MPI_COMM_NULL) g_live_duplicates.fetch_sub(1);
@@ -1039,6 +1118,7 @@ void free_types(std::vector<MPI_Datatype>& types) noexcept {
 
 MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
                         const std::vector<int>& sources, const std::vector<int>& destinations) {
+  if (c10d::owns(comm)) return MPI_COMM_NULL;  // point-to-point halos (Note [c10d handles])
   GraphCache* cache = graph_cache(comm, /*create=*/true);
   {
     std::lock_guard<std::mutex> lock(cache->mu);
@@ -1091,6 +1171,7 @@ bool neighbor_collectives_usable() {
 }
 
 int64_t neighbor_graph_count(MPI_Comm comm) {
+  if (c10d::owns(comm)) return 0;
   GraphCache* cache = graph_cache(comm, /*create=*/false);
   if (cache == nullptr) return 0;
   std::lock_guard<std::mutex> lock(cache->mu);

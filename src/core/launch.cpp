@@ -123,28 +123,19 @@ EnvLookup process_env() {
 LaunchInfo detect_launch() { return detect_launch(process_env()); }
 
 std::string resolve_transport(const LaunchInfo& info, const EnvLookup& env) {
-  static const char* kHowToLaunch =
-      "launch with an MPI launcher instead: `mpirun -np N python app.py` (or mpiexec), or "
-      "`srun --mpi=pmix python app.py` (srun with PMI)";
   auto backend = lookup(env, "SHARDTENSOR_BACKEND");
   if (backend) {
-    if (*backend == "mpi") return "mpi";
-    TORCH_CHECK(*backend != "gloo" && *backend != "nccl",
-                "shardtensor::init: SHARDTENSOR_BACKEND=", *backend,
-                " asks for the c10d transport (Gloo/NCCL), which is not in this build "
-                "yet (MPI is the only transport); ",
-                kHowToLaunch);
+    if (*backend == "mpi" || *backend == "gloo") return *backend;
+    TORCH_CHECK(*backend != "nccl",
+                "shardtensor::init: SHARDTENSOR_BACKEND=nccl asks for NCCL, which this build "
+                "does not have yet (CPU pieces only; issue 24): use SHARDTENSOR_BACKEND=gloo "
+                "(torchrun's CPU transport) or mpi");
     TORCH_CHECK(false, "shardtensor::init: environment variable SHARDTENSOR_BACKEND='", *backend,
-                "' is not one of the accepted values mpi, gloo, nccl (only mpi is in this build)");
+                "' is not one of the accepted values mpi, gloo, nccl");
   }
-  TORCH_CHECK(!(info.launcher == "torchrun" && info.world_size > 1 && !info.mpi_launcher),
-              "shardtensor::init: torchrun's WORLD_SIZE=", info.world_size, " says ",
-              info.world_size,
-              " processes, but MPI_COMM_WORLD has 1: no MPI launcher started "
-              "this process (none of OMPI_COMM_WORLD_SIZE, PMIX_RANK, PMI_RANK, PMI_SIZE is set), "
-              "so every process would run alone. The c10d transport (Gloo/NCCL) that a torchrun "
-              "launch needs is not in this build yet; ",
-              kHowToLaunch);
+  // Note [launcher detection]: torch's variables without an MPI process
+  // manager are a torchrun launch, whose transport is c10d (Gloo).
+  if (info.launcher == "torchrun" && !info.mpi_launcher) return "gloo";
   return "mpi";
 }
 

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "core/channel.h"
+#include "core/process_groups.h"
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +61,7 @@ struct RuntimeState {
   bool ompio_vulcan_avoided =
       false;  // init() set OMPI_MCA_fcoll (Note [OMPIO vulcan write corruption])
   std::vector<std::pair<std::string, std::string>> exported_env;  // Note [launcher detection]
+  std::string transport = "mpi";                                  // resolve_transport()'s choice
 };
 
 RuntimeState& state() {
@@ -145,8 +147,7 @@ void check_launch_against_mpi(const LaunchInfo& launch) {
   TORCH_CHECK(launch.world_size == size, "shardtensor::init: ", who, "=", launch.world_size,
               " says ", launch.world_size, " processes, but MPI_COMM_WORLD has ", size,
               size == 1 ? ": MPI did not join the processes (srun needs PMI: `srun --mpi=pmix`; "
-                          "torchrun needs the c10d transport, not in this build yet: use "
-                          "`mpirun -np N`)"
+                          "a torchrun launch without mpirun uses the c10d transport by itself)"
                         : ": the launcher and MPI disagree about the job");
   int mismatch = launch.rank != rank ? 1 : 0;
   int any = 0;
@@ -231,6 +232,33 @@ std::vector<std::pair<std::string, std::string>> export_torch_env(const LaunchIn
   }
   return set;
 }
+// Starts the c10d (Gloo) world of `size` processes (Note [c10d handles]):
+// the rendezvous address is torch's MASTER_ADDR/MASTER_PORT (torchrun sets
+// them; under an MPI launcher export_torch_env() did). A single process
+// without them serves its own store on a free port.
+void start_c10d_world(int rank, int size, const char* launcher) {
+  const char* addr = std::getenv("MASTER_ADDR");
+  const char* port = std::getenv("MASTER_PORT");
+  const bool have = addr != nullptr && *addr != '\0' && port != nullptr && *port != '\0';
+  TORCH_CHECK(have || size == 1,
+              "shardtensor::init: the c10d transport needs MASTER_ADDR and "
+              "MASTER_PORT for its rendezvous (",
+              launcher, " says ", size,
+              " processes); torchrun sets them, other launchers need them exported");
+  int port_number = 0;
+  if (have) {
+    char* end = nullptr;
+    const long p = std::strtol(port, &end, 10);
+    TORCH_CHECK(end != port && *end == '\0' && p >= 0 && p <= 65535,
+                "shardtensor::init: MASTER_PORT='", port, "' is not a port number");
+    port_number = static_cast<int>(p);
+  }
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent != nullptr && std::string(agent) == "True";
+  detail::pg::start_world(rank, size, have ? addr : "127.0.0.1", port_number, agent_store,
+                          shardtensor::timeout());
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> exported_launch_env() {
@@ -263,7 +291,16 @@ void init(int* argc, char*** argv) {
   const int threads = thread_count_from_env();
   // Note [launcher detection]: a bad launch throws here, before MPI starts, when it can.
   const LaunchInfo launch = detect_launch();
-  resolve_transport(launch, process_env());
+  const std::string transport = resolve_transport(launch, process_env());
+  if (transport == "gloo" && !launch.mpi_launcher && !mpi_initialized()) {
+    // torchrun (or one process): no MPI at all; the c10d world is the job.
+    start_c10d_world(launch.rank, launch.world_size, launch.launcher.c_str());
+    at::set_num_threads(threads);
+    s.transport = transport;
+    s.thread_level = MPI_THREAD_FUNNELED;  // what the library needs; there is no MPI
+    s.initialized = true;
+    return;
+  }
   TORCH_CHECK(!mpi_finalized(),
               "shardtensor::init: MPI has already been finalized and cannot be initialized "
               "again (MPI allows one MPI_Init/MPI_Finalize per process)");
@@ -291,6 +328,18 @@ void init(int* argc, char*** argv) {
   }
   s.exported_env = export_torch_env(launch);
   at::set_num_threads(threads);
+  if (transport == "gloo") {
+    // An MPI launch with SHARDTENSOR_BACKEND=gloo: MPI stays up for the host
+    // (and agreed on the rendezvous address); the library's groups are c10d,
+    // so there is no MPI error channel (Note [c10d data movement]).
+    int rank = 0, size = 1;
+    SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+    SHARDTENSOR_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+    start_c10d_world(rank, size, launch.launcher.c_str());
+    s.transport = transport;
+    s.initialized = true;
+    return;
+  }
   // Every rank calls init(), so the duplicate is collective like MPI_Init itself.
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s.error_channel));
   MPI_Comm_set_name(s.error_channel, "shardtensor error channel");
@@ -298,6 +347,17 @@ void init(int* argc, char*** argv) {
 }
 
 namespace detail {
+MPI_Comm world_comm() {
+  if (pg::active()) return pg::world();
+  return MPI_COMM_WORLD;
+}
+
+std::string transport() {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.initialized ? s.transport : std::string();
+}
+
 MPI_Comm error_channel() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -316,7 +376,7 @@ void finalize() {
     hooks = s.finalize_hooks;
   }
   // Hooks may call back into the runtime (e.g. world_rank()), so run them unlocked.
-  if (mpi_initialized() && !mpi_finalized()) {
+  if (detail::pg::active() || (mpi_initialized() && !mpi_finalized())) {
     for (auto it = hooks.rbegin(); it != hooks.rend(); ++it) {
       (*it)();
     }
@@ -326,6 +386,8 @@ void finalize() {
     return;
   }
   s.initialized = false;
+  detail::pg::stop_world();
+  s.transport = "mpi";
   if (s.error_channel != MPI_COMM_NULL && mpi_initialized() && !mpi_finalized()) {
     MPI_Comm_free(&s.error_channel);
   }
@@ -344,6 +406,7 @@ bool is_initialized() {
 }
 
 int world_rank() {
+  if (detail::pg::active()) return detail::pg::rank(detail::pg::world());
   TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
               "shardtensor::world_rank: MPI is not initialized (call shardtensor::init() first)");
   int rank = -1;
@@ -352,6 +415,7 @@ int world_rank() {
 }
 
 int world_size() {
+  if (detail::pg::active()) return detail::pg::size(detail::pg::world());
   TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
               "shardtensor::world_size: MPI is not initialized (call shardtensor::init() first)");
   int size = 0;

@@ -3,6 +3,7 @@
 #include <c10/core/alignment.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <shardtensor/core/stats.h>
+#include "core/channel.h"
 
 #include <algorithm>
 #include <atomic>
@@ -150,12 +151,19 @@ void record_io(int64_t bytes_read, int64_t bytes_written, int64_t reads, int64_t
   g_io_reads.fetch_add(reads, std::memory_order_relaxed);
   g_io_writes.fetch_add(writes, std::memory_order_relaxed);
 }
+namespace {
+thread_local int t_uncounted = 0;  // open UncountedComm scopes on this thread
+}  // namespace
+UncountedComm::UncountedComm() { ++t_uncounted; }
+UncountedComm::~UncountedComm() { --t_uncounted; }
 void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages) {
+  if (t_uncounted > 0) return;
   g_bytes_sent.fetch_add(bytes_sent, std::memory_order_relaxed);
   g_bytes_received.fetch_add(bytes_received, std::memory_order_relaxed);
   g_messages.fetch_add(messages, std::memory_order_relaxed);
 }
 void record_comm_time(int64_t nanoseconds) {
+  if (t_uncounted > 0) return;
   g_comm_nanoseconds.fetch_add(nanoseconds, std::memory_order_relaxed);
 }
 void record_gathered(int64_t bytes) {

@@ -6,6 +6,8 @@
 // part with an empty selection). Every check that could fail on one rank only
 // is agreed with comm::check_all before the next HDF5 call (Note [io errors]).
 // io/ moves no data over MPI itself; mesh.comm() goes to H5Pset_fapl_mpio only.
+#include "core/process_groups.h"
+
 #include <hdf5.h>
 #include <shardtensor/core/stats.h>
 #include <shardtensor/io/hdf5.h>
@@ -432,6 +434,13 @@ File::File(const std::string& path, const std::optional<DeviceMesh>& mesh, OpenM
                 "parallel reads and writes need libhdf5-openmpi-dev");
   }
 #endif
+  // Parallel HDF5 runs on MPI-IO, which needs the mesh's MPI communicator;
+  // under the c10d transport (torchrun) there is none (Note [c10d handles]).
+  // Every rank's mesh is on the same transport, so every rank throws here.
+  TORCH_CHECK(!mesh_ || !shardtensor::detail::pg::owns(mesh_->comm()), what,
+              ": parallel HDF5 (MPI-IO) needs the MPI transport, but this job runs on the c10d "
+              "transport (Gloo; a torchrun launch or SHARDTENSOR_BACKEND=gloo): launch with "
+              "mpirun/srun for HDF5 reads, writes and checkpoints");
   // Does the file exist? Rank 0's view decides for writers (all ranks must
   // then make the same open-or-create call); every reader checks its own.
   bool exists = ::access(path.c_str(), F_OK) == 0;

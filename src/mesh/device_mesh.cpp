@@ -1,3 +1,5 @@
+#include "core/process_groups.h"
+
 #include <c10/util/Exception.h>
 #include <mpi.h>
 #include <shardtensor/core/error.h>
@@ -52,6 +54,7 @@ namespace {
 using detail::MeshState;
 
 bool mpi_usable() {
+  if (detail::pg::active()) return true;  // the c10d transport (Note [c10d handles])
   int initialized = 0;
   int finalized = 0;
   MPI_Initialized(&initialized);
@@ -190,21 +193,20 @@ void MeshState::free_comms() noexcept {
     return;  // MPI already finalized: its communicators are gone with it.
   }
   // Failures here cannot be reported (destructor / finalize path); ignore them.
-  for (auto& kv : sub_comms) {
-    if (kv.second != MPI_COMM_NULL) {
-      MPI_Comm_free(&kv.second);
-    }
-  }
-  sub_comms.clear();
-  for (auto& c : dim_comms) {
-    if (c != MPI_COMM_NULL) {
+  auto release = [](MPI_Comm& c) {
+    if (c == MPI_COMM_NULL) return;
+    if (detail::pg::owns(c)) {
+      detail::pg::free_group(c);
+    } else if (!detail::pg::active()) {
       MPI_Comm_free(&c);
     }
-  }
+    c = MPI_COMM_NULL;
+  };
+  for (auto& kv : sub_comms) release(kv.second);
+  sub_comms.clear();
+  for (auto& c : dim_comms) release(c);
   dim_comms.clear();
-  if (cart != MPI_COMM_NULL) {
-    MPI_Comm_free(&cart);
-  }
+  release(cart);
 }
 
 }  // namespace detail
@@ -215,8 +217,18 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
               "DeviceMesh::create: MPI is not initialized (call shardtensor::init() first) "
               "or has already been finalized");
   TORCH_CHECK(comm != MPI_COMM_NULL, "DeviceMesh::create: the base communicator is MPI_COMM_NULL");
+  // Under the c10d transport MPI_COMM_WORLD names the c10d world (Note [c10d handles]).
+  if (detail::pg::active() && comm == MPI_COMM_WORLD) comm = detail::pg::world();
+  const bool c10d = detail::pg::owns(comm);
   int comm_size = 0;
-  SHARDTENSOR_MPI_CHECK(MPI_Comm_size(comm, &comm_size));
+  if (c10d) {
+    comm_size = detail::pg::size(comm);
+  } else {
+    TORCH_CHECK(!detail::pg::active(),
+                "DeviceMesh::create: under the c10d transport the base communicator must be "
+                "MPI_COMM_WORLD (the c10d world) or a mesh's communicator");
+    SHARDTENSOR_MPI_CHECK(MPI_Comm_size(comm, &comm_size));
+  }
 
   // Validation uses only local, rank-independent information (the shape, the
   // names and the communicator size), so every rank reaches the same verdict
@@ -259,6 +271,32 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
   state->is_abstract = false;
 
   const int ndims = static_cast<int>(shape.size());
+  if (c10d) {
+    // The same grid as MPI_Cart_create(reorder = 0): row-major ranks, one
+    // group per mesh dim whose rank is the coordinate on that dim.
+    std::vector<int> all(static_cast<size_t>(comm_size));
+    for (int r = 0; r < comm_size; ++r) all[r] = r;
+    state->cart = detail::pg::split(comm, all, "whole mesh " + list_string(state->shape));
+    register_mesh(state.get());
+    const int rank = detail::pg::rank(state->cart);
+    state->rank = rank;
+    state->coordinate = row_major_coordinate(state->shape, rank);
+    for (int d = 0; d < ndims; ++d) {
+      std::vector<int> members;
+      std::vector<int64_t> c = state->coordinate;
+      for (int64_t i = 0; i < state->shape[d]; ++i) {
+        c[d] = i;
+        members.push_back(static_cast<int>(row_major_rank(state->shape, c)));
+      }
+      const std::string comm_name = "mesh dim " + std::to_string(d) + " ('" + state->names[d] +
+                                    "') of mesh " + list_string(state->shape);
+      state->dim_comms.push_back(detail::pg::split(state->cart, members, comm_name));
+      TORCH_INTERNAL_ASSERT(detail::pg::rank(state->dim_comms.back()) == state->coordinate[d]);
+    }
+    DeviceMesh mesh;
+    mesh.state_ = std::move(state);
+    return mesh;
+  }
   std::vector<int> dims(shape.begin(), shape.end());
   std::vector<int> periods(ndims, 0);
   MPI_Comm dup = MPI_COMM_NULL;
@@ -461,8 +499,24 @@ MPI_Comm DeviceMesh::comm(const std::vector<bool>& keep_dims) const {
   if (it != state_->sub_comms.end()) {
     return it->second;
   }
-  std::vector<int> remain(keep_dims.begin(), keep_dims.end());
   MPI_Comm sub = MPI_COMM_NULL;
+  if (detail::pg::owns(state_->cart)) {
+    // Every rank whose coordinate agrees with this one on the dropped dims.
+    std::vector<int> members;
+    const int64_t n = detail::pg::size(state_->cart);
+    for (int64_t r = 0; r < n; ++r) {
+      const auto c = row_major_coordinate(state_->shape, r);
+      bool same = true;
+      for (size_t d = 0; d < keep_dims.size(); ++d) {
+        same = same && (keep_dims[d] || c[d] == state_->coordinate[d]);
+      }
+      if (same) members.push_back(static_cast<int>(r));
+    }
+    sub = detail::pg::split(state_->cart, members, "sub-mesh of " + list_string(state_->shape));
+    state_->sub_comms.emplace(keep_dims, sub);
+    return sub;
+  }
+  std::vector<int> remain(keep_dims.begin(), keep_dims.end());
   SHARDTENSOR_MPI_CHECK(MPI_Cart_sub(state_->cart, remain.data(), &sub));
   state_->sub_comms.emplace(keep_dims, sub);
   return sub;

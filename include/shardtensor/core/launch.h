@@ -48,12 +48,13 @@ EnvLookup process_env();
 /// Local. detect_launch() over this process's environment (std::getenv).
 LaunchInfo detect_launch();
 
-/// Local. The transport for this launch: "mpi" (the only one in this build).
-/// `SHARDTENSOR_BACKEND` (read through `env`) overrides the automatic choice.
-/// Throws c10::Error if it is "gloo" or "nccl" (the c10d transport is not in
-/// this build yet; says how to launch instead), if it is any other value
-/// (names the variable and the accepted values), or, with no override, if a
-/// torchrun-only launch (no MPI process manager) says there are N > 1 processes.
+/// Local. The transport for this launch: "gloo" (the c10d transport, Note
+/// [c10d handles]) for a torchrun launch (torch's variables and no MPI process
+/// manager), else "mpi". `SHARDTENSOR_BACKEND` (read through `env`) overrides
+/// the choice: "mpi" or "gloo" (under an MPI launcher, gloo keeps MPI up for
+/// the host and runs the library's groups on Gloo). Throws c10::Error if it
+/// is "nccl" (not in this build yet) or any other value (names the variable
+/// and the accepted values).
 std::string resolve_transport(const LaunchInfo& info, const EnvLookup& env);
 
 /// Local. The variables init() exported under an MPI launch (torch's RANK,

@@ -1,0 +1,341 @@
+// The c10d transport (Note [c10d data movement] in transport_c10d.h): the only
+// file that moves tensor data over c10d process groups.
+#include "comm/transport_c10d.h"
+
+#include <ATen/ATen.h>
+#include <shardtensor/core/runtime.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <numeric>
+#include <sstream>
+
+namespace shardtensor::comm::c10d {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Tag of the collectives built here; split-phase exchanges use their callers' tags.
+constexpr int kCollectiveTag = 7100;
+
+int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
+
+// The bytes [offset, offset + n) of a contiguous tensor as a flat uint8 tensor (a view).
+at::Tensor bytes_of(const at::Tensor& t, int64_t offset, int64_t n) {
+  if (n == 0) return at::empty({0}, at::kByte);
+  auto flat = at::from_blob(static_cast<char*>(t.data_ptr()) + offset, {n},
+                            at::TensorOptions().dtype(at::kByte));
+  return flat;
+}
+
+[[noreturn]] void expire(const char* what, MPI_Comm comm, const std::vector<int>& peers,
+                         double waited, double limit) {
+  std::ostringstream os;
+  const char* op = OpLabel::current();
+  os << "shardtensor watchdog: world rank " << shardtensor::world_rank() << " waited " << waited
+     << " s (SHARDTENSOR_TIMEOUT = " << limit << " s) in " << what << " during op '"
+     << (*op != '\0' ? op : "<none>") << "' on c10d group '" << detail::pg::name(comm)
+     << "' of size " << detail::pg::size(comm) << " (this process is its rank "
+     << detail::pg::rank(comm) << ") for peers [";
+  for (size_t i = 0; i < peers.size(); ++i) os << (i ? ", " : "") << peers[i];
+  os << "] (point-to-point); aborting the job with exit code " << kWatchdogExitCode << "\n";
+  const std::string line = os.str();
+  std::fputs(line.c_str(), stderr);
+  std::fflush(stderr);
+  shardtensor::abort(kWatchdogExitCode);
+}
+
+}  // namespace
+
+struct Exchange::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::vector<c10::intrusive_ptr<::c10d::Work>> works;  // receives first, then sends
+  std::vector<int> peers;                               // per work
+  std::vector<at::Tensor> keep;                         // keep-alive of the buffers
+};
+
+Exchange::Exchange() = default;
+Exchange::~Exchange() {
+  if (pending()) {
+    try {
+      finish("abandoned exchange (c10d send/recv)");
+    } catch (...) {
+    }
+  }
+}
+Exchange::Exchange(Exchange&&) noexcept = default;
+Exchange& Exchange::operator=(Exchange&& other) noexcept {
+  if (this != &other) {
+    if (pending()) {
+      try {
+        finish("abandoned exchange (c10d send/recv)");
+      } catch (...) {
+      }
+    }
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+
+bool Exchange::pending() const { return impl_ != nullptr; }
+
+bool Exchange::arrived() const { return impl_ == nullptr || impl_->works.empty(); }
+
+void Exchange::finish(const char* what) {
+  if (impl_ == nullptr) return;
+  std::unique_ptr<Impl> impl = std::move(impl_);
+  const double limit = shardtensor::timeout();
+  const auto start = Clock::now();
+  for (size_t i = 0; i < impl->works.size(); ++i) {
+    auto& work = impl->works[i];
+    std::chrono::milliseconds left{0};  // 0: no timeout (c10d::kNoTimeout)
+    if (limit > 0) {
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      left = std::chrono::milliseconds(
+          std::max<int64_t>(1, static_cast<int64_t>((limit - waited) * 1000.0)));
+    }
+    try {
+      work->wait(left);
+    } catch (const std::exception& e) {
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (limit > 0 && waited >= limit) {
+        std::vector<int> unfinished(impl->peers.begin() + static_cast<int64_t>(i),
+                                    impl->peers.end());
+        std::sort(unfinished.begin(), unfinished.end());
+        unfinished.erase(std::unique(unfinished.begin(), unfinished.end()), unfinished.end());
+        expire(what, impl->comm, unfinished, waited, limit);
+      }
+      const int peer = impl->peers[i];
+      const auto& world = detail::pg::world_ranks(impl->comm);
+      TORCH_CHECK(false, "shardtensor transport: ", what, " on c10d group '",
+                  detail::pg::name(impl->comm), "' failed waiting for rank ", peer, " (world rank ",
+                  world[peer], "), which may have died: ", e.what());
+    }
+  }
+}
+
+Exchange start(const std::vector<Message>& sends, const std::vector<Message>& recvs, MPI_Comm comm,
+               int tag) {
+  auto& pg = detail::pg::process_group(comm);
+  const int me = detail::pg::rank(comm);
+  const int size = detail::pg::size(comm);
+  for (const auto* list : {&sends, &recvs}) {
+    for (const auto& m : *list) {
+      TORCH_CHECK(m.peer >= 0 && m.peer < size, "shardtensor transport: exchange peer ", m.peer,
+                  " is not a rank of a c10d group of size ", size);
+      TORCH_CHECK(m.buffer.is_contiguous() && m.buffer.device().is_cpu(),
+                  "shardtensor transport: exchange buffers must be contiguous CPU tensors");
+    }
+  }
+  Exchange ex;
+  ex.impl_ = std::make_unique<Exchange::Impl>();
+  ex.impl_->comm = comm;
+  // Messages to this rank itself: copied in order (receive i from me gets send i to me).
+  std::deque<const at::Tensor*> self_recvs;
+  for (const auto& m : recvs) {
+    const int64_t n = nbytes(m.buffer);
+    if (n == 0) continue;
+    if (m.peer == me) {
+      self_recvs.push_back(&m.buffer);
+      continue;
+    }
+    std::vector<at::Tensor> bufs{bytes_of(m.buffer, 0, n)};
+    ex.impl_->works.push_back(pg.recv(bufs, m.peer, tag));
+    ex.impl_->peers.push_back(m.peer);
+    ex.impl_->keep.push_back(m.buffer);
+  }
+  for (const auto& m : sends) {
+    const int64_t n = nbytes(m.buffer);
+    if (n == 0) continue;
+    if (m.peer == me) {
+      TORCH_CHECK(!self_recvs.empty(), "shardtensor transport: exchange sends ", n,
+                  " bytes to this rank itself without a matching receive");
+      const at::Tensor& dst = *self_recvs.front();
+      self_recvs.pop_front();
+      TORCH_CHECK(nbytes(dst) == n, "shardtensor transport: exchange received ", n,
+                  " bytes from this rank itself but expected ", nbytes(dst));
+      bytes_of(dst, 0, n).copy_(bytes_of(m.buffer, 0, n));
+      continue;
+    }
+    std::vector<at::Tensor> bufs{bytes_of(m.buffer, 0, n)};
+    ex.impl_->works.push_back(pg.send(bufs, m.peer, tag));
+    ex.impl_->peers.push_back(m.peer);
+    ex.impl_->keep.push_back(m.buffer);
+  }
+  TORCH_CHECK(self_recvs.empty(), "shardtensor transport: exchange expects ", self_recvs.size(),
+              " message(s) from this rank itself that it does not send");
+  return ex;
+}
+
+void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
+                 const std::vector<int64_t>& send_displs, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
+                 MPI_Comm comm) {
+  const int size = detail::pg::size(comm);
+  std::vector<Message> sends, recvs;
+  for (int c = 0; c < size; ++c) {
+    if (send_bytes[c] > 0) sends.push_back({c, bytes_of(send, send_displs[c], send_bytes[c])});
+    if (recv_bytes[c] > 0) recvs.push_back({c, bytes_of(recv, recv_displs[c], recv_bytes[c])});
+  }
+  start(sends, recvs, comm, kCollectiveTag).finish("all_to_allv (c10d send/recv)");
+}
+
+void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+  const int size = detail::pg::size(comm);
+  const int me = detail::pg::rank(comm);
+  std::vector<Message> sends, recvs;
+  int64_t offset = 0;
+  for (int c = 0; c < size; ++c) {
+    if (c == me) {
+      if (recv_bytes[c] > 0) {
+        bytes_of(recv, offset, recv_bytes[c]).copy_(bytes_of(send, 0, recv_bytes[c]));
+      }
+    } else {
+      if (recv_bytes[c] > 0) recvs.push_back({c, bytes_of(recv, offset, recv_bytes[c])});
+      if (recv_bytes[me] > 0) sends.push_back({c, bytes_of(send, 0, recv_bytes[me])});
+    }
+    offset += recv_bytes[c];
+  }
+  start(sends, recvs, comm, kCollectiveTag).finish("all_gatherv (c10d send/recv)");
+}
+
+void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
+  const int size = detail::pg::size(comm);
+  const int me = detail::pg::rank(comm);
+  const int64_t n = nbytes(t);
+  if (size == 1 || n == 0) return;
+  std::vector<Message> sends, recvs;
+  if (me == root) {
+    for (int c = 0; c < size; ++c) {
+      if (c != root) sends.push_back({c, bytes_of(t, 0, n)});
+    }
+  } else {
+    recvs.push_back({root, bytes_of(t, 0, n)});
+  }
+  start(sends, recvs, comm, kCollectiveTag).finish("broadcast_ (c10d send/recv)");
+}
+
+void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
+              const at::Tensor& recv, int root, MPI_Comm comm) {
+  const int size = detail::pg::size(comm);
+  const int me = detail::pg::rank(comm);
+  std::vector<Message> sends, recvs;
+  if (me == root) {
+    int64_t offset = 0;
+    for (int c = 0; c < size; ++c) {
+      if (send_bytes[c] > 0) {
+        if (c == me) {
+          bytes_of(recv, 0, send_bytes[c]).copy_(bytes_of(send, offset, send_bytes[c]));
+        } else {
+          sends.push_back({c, bytes_of(send, offset, send_bytes[c])});
+        }
+      }
+      offset += send_bytes[c];
+    }
+  } else if (nbytes(recv) > 0) {
+    recvs.push_back({root, bytes_of(recv, 0, nbytes(recv))});
+  }
+  start(sends, recvs, comm, kCollectiveTag).finish("scatterv (c10d send/recv)");
+}
+
+namespace {
+
+// acc = acc (op) x, element-wise, in acc's dtype (MPI's semantics per dtype:
+// bool Sum/Max are or, Min/Product and; complex has Sum and Product only).
+void combine_(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
+  const bool is_bool = acc.scalar_type() == at::kBool;
+  switch (op) {
+    case ReduceOp::Sum:
+      if (is_bool) {
+        acc.logical_or_(x);
+      } else {
+        acc.add_(x);
+      }
+      return;
+    case ReduceOp::Product:
+      if (is_bool) {
+        acc.logical_and_(x);
+      } else {
+        acc.mul_(x);
+      }
+      return;
+    case ReduceOp::Max:
+      TORCH_CHECK(!acc.is_complex(), "shardtensor transport: Max of complex values");
+      if (is_bool) {
+        acc.logical_or_(x);
+      } else {
+        at::maximum_out(acc, acc, x);
+      }
+      return;
+    case ReduceOp::Min:
+      TORCH_CHECK(!acc.is_complex(), "shardtensor transport: Min of complex values");
+      if (is_bool) {
+        acc.logical_and_(x);
+      } else {
+        at::minimum_out(acc, acc, x);
+      }
+      return;
+  }
+}
+
+}  // namespace
+
+void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+  const int size = detail::pg::size(comm);
+  const int me = detail::pg::rank(comm);
+  const int64_t elem = send.element_size();
+  const int64_t mine = recv_numel[me];
+  // Every rank's contribution to my chunk, in rank order; then sum in that order.
+  at::Tensor contributions = at::empty({size, mine}, send.options());
+  std::vector<Message> sends, recvs;
+  int64_t offset = 0;
+  for (int c = 0; c < size; ++c) {
+    const int64_t n = recv_numel[c];
+    if (c == me) {
+      if (n > 0) contributions[c].copy_(send.reshape({-1}).narrow(0, offset, n));
+    } else {
+      if (n > 0) sends.push_back({c, bytes_of(send, offset * elem, n * elem)});
+      if (mine > 0) recvs.push_back({c, contributions[c]});
+    }
+    offset += n;
+  }
+  start(sends, recvs, comm, kCollectiveTag).finish("reduce_scatter (c10d send/recv)");
+  if (mine == 0) return;
+  const bool wide = send.scalar_type() == at::kHalf || send.scalar_type() == at::kBFloat16;
+  at::Tensor acc = wide ? contributions[0].to(at::kFloat) : contributions[0].clone();
+  for (int c = 1; c < size; ++c) {
+    combine_(acc, wide ? contributions[c].to(at::kFloat) : contributions[c], op);
+  }
+  recv.reshape({-1}).narrow(0, 0, mine).copy_(acc);
+}
+
+void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
+  const int size = detail::pg::size(comm);
+  const int me = detail::pg::rank(comm);
+  const int64_t numel = t.numel();
+  if (size == 1 || numel == 0) return;
+  std::vector<int64_t> chunks(size);
+  std::vector<int64_t> chunk_bytes(size);
+  for (int c = 0; c < size; ++c) {
+    chunks[c] = numel / size + (c < numel % size ? 1 : 0);
+    chunk_bytes[c] = chunks[c] * t.element_size();
+  }
+  at::Tensor mine = at::empty({chunks[me]}, t.options());
+  reduce_scatter(t, mine, chunks, op, comm);
+  all_gatherv(mine, t, chunk_bytes, comm);
+}
+
+void barrier(MPI_Comm comm) {
+  const int size = detail::pg::size(comm);
+  if (size == 1) return;
+  at::Tensor one = at::zeros({1}, at::kByte);
+  all_reduce_(one, ReduceOp::Max, comm);
+}
+
+}  // namespace shardtensor::comm::c10d
