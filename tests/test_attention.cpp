@@ -225,10 +225,8 @@ TEST_F(Attention, CausalWorkBalance) {
     st::detail::attention_score_elements(true);
     st::scaled_dot_product_attention(sq, sk, sv, {}, true).sum().backward();
     int64_t mine = st::detail::attention_score_elements(true);
-    std::vector<int64_t> all(st::world_size());
-    MPI_Allgather(&mine, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, MPI_COMM_WORLD);
-    const int64_t mx = *std::max_element(all.begin(), all.end());
-    const int64_t mn = *std::min_element(all.begin(), all.end());
+    const int64_t mx = st::testing::max_over_ranks(mine);
+    const int64_t mn = -st::testing::max_over_ranks(-mine);
     work.push_back(mx);
     work.push_back(mn);
     st::set_causal_balance(old);
@@ -420,7 +418,8 @@ TEST_F(Attention, MemoryBelowPlainOverP) {
     reference(qr, kr, vr, {}, false, std::nullopt).sum().backward();
     plain_peak = st::memory_stats().peak_bytes - base;
   }
-  MPI_Bcast(&plain_peak, 1, MPI_INT64_T, 0, MPI_COMM_WORLD);
+  // Rank 0's measurement on every rank.
+  plain_peak = st::testing::max_over_ranks(st::world_rank() == 0 ? plain_peak : INT64_MIN);
   auto sq = st::distribute_tensor(q, mesh, pl, true), sk = st::distribute_tensor(k, mesh, pl, true),
        sv = st::distribute_tensor(v, mesh, pl, true);
   q = k = v = at::Tensor();

@@ -259,11 +259,8 @@ TEST_F(Norm, BatchNormRunningStatsOnEveryRank) {
   EXPECT_TRUE(all_ranks(sh->num_batches_tracked.item<int64_t>() == 4));
   // Identical on every rank, bit for bit.
   at::Tensor mine = at::cat({sh->running_mean, sh->running_var}).to(at::kDouble).contiguous();
-  at::Tensor hi = mine.clone(), lo = mine.clone();
-  MPI_Allreduce(MPI_IN_PLACE, hi.data_ptr<double>(), hi.numel(), MPI_DOUBLE, MPI_MAX,
-                MPI_COMM_WORLD);
-  MPI_Allreduce(MPI_IN_PLACE, lo.data_ptr<double>(), lo.numel(), MPI_DOUBLE, MPI_MIN,
-                MPI_COMM_WORLD);
+  at::Tensor hi = st::testing::reduce_over_ranks(mine, st::ReduceOp::Max);
+  at::Tensor lo = st::testing::reduce_over_ranks(mine, st::ReduceOp::Min);
   EXPECT_TRUE(all_ranks(hi.equal(lo)));
 }
 

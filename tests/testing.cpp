@@ -101,6 +101,13 @@ int64_t max_over_ranks(int64_t value) {
   return v[0];
 }
 
+at::Tensor reduce_over_ranks(const at::Tensor& t, ReduceOp op) {
+  detail::UncountedComm uncounted;
+  at::Tensor out = t.contiguous().clone();
+  comm::transport::all_reduce_(out, op, detail::world_comm());
+  return out;
+}
+
 bool all_ranks(bool ok) { return max_over_ranks(ok ? 0 : 1) == 0; }
 
 ::testing::AssertionResult all_close(const at::Tensor& actual, const at::Tensor& expected,

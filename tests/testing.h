@@ -33,6 +33,10 @@ Placements fit_placements(const DeviceMesh& mesh, const Placements& wanted);
 /// counted in comm_stats: the maximum of `value` over every rank.
 int64_t max_over_ranks(int64_t value);
 
+/// Collective over the whole job, not counted: element-wise reduction of a
+/// copy of `t` (contiguous, CPU) over every rank.
+at::Tensor reduce_over_ranks(const at::Tensor& t, ReduceOp op);
+
 /// Collective over MPI_COMM_WORLD: true on every rank iff `ok` on every rank.
 bool all_ranks(bool ok);
 

@@ -669,7 +669,10 @@ PYBIND11_MODULE(_C, m) {
         return st::resolve_transport(st::detect_launch(lookup), lookup);
       },
       py::arg("env") = py::none(),
-      "Local. 'mpi', or raises (SHARDTENSOR_BACKEND, torchrun-only launch).");
+      "Local. 'mpi' or 'gloo' (the c10d transport), or raises (SHARDTENSOR_BACKEND).");
+  m.def(
+      "transport", [] { return st::current_transport(); },
+      "Local. The transport init() chose ('mpi' or 'gloo'); '' before init().");
   m.def("exported_launch_env", [] {
     py::dict d;
     for (const auto& [k, v] : st::exported_launch_env()) d[py::str(k)] = v;

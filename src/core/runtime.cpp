@@ -261,6 +261,8 @@ void start_c10d_world(int rank, int size, const char* launcher) {
 
 }  // namespace
 
+std::string current_transport() { return detail::transport(); }
+
 std::vector<std::pair<std::string, std::string>> exported_launch_env() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);

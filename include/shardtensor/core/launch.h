@@ -57,6 +57,11 @@ LaunchInfo detect_launch();
 /// and the accepted values).
 std::string resolve_transport(const LaunchInfo& info, const EnvLookup& env);
 
+/// Local. The transport init() chose: "mpi" or "gloo" (the c10d transport,
+/// which the environment alone no longer tells once MPI was initialized by a
+/// host, e.g. an mpi4py singleton); empty outside init()..finalize(). Does not throw.
+std::string current_transport();
+
 /// Local. The variables init() exported under an MPI launch (torch's RANK,
 /// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, each
 /// only where it was unset), so that torch.distributed.init_process_group
