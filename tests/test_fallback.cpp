@@ -264,3 +264,57 @@ TEST(VisibleGathers, ShardDimSwapIsDirect) {
     EXPECT_TRUE(all_close(y.full_tensor(), x));
   }
 }
+
+// Issue 25 (Note [plain in-place target], src/ops/pointwise.cpp): the FNO
+// spectral layer as written in the original code: a plain `out_ft` of zeros
+// whose corner is assigned from a sharded einsum. It used to raise; now the
+// einsum result is gathered, visibly: counted, warned once, refused in strict
+// mode with the hint that keeps the data sharded. Outputs and gradients
+// (input and weight) against single-process libtorch; sharded along H (the
+// modes slice leaves pieces empty at P > 1) and, on 2x2, along the batch too.
+TEST(VisibleGathers, PlainTargetOfAnInPlaceOp) {
+  st::set_strict(false);
+  st::detail::reset_gather_warnings();
+  auto mesh = test_mesh();
+  const int64_t B = 2, Ci = 3, Co = 2, H = 9, W = 8, m1 = 3, m2 = 3;
+  auto x = rnd({B, Ci, H, W}, 11);
+  auto w = at::complex(rnd({Ci, Co, m1, m2}, 12), rnd({Ci, Co, m1, m2}, 13));
+  RefFn fno = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& prm) {
+    at::Tensor x_ft = at::fft_rfft2(in[0]);
+    at::Tensor out_ft =
+        at::zeros({B, Co, H, W / 2 + 1}, at::TensorOptions().dtype(at::kComplexFloat));
+    out_ft.slice(2, 0, m1).slice(3, 0, m2) =
+        at::einsum("bixy,ioxy->boxy", {x_ft.slice(2, 0, m1).slice(3, 0, m2), prm[0]});
+    return at::fft_irfft2(out_ft, std::vector<int64_t>{H, W});
+  };
+  for (const P& p : std::vector<P>{{S2}, {S2, S0}}) {
+    EXPECT_TRUE(reference_check(fno, {sharded_input(mesh, x, p)}, mesh, {w}, 1e-4, 1e-5))
+        << st::to_string(fit_placements(mesh, p));
+    EXPECT_TRUE(reference_check(fno, {empty_first_input(mesh, x, p)}, mesh, {w}, 1e-4, 1e-5))
+        << st::to_string(fit_placements(mesh, p)) << " empty-first";
+  }
+  // Counted and warned once (on mesh rank 0) when something is gathered.
+  st::detail::reset_gather_warnings();
+  WarningCapture cap;
+  HandlerGuard guard(&cap);
+  at::Tensor sx = st::distribute_tensor(x, mesh, fit_placements(mesh, {S2}));
+  st::reset_comm_stats();
+  (void)fno({sx}, {w});
+  const int64_t bytes = st::comm_stats().gathered_bytes;
+  (void)fno({sx}, {w});
+  EXPECT_EQ(st::comm_stats().gathered_bytes, 2 * bytes);
+  const int64_t corner = B * Co * m1 * m2 * 8;  // complex64
+  const int64_t mine =
+      st::ShardTensor(
+          at::einsum("bixy,ioxy->boxy", {at::fft_rfft2(sx).slice(2, 0, m1).slice(3, 0, m2), w}))
+          .local()
+          .numel() *
+      8;
+  EXPECT_EQ(bytes, corner - mine);
+  const int64_t want = mesh.rank() == 0 && bytes > 0 ? 1 : 0;
+  EXPECT_EQ(cap.count("aten::copy_"), want);
+  // Strict mode refuses on every rank and names the way to keep it sharded.
+  StrictGuard strict(true);
+  EXPECT_TRUE(throws_everywhere([&] { (void)fno({sx}, {w}); },
+                                {"aten::copy_", "strict", "new_zeros", "Shard"}));
+}

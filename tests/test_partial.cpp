@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <iostream>
+#include <limits>
 
 #include "testing.h"
 
@@ -415,4 +416,98 @@ TEST_F(PendingPartial, NnLinearChain) {
                                     l2->bias.detach()};
   EXPECT_TRUE(check(fn, {sh(x, {S2, S1})}, params));
   EXPECT_TRUE(check(fn, {empty(x, {S2, S0})}, params));
+}
+
+// Note [partial IEEE] (issue 25): mul/div of a Partial by operands with zeros
+// (div) or non-finite values keep IEEE results only when summed first: per
+// summand, s_i / 0 over summands of opposite sign gives +inf and -inf, whose
+// sum is NaN where single-process torch gives +-inf. Random summands of a
+// contraction of extent 11 have mixed signs at P > 1, so each case fails
+// without the check (1 rank: no Partial, the case still runs). A divisor
+// sharded on the other mesh dim (2x2) with a zero in one piece only: every
+// rank must decide alike (a flag reduced over that mesh dim). An in-place op
+// cannot change its target's layout: div_/mul_ of a Partial target sum first
+// and write the value back as a pending sum (Note [pending partial sums]:
+// coordinate 0 of the Partial mesh dims holds it, the other pieces zeros,
+// which sums to it exactly, inf and NaN included), so the target stays
+// Partial in that form.
+TEST_F(PendingPartial, NonFiniteOrZeroOperandsSumFirst) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  auto x = rnd({5, 11}, 60), w = rnd({11, 4}, 61), x2 = rnd({5, 6}, 62), w2 = rnd({6, 4}, 63);
+  auto r = rnd({4}, 64);
+  r.index_put_({1}, inf);
+  r.index_put_({2}, nan);
+  auto r2 = rnd({5, 4}, 65, 1.0, 3.0);
+  r2.index_put_({3, 2}, 0.0);
+  auto z = rnd({5, 4}, 66, 1.0, 3.0);  // no zero, finite: stays Partial
+  struct Case {
+    const char* name;
+    std::function<at::Tensor(const at::Tensor& p, const at::Tensor& q, const at::Tensor& r,
+                             const at::Tensor& r2)>
+        f;
+    enum { kSums, kKeeps, kWritesBack } want;
+  };
+  const std::vector<Case> cases = {
+      {"p / 0", [](auto& p, auto&, auto&, auto&) { return p / 0; }, Case::kSums},
+      {"p / 0.0 tensor",
+       [](auto& p, auto&, auto&, auto&) { return at::div(p, at::scalar_tensor(0.0)); },
+       Case::kSums},
+      {"p * inf", [=](auto& p, auto&, auto&, auto&) { return p * inf; }, Case::kSums},
+      {"-inf * p", [=](auto& p, auto&, auto&, auto&) { return -inf * p; }, Case::kSums},
+      {"p * nan", [=](auto& p, auto&, auto&, auto&) { return p * nan; }, Case::kSums},
+      {"p / inf", [=](auto& p, auto&, auto&, auto&) { return p / inf; }, Case::kSums},
+      {"p * r (inf, nan)", [](auto& p, auto&, auto& r, auto&) { return p * r; }, Case::kSums},
+      {"p / r2 (a zero)", [](auto& p, auto&, auto&, auto& r2) { return p / r2; }, Case::kSums},
+      {"div_ r2", [](auto& p, auto&, auto&, auto& r2) { return p.clone().div_(r2); },
+       Case::kWritesBack},
+      {"mul_ r", [](auto& p, auto&, auto& r, auto&) { return p.clone().mul_(r); },
+       Case::kWritesBack},
+      {"div_ 0", [](auto& p, auto&, auto&, auto&) { return p.clone().div_(0); }, Case::kWritesBack},
+      {"p[1][2] / 0", [](auto& p, auto&, auto&, auto&) { return p.select(0, 1)[2] / 0; },
+       Case::kSums},
+      {"p + inf * q", [=](auto& p, auto& q, auto&, auto&) { return at::add(p, q, inf); },
+       Case::kSums},
+      // IEEE-safe: stay Partial
+      {"p / 4", [](auto& p, auto&, auto&, auto&) { return p / 4; }, Case::kKeeps},
+      {"p + q", [](auto& p, auto& q, auto&, auto&) { return p + q; }, Case::kKeeps},
+      {"neg", [](auto& p, auto&, auto&, auto&) { return -p; }, Case::kKeeps},
+  };
+  for (const auto& c : cases) {
+    Seen seen;
+    Fn fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& prm) {
+      at::Tensor p = at::matmul(in[0], in[1]), q = at::matmul(in[2], in[3]);
+      at::Tensor y = c.f(p, q, prm[0], prm[1]);
+      if (st::ShardTensor::is_shard_tensor(y)) {
+        seen.got.push_back(placements_of(y));
+        const st::ShardTensor sy(y);
+        bool partial = false, zero_piece = false;
+        const auto coord = sy.mesh().coordinate();
+        for (size_t m = 0; m < sy.placements().size(); ++m) {
+          if (!st::is_partial(sy.placements()[m])) continue;
+          partial = true;
+          zero_piece |= coord[m] != 0;
+        }
+        if (partial != (c.want != Case::kSums)) seen.ok = false;
+        // The written-back form: pieces off coordinate 0 hold zeros (not +-inf or NaN summands).
+        if (c.want == Case::kWritesBack && zero_piece && !sy.local().eq(0).all().item<bool>()) {
+          seen.ok = false;
+        }
+      }
+      return y;
+    };
+    EXPECT_TRUE(check(fn, {sh(x, {S1, S0}), sh(w, {S0}), sh(x2, {S1, S0}), sh(w2, {S0})}, {r, r2}))
+        << c.name;
+    EXPECT_TRUE(
+        check(fn, {empty(x, {S1, S0}), empty(w, {S0}), sh(x2, {S1, S0}), sh(w2, {S0})}, {r, r2}))
+        << c.name;
+    EXPECT_TRUE(seen.ok) << c.name << ": " << seen.str();
+  }
+  // A divisor sharded on the other mesh dim (rows), a zero in one piece only.
+  Fn sharded_div = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+    return at::matmul(in[0], in[1]) / in[2];
+  };
+  EXPECT_TRUE(check(sharded_div, {sh(x, {S1, S0}), sh(w, {S0}), sh(r2, {R, S0})}));
+  EXPECT_TRUE(check(sharded_div, {sh(x, {S1, S0}), sh(w, {S0}), sh(z, {R, S0})}));
+  EXPECT_TRUE(check(sharded_div, {empty(x, {S1, S0}), empty(w, {S0}), empty(r2, {R, S0})}));
 }

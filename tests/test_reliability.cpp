@@ -281,6 +281,21 @@ std::vector<NamedRandomOp> random_ops() {
       {"dropout", [](const at::Tensor& x) { return at::dropout(x, 0.4, /*train=*/true); }},
       {"dropout after mean (replicated)",
        [](const at::Tensor& x) { return at::dropout(x.mean({1}, true), 0.5, true); }},
+      // Issue 25: these drew from each rank's generator on its piece.
+      {"randint_like(10)", [](const at::Tensor& x) { return at::randint_like(x, 10); }},
+      {"randint_like(-3, 7, long)",
+       [](const at::Tensor& x) { return at::randint_like(x, -3, 7, at::kLong); }},
+      {"random_()", [](const at::Tensor& x) { return x.clone().random_(); }},
+      {"random_(7)", [](const at::Tensor& x) { return x.clone().random_(7); }},
+      {"random_(-4, 9)", [](const at::Tensor& x) { return x.clone().random_(-4, 9); }},
+      {"int64 random_()", [](const at::Tensor& x) { return x.to(at::kLong).random_(); }},
+      {"int8 random_(-100, none)",
+       [](const at::Tensor& x) { return x.to(at::kChar).random_(-100, c10::optional<int64_t>()); }},
+      {"bool random_()", [](const at::Tensor& x) { return x.to(at::kBool).random_(); }},
+      {"exponential_", [](const at::Tensor& x) { return x.clone().exponential_(2.0); }},
+      {"geometric_", [](const at::Tensor& x) { return x.clone().geometric_(0.3); }},
+      {"log_normal_", [](const at::Tensor& x) { return x.clone().log_normal_(0.5, 0.7); }},
+      {"cauchy_", [](const at::Tensor& x) { return x.clone().cauchy_(1.0, 2.0); }},
   };
 }
 
@@ -423,4 +438,42 @@ TEST(LargeCount, ScatterGatherAllToAllOver2GiB) {
   getrusage(RUSAGE_SELF, &ru);
   std::printf("[rank %d] LargeCount peak RSS %.2f GiB\n", mesh.rank(),
               static_cast<double>(ru.ru_maxrss) / (1024.0 * 1024.0));
+}
+
+// Issue 25: the ranges and moments of the draws that moved to
+// Note [layout-invariant randomness] (those of libtorch's own ops), and
+// libtorch's argument checks, raised on every rank.
+TEST(Randomness, IntegerAndOtherDistributions) {
+  auto mesh = test_mesh();
+  const st::Placements pl = fit_placements(mesh, {S0, S1});
+  at::Tensor x = st::distribute_tensor(at::zeros({128, 96}), mesh, pl);
+  auto full = [](const at::Tensor& t) { return st::ShardTensor(t).full_tensor().to(at::kDouble); };
+  torch::manual_seed(7);
+  at::Tensor r = full(at::randint_like(x, -3, 7));
+  EXPECT_EQ(r.min().item<double>(), -3.0);
+  EXPECT_EQ(r.max().item<double>(), 6.0);
+  EXPECT_TRUE(r.equal(r.round()));
+  EXPECT_NEAR(r.mean().item<double>(), 1.5, 0.1);
+  at::Tensor b = full(x.to(at::kByte).random_());
+  EXPECT_EQ(b.min().item<double>(), 0.0);
+  EXPECT_EQ(b.max().item<double>(), 255.0);
+  at::Tensor f = full(x.clone().random_(5));
+  EXPECT_EQ(f.min().item<double>(), 0.0);
+  EXPECT_EQ(f.max().item<double>(), 4.0);
+  at::Tensor e = full(x.clone().exponential_(2.0));
+  EXPECT_GT(e.min().item<double>(), 0.0 - 1e-12);
+  EXPECT_NEAR(e.mean().item<double>(), 0.5, 0.02);
+  at::Tensor g = full(x.clone().geometric_(0.25));
+  EXPECT_GE(g.min().item<double>(), 1.0);
+  EXPECT_TRUE(g.equal(g.round()));
+  EXPECT_NEAR(g.mean().item<double>(), 4.0, 0.15);
+  at::Tensor ln = full(x.clone().log_normal_(0.0, 0.5)).log();
+  EXPECT_NEAR(ln.mean().item<double>(), 0.0, 0.03);
+  EXPECT_NEAR(ln.std().item<double>(), 0.5, 0.03);
+  at::Tensor c = full(x.clone().cauchy_(1.0, 2.0));
+  EXPECT_NEAR(c.median().item<double>(), 1.0, 0.1);
+  EXPECT_TRUE(throws_everywhere([&] { (void)x.clone().exponential_(-1.0); }, {"exponential_"}));
+  EXPECT_TRUE(throws_everywhere([&] { (void)x.clone().geometric_(2.0); }, {"geometric_"}));
+  EXPECT_TRUE(throws_everywhere([&] { (void)x.clone().random_(5, 2); }, {"random_"}));
+  EXPECT_TRUE(throws_everywhere([&] { (void)at::randint_like(x, 4, 4); }, {"randint_like"}));
 }

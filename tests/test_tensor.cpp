@@ -496,15 +496,27 @@ TEST(Elementwise, ErrorsNameTheOpAndPlacementsOnEveryRank) {
   EXPECT_NE(msg.find("no sharding rule"), std::string::npos) << msg;
   EXPECT_NE(msg.find("trace"), std::string::npos) << msg;
   EXPECT_NE(msg.find("Shard(0)"), std::string::npos) << msg;
-  // In-place on a plain tensor with a ShardTensor operand.
+  // In-place on a plain tensor with a ShardTensor operand: a visible gather
+  // (Note [plain in-place target]), refused in strict mode with the hint
+  // that keeps the data sharded; otherwise plain torch's result on every rank.
+  st::set_strict(true);
   threw = false;
   try {
     auto plain = at::zeros({6, 4});
     plain.add_(sx);
   } catch (const c10::Error& e) {
-    threw = std::string(e.what()).find("add_") != std::string::npos;
+    const std::string what = e.what();
+    threw = what.find("add_") != std::string::npos && what.find("new_zeros") != std::string::npos;
   }
+  st::set_strict(false);
   EXPECT_TRUE(all_ranks(threw));
+  {
+    auto plain = at::ones({6, 4});
+    plain.add_(sx);
+    EXPECT_FALSE(st::ShardTensor::is_shard_tensor(plain));
+    EXPECT_TRUE(all_close(plain, sx.full_tensor() + 1.0, 0, 0));
+  }
+  st::set_strict(was_strict);
   // Two different meshes.
   auto other = test_mesh();
   auto so =

@@ -705,6 +705,16 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   c.weight = args[1].toTensor();
   if (args[2].isTensor()) c.bias = args[2].toTensor();
   if (!spec_of(c.input)) fail(op, args, "the input must be the ShardTensor");
+  // Note [complex convolution]: libtorch's conv1d/2d/3d and conv_transpose*
+  // decompose a complex convolution into three real ones (Gauss's trick);
+  // at::convolution, which the sharded rules call, has no complex CPU kernel.
+  // Refused on every rank (metadata only) rather than raised by the ranks that
+  // hold data while those with empty pieces enter the exchange.
+  if (c.input.is_complex() || c.weight.is_complex() || (c.bias.defined() && c.bias.is_complex())) {
+    fail(op, args,
+         "complex convolution is not supported on ShardTensors (Note [complex convolution]); "
+         "convolve the real and imaginary parts");
+  }
   const int64_t wdim = c.weight.dim();
   if (wdim < 3 || wdim > 5) fail(op, args, "expected a 3-d, 4-d or 5-d weight");
   const int64_t nsp = wdim - 2;

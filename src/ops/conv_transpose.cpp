@@ -510,6 +510,12 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
   const at::Tensor b = args[2].isNone() ? at::Tensor() : args[2].toTensor();
   const ShardSpec* xs = spec_of(x);
   if (!xs) fail(op, args, "the input must be a ShardTensor (sharded weights are not supported)");
+  // Note [complex convolution] (src/ops/conv.cpp): refused on every rank.
+  if (x.is_complex() || w.is_complex() || (b.defined() && b.is_complex())) {
+    fail(op, args,
+         "complex convolution is not supported on ShardTensors (Note [complex convolution]); "
+         "convolve the real and imaginary parts");
+  }
   // Note [reduced precision]: libtorch's verdict on these dtypes, before any
   // communication.
   check_dtype_support(

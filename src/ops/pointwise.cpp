@@ -3,6 +3,9 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "ops/common.h"
 
 namespace shardtensor::ops {
@@ -59,6 +62,86 @@ namespace {
 // `r` of P * r) is marked by to_layout so that its gradient, one
 // contribution per summand, is summed over the Partial mesh dims.
 
+// Note [partial IEEE]
+// ~~~~~~~~~~~~~~~~~~
+// Applying a map to each summand equals applying it to the sum only in exact
+// arithmetic. With IEEE values, mul/div of the summands by the whole operand
+// r differs where r is non-finite (s_i * inf over summands of opposite sign
+// gives +inf and -inf, whose sum is NaN; 0 * inf is NaN though the sum may be
+// non-zero) and, for div, where r has zeros (s_i / 0 is +-inf or NaN per
+// summand). Those calls sum first (Note [pending partial sums]). The test
+// reads r's values: a plain or Replicate r is the same on every rank; an r
+// sharded on other mesh dims has its flag reduced (max) over them, so every
+// rank decides alike (every rank reaches this point, since what comes before
+// reads only the op and the specs). A non-finite alpha of add/sub sums first
+// likewise. add/sub of two Partials, the addend on coordinate 0, neg and clone
+// keep IEEE results: a sum is NaN exactly when some term is NaN or the terms
+// hold both +inf and -inf, and +-inf when one infinity occurs, in any order
+// or grouping. Not covered: overflow of a summand scaled by a large finite r
+// where the scaled sum would not overflow (r's values alone cannot tell).
+
+bool scalar_is_finite(const at::Scalar& v) {
+  if (v.isComplex()) {
+    const auto c = v.toComplexDouble();
+    return std::isfinite(c.real()) && std::isfinite(c.imag());
+  }
+  if (v.isFloatingPoint()) return std::isfinite(v.toDouble());
+  return true;
+}
+
+// Note [partial IEEE]: whether keeping mul/div (is_div) of the Partial operand
+// operand_idx[k] by the other operands (and Scalar `other`) Partial could
+// change IEEE results. Collective (max) over the mesh dims on which another
+// operand is Shard, if any; local otherwise.
+bool changes_ieee_result(bool is_div, const std::vector<c10::IValue>& args,
+                         const std::vector<size_t>& operand_idx, size_t k) {
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (!args[i].isScalar()) continue;
+    const at::Scalar v = args[i].toScalar();
+    if (!scalar_is_finite(v)) return true;
+    if (is_div &&
+        (v.isComplex() ? v.toComplexDouble() == c10::complex<double>(0, 0) : v.toDouble() == 0.0)) {
+      return true;
+    }
+  }
+  at::NoGradGuard no_grad;
+  bool bad = false;
+  std::vector<int64_t> reduce_dims;
+  const ShardSpec* sharded = nullptr;
+  for (size_t j = 0; j < operand_idx.size(); ++j) {
+    if (j == k) continue;
+    const at::Tensor t = args[operand_idx[j]].toTensor();
+    at::Tensor r = local_of(t).detach();
+    if (const ShardSpec* s = spec_of(t)) {
+      for (int64_t m : sharded_mesh_dims(*s)) {
+        if (std::find(reduce_dims.begin(), reduce_dims.end(), m) == reduce_dims.end()) {
+          reduce_dims.push_back(m);
+        }
+      }
+      if (!reduce_dims.empty()) sharded = s;
+    }
+    if (r.numel() == 0 || r.scalar_type() == at::kBool) {
+      if (is_div && r.scalar_type() == at::kBool && r.numel() > 0) {
+        bad = bad || !r.all().item<bool>();
+      }
+      continue;
+    }
+    if (!(r.is_floating_point() || r.is_complex())) {
+      if (is_div) bad = bad || (r == 0).any().item<bool>();
+      continue;
+    }
+    bad = bad || !r.isfinite().all().item<bool>();
+    if (is_div) bad = bad || (r == 0).any().item<bool>();
+  }
+  if (sharded) {
+    std::sort(reduce_dims.begin(), reduce_dims.end());
+    at::Tensor flag = at::full({1}, bad ? 1.0 : 0.0, at::kDouble);
+    flag = comm::all_reduce_nograd(flag, sharded->mesh(), reduce_dims, ReduceOp::Max);
+    bad = flag.item<double>() > 0;
+  }
+  return bad;
+}
+
 // The mesh dims on which the result of this elementwise call stays Partial
 // (Note [pending partial sums]); empty when Partial operands must be summed.
 // Metadata only.
@@ -102,6 +185,13 @@ std::vector<int64_t> pending_partial_dims(const c10::OperatorHandle& op,
   };
   if (base == "add" || base == "sub" || (base == "copy" && inplace)) {
     if (operand_idx.size() != 2) return {};
+    // Note [partial IEEE]: a non-finite alpha scales each summand (0 * inf).
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (schema.arguments()[i].name() == "alpha" && args[i].isScalar() &&
+          !scalar_is_finite(args[i].toScalar())) {
+        return {};
+      }
+    }
     // copy_ between dtypes may round each summand: only within one dtype.
     const bool same_dtype = args[operand_idx[0]].toTensor().scalar_type() ==
                             args[operand_idx[1]].toTensor().scalar_type();
@@ -119,7 +209,9 @@ std::vector<int64_t> pending_partial_dims(const c10::OperatorHandle& op,
   while (pd[k].empty()) ++k;
   // div: only the numerator; in place: the written operand (self) must be the Partial one.
   if ((base == "div" || inplace) && operand_idx[k] != 0) return {};
-  return others_whole(k) ? pd[k] : std::vector<int64_t>{};
+  if (!others_whole(k)) return {};
+  if (changes_ieee_result(base == "div", args, operand_idx, k)) return {};
+  return pd[k];
 }
 
 void pointwise_rule(const c10::OperatorHandle& op, Stack* stack);
@@ -143,6 +235,44 @@ void write_back_partial_target(const c10::OperatorHandle& op, std::vector<c10::I
   stack->push_back(target);
 }
 
+// Note [plain in-place target]: an in-place op that writes a plain tensor
+// from a ShardTensor operand (the FNO idiom `out_ft = torch.zeros(...);
+// out_ft[..., :m1, :m2] = einsum(...)`) cannot keep the data sharded: the
+// plain tensor is whole on every rank. The ShardTensor operands are gathered
+// (Partial summed) and the op runs on plain tensors, so the target holds the
+// full values on every rank, differentiably (the gather's adjoint hands each
+// rank the gradient of its piece, Note [replicated gradients]). A visible
+// gather (Note [visible gathers]): counted, warned once per op, refused in
+// strict mode with a hint to build the target from the ShardTensor
+// (`x_ft.new_zeros(...)`), which keeps it sharded. Collective over the mesh
+// dims on which an operand is not Replicate.
+void gather_into_plain_target(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                              const std::vector<size_t>& operand_idx, const DeviceMesh& mesh,
+                              Stack* stack) {
+  int64_t bytes = 0;
+  for (size_t i : operand_idx) {
+    const at::Tensor& t = args[i].toTensor();
+    if (const ShardSpec* s = spec_of(t)) {
+      const ShardSpec whole(s->mesh(), Placements(s->mesh().ndim(), Replicate{}), t.sizes().vec());
+      bytes += gathered_bytes(*s, whole, static_cast<int64_t>(t.element_size()));
+    }
+  }
+  note_gather(op, args, mesh, bytes,
+              "an in-place op on a plain tensor gathers its ShardTensor operand (create the "
+              "target from the ShardTensor, e.g. x_ft.new_zeros(...), to keep it sharded)");
+  std::vector<c10::IValue> local_args = args;
+  for (size_t i : operand_idx) {
+    const at::Tensor& t = args[i].toTensor();
+    if (const ShardSpec* s = spec_of(t)) {
+      const ShardSpec whole(s->mesh(), Placements(s->mesh().ndim(), Replicate{}), t.sizes().vec());
+      local_args[i] = to_layout(t, whole, whole);
+    }
+  }
+  Stack results = std::move(local_args);
+  op.callBoxed(&results);
+  for (auto& r : results) stack->push_back(std::move(r));
+}
+
 void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   const auto& schema = op.schema();
@@ -161,6 +291,12 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
     const bool written = is_written(schema.arguments()[i]);
     const bool kwarg_out = written && schema.arguments()[i].kwarg_only();
     (kwarg_out ? out_idx : operand_idx).push_back(i);
+  }
+
+  for (size_t i : operand_idx) {
+    if (is_written(schema.arguments()[i]) && !spec_of(args[i].toTensor())) {
+      return gather_into_plain_target(op, args, operand_idx, mesh, stack);
+    }
   }
 
   // Result shape: broadcast of the operands' global shapes.
@@ -221,7 +357,7 @@ void pointwise_rule(const c10::OperatorHandle& op, Stack* stack) {
     const at::Tensor& t = args[i].toTensor();
     if (is_written(schema.arguments()[i])) {
       const ShardSpec* s = spec_of(t);
-      if (!s) fail(op, args, "an in-place op on a plain tensor cannot take a ShardTensor operand");
+      TORCH_INTERNAL_ASSERT(s, "plain in-place targets are handled above");
       if (*s != *out_spec) {
         fail(op, args,
              "the in-place target's layout " + s->to_string() + " differs from the result's " +
@@ -314,16 +450,14 @@ const RuleRegistrar pointwise_ops(
      "ge", "ge_", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "logical_and",
      "logical_and_", "logical_or", "logical_or_", "logical_not", "logical_not_", "logical_xor",
      "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "signbit", "heaviside",
-     // in-place fills; exponential_ and random_ draw per rank (uniform_, normal_,
-     // bernoulli, dropout, rand_like, randn_like: ops/random.cpp)
-     "fill_", "zero_", "exponential_", "random_",
+     // in-place fills (the random ops: ops/random.cpp)
+     "fill_", "zero_",
      // conversions
      "_to_copy", "clone", "detach", "detach_", "contiguous", "alias", "copy_", "lift_fresh",
      "resolve_conj", "resolve_neg", "positive", "_conj", "conj_physical", "real", "imag"},
     pointwise_rule);
 
-const RuleRegistrar like_ops({"empty_like", "zeros_like", "ones_like", "full_like", "randint_like"},
-                             like_rule);
+const RuleRegistrar like_ops({"empty_like", "zeros_like", "ones_like", "full_like"}, like_rule);
 
 }  // namespace
 }  // namespace shardtensor::ops

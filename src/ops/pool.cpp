@@ -8,7 +8,8 @@
 // partitioned first (stencil::output_sizes) and each rank gathers exactly the
 // input range its output block reads (stencil::gather_plans):
 //  * max_pool: halos and the part of the window past the global edge are
-//    filled with -inf (the value libtorch's implicit padding never beats),
+//    filled with -inf, the lowest value for integer dtypes (extreme_identity:
+//    the value libtorch's implicit padding never beats),
 //    then the local pool runs with padding 0 on the sharded dims; with that
 //    range, floor and ceil mode both give exactly the block's extent. Indices
 //    are converted from the gathered window to global flat indices.
@@ -489,7 +490,9 @@ std::pair<at::Tensor, at::Tensor> split_forward(const Setup& st, const std::vect
   const DeviceMesh& mesh = st.spec.mesh();
   const int64_t nd = static_cast<int64_t>(st.spatial.size());
   const int64_t D = static_cast<int64_t>(sd.size());
-  const double fill = is_max ? -std::numeric_limits<double>::infinity() : 0.0;
+  // -inf for floating dtypes, the lowest value for integer ones (exact as a double:
+  // int64's is -2^63).
+  const double fill = is_max ? extreme_identity(x.scalar_type(), true).toDouble() : 0.0;
   // Note [halo blocks].
   std::vector<stencil::BlockDim> bd;
   for (const auto& d : sd)
@@ -652,8 +655,9 @@ void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
   } else {
     at::Tensor g =
         aligned ? st.local
-                : stencil::gather_plans(st.local, st.spec.mesh(), plans, PadMode::Constant,
-                                        is_max ? -std::numeric_limits<double>::infinity() : 0.0);
+                : stencil::gather_plans(
+                      st.local, st.spec.mesh(), plans, PadMode::Constant,
+                      is_max ? extreme_identity(st.local.scalar_type(), true).toDouble() : 0.0);
     // Local padding (0 where sharded), offset of the gathered window (global).
     std::vector<int64_t> lpad = pad, offset(nd, 0);
     for (int64_t i = 0; i < nd; ++i) {
@@ -693,7 +697,13 @@ void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
                         .to(out.scalar_type())
                         .reshape(shape);
       }
-      out.div_(div);
+      // Integer dtypes: libtorch's kernel divides integer sums by the integer
+      // divisor in C++ arithmetic, which truncates toward zero.
+      if (at::isIntegralType(out.scalar_type(), /*includeBool=*/false)) {
+        out.div_(div, "trunc");
+      } else {
+        out.div_(div);
+      }
     }
   }
   stack->push_back(wrap(out, out_spec));

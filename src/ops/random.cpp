@@ -18,7 +18,18 @@
 //  - uniform: the top `digits` bits of mix(key, index), `digits` being the
 //    dtype's mantissa length, so that from + (to - from) * u < to exactly;
 //  - normal: Box-Muller on two uniforms drawn at counters 2i and 2i + 1;
-//  - bernoulli(p) / dropout: keep iff a 53-bit uniform < p (resp. >= p).
+//  - bernoulli(p) / dropout: keep iff a 53-bit uniform < p (resp. >= p);
+//  - exponential(l): -log1p(-u) / l; cauchy(m, s): m + s * tan(pi * (u - 1/2));
+//    log_normal(m, s): exp(m + s * z); geometric(p): max(1, ceil(log(1 - u) /
+//    log1p(-p))), u being a 53-bit uniform and z the normal above;
+//  - integers (random_, randint_like): low + mix(key, index) mod range, in
+//    int64 arithmetic (a range of 2^64 takes the bits as they are).
+// Every op that draws follows this rule, including the in-place ones that
+// the elementwise rule used to run on each piece with the rank's own
+// generator (random_, exponential_, randint_like gave replicas of a
+// Replicate tensor different values). Arguments are checked by running the
+// op on a one-element plain tensor with a generator of its own first
+// (libtorch's messages, on every rank, before the key's collective).
 // Relation to single-process libtorch: the values differ from what
 // `x.uniform_()` gives on a plain tensor with the same seed (libtorch's CPU
 // generator is a sequential mt19937 stream over the local elements), but the
@@ -29,8 +40,13 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <mutex>
+#include <utility>
 
 #include "comm/agree.h"
 #include "ops/common.h"
@@ -130,16 +146,38 @@ void for_each_global_index(const ShardSpec& spec, Fn fn) {
   }
 }
 
-enum class Kind { Uniform, Normal, Bernoulli };
+enum class Kind { Uniform, Normal, Bernoulli, Exponential, Cauchy, LogNormal, Geometric };
 
 /// This rank's piece of the global random tensor of `spec` (double, contiguous):
-/// Uniform: a + (b - a) * u; Normal: a + b * z; Bernoulli: 1 if u < a else 0.
+/// Uniform: a + (b - a) * u; Normal: a + b * z; Bernoulli: 1 if u < a else 0;
+/// Exponential: rate a; Cauchy: median a, scale b; LogNormal: exp(N(a, b));
+/// Geometric: success probability a (Note [layout-invariant randomness]).
 at::Tensor draw(const ShardSpec& spec, uint64_t key, Kind kind, double a, double b,
                 at::ScalarType dtype) {
   at::Tensor out = at::empty(spec.local_shape(), at::TensorOptions().dtype(at::kDouble));
   double* p = out.data_ptr<double>();
   const int digits = mantissa_digits(dtype);
   switch (kind) {
+    case Kind::Exponential:
+      for_each_global_index(
+          spec, [&](int64_t k, uint64_t i) { p[k] = -std::log1p(-uniform_at(key, i, 53)) / a; });
+      break;
+    case Kind::Cauchy:
+      for_each_global_index(spec, [&](int64_t k, uint64_t i) {
+        p[k] = a + b * std::tan(M_PI * (uniform_at(key, i, 53) - 0.5));
+      });
+      break;
+    case Kind::LogNormal:
+      for_each_global_index(
+          spec, [&](int64_t k, uint64_t i) { p[k] = std::exp(a + b * normal_at(key, i)); });
+      break;
+    case Kind::Geometric: {
+      const double denom = std::log1p(-a);
+      for_each_global_index(spec, [&](int64_t k, uint64_t i) {
+        p[k] = std::max(1.0, std::ceil(std::log1p(-uniform_at(key, i, 53)) / denom));
+      });
+      break;
+    }
     case Kind::Uniform:
       for_each_global_index(
           spec, [&](int64_t k, uint64_t i) { p[k] = a + (b - a) * uniform_at(key, i, digits); });
@@ -153,6 +191,54 @@ at::Tensor draw(const ShardSpec& spec, uint64_t key, Kind kind, double a, double
       break;
   }
   return out;
+}
+
+/// This rank's piece of uniform integers in [low, low + range) (int64,
+/// contiguous); range 0 stands for 2^64 (every int64).
+at::Tensor draw_integers(const ShardSpec& spec, uint64_t key, int64_t low, uint64_t range) {
+  at::Tensor out = at::empty(spec.local_shape(), at::TensorOptions().dtype(at::kLong));
+  int64_t* p = out.data_ptr<int64_t>();
+  for_each_global_index(spec, [&](int64_t k, uint64_t i) {
+    const uint64_t r = bits_at(key, i);
+    p[k] = static_cast<int64_t>(static_cast<uint64_t>(low) + (range == 0 ? r : r % range));
+  });
+  return out;
+}
+
+/// The argument named `name` in op's schema (None if absent).
+c10::IValue named_arg(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                      const char* name) {
+  const auto& a = op.schema().arguments();
+  for (size_t i = 0; i < a.size() && i < args.size(); ++i) {
+    if (a[i].name() == name) return args[i];
+  }
+  return c10::IValue();
+}
+
+/// Runs op on a one-element plain tensor of self's dtype with a generator of
+/// its own (the default generators are not advanced), so that bad arguments
+/// raise libtorch's own message on every rank before any collective (the
+/// arguments are the same on every rank). Not a Meta tensor: C++ libtorch has
+/// no Meta kernels for the random ops (Python registers its own), and some
+/// checks (exponential_'s dtype) run only on a non-empty tensor.
+void check_arguments(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  std::vector<c10::IValue> sample_args = args;
+  sample_args[0] = at::empty({1}, at::TensorOptions().dtype(args[0].toTensor().scalar_type()));
+  const auto& a = op.schema().arguments();
+  bool has_generator = false;
+  for (size_t i = 0; i < a.size() && i < sample_args.size(); ++i) {
+    if (a[i].name() == "generator") {
+      sample_args[i] = at::make_generator<at::CPUGeneratorImpl>();
+      has_generator = true;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(has_generator, op.operator_name(), " has no generator argument");
+  try {
+    Stack st(sample_args.begin(), sample_args.end());
+    op.callBoxed(&st);
+  } catch (const c10::Error& e) {
+    fail(op, args, e.what_without_backtrace());
+  }
 }
 
 /// Zeros the piece on ranks off coordinate 0 of a Partial mesh dim (so the sum is the value).
@@ -244,10 +330,112 @@ void like_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
   const at::Tensor& self = shard_self(op, args);
   SpecPtr spec = std::make_shared<const ShardSpec>(without_partial(*spec_of(self)));
   at::ScalarType dtype = local_of(self).scalar_type();
-  if (args.size() > 1 && args[1].isInt()) dtype = static_cast<at::ScalarType>(args[1].toInt());
+  const c10::IValue dt = named_arg(op, args, "dtype");
+  if (dt.isInt()) dtype = static_cast<at::ScalarType>(dt.toInt());
   if (!at::isFloatingType(dtype)) fail(op, args, "random *_like needs a floating-point dtype");
-  const uint64_t key = draw_key(spec->mesh(), c10::nullopt);
+  const uint64_t key = draw_key(spec->mesh(), generator_arg(args));
   at::Tensor values = draw(*spec, key, kind, 0.0, 1.0, dtype).to(dtype);
+  stack->push_back(wrap(values, spec));
+}
+
+// exponential_(self, lambd), cauchy_(self, median, sigma), log_normal_(self,
+// mean, std), geometric_(self, p): in place, same layout.
+void inplace_dist_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& self = shard_self(op, args);
+  check_arguments(op, args);
+  const ShardSpec& spec = *spec_of(self);
+  const double a = args[1].toDouble();
+  const double b = kind == Kind::Cauchy || kind == Kind::LogNormal ? args[2].toDouble() : 0.0;
+  const uint64_t key = draw_key(spec.mesh(), generator_arg(args));
+  at::Tensor local = local_of(self);
+  at::Tensor values = draw(spec, key, kind, a, b, local.scalar_type()).to(local.scalar_type());
+  zero_partial_replicas(spec, values);
+  local.copy_(values);
+  stack->push_back(self);
+}
+
+// [low, low + range) of libtorch's random_ for `dtype` given from/to (to
+// absent: up to the dtype's largest value, 2^digits for floating dtypes,
+// inclusive). range 0 stands for 2^64.
+std::pair<int64_t, uint64_t> random_range(at::ScalarType dtype, int64_t from,
+                                          c10::optional<int64_t> to) {
+  if (to.has_value()) return {from, static_cast<uint64_t>(*to) - static_cast<uint64_t>(from)};
+  uint64_t top = 0;  // inclusive upper bound
+  if (at::isFloatingType(dtype)) {
+    top = uint64_t{1} << mantissa_digits(dtype);
+  } else if (dtype == at::kBool) {
+    top = 1;
+  } else {
+    AT_DISPATCH_INTEGRAL_TYPES(dtype, "random_range", [&] {
+      top = static_cast<uint64_t>(std::numeric_limits<scalar_t>::max());
+    });
+  }
+  return {from, top - static_cast<uint64_t>(from) + 1};
+}
+
+// random_(self), random_.to(self, to), random_.from(self, from, to).
+void random_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& self = shard_self(op, args);
+  check_arguments(op, args);
+  const ShardSpec& spec = *spec_of(self);
+  at::Tensor local = local_of(self);
+  const std::string& overload = op.operator_name().overload_name;
+  int64_t from = 0;
+  c10::optional<int64_t> to;
+  if (overload == "to") {
+    to = args[1].toInt();
+  } else if (overload == "from") {
+    from = args[1].toInt();
+    if (!args[2].isNone()) to = args[2].toInt();
+  }
+  if (to.has_value() && !(from < *to)) {
+    fail(op, args, "random_ expects 'from' to be less than 'to'");
+  }
+  const auto [low, range] = random_range(local.scalar_type(), from, to);
+  const uint64_t key = draw_key(spec.mesh(), generator_arg(args));
+  at::Tensor values = draw_integers(spec, key, low, range).to(local.scalar_type());
+  zero_partial_replicas(spec, values);
+  local.copy_(values);
+  stack->push_back(self);
+}
+
+// randint_like(self, high), randint_like.low_dtype(self, low, high),
+// randint_like.Tensor(self, high tensor) and their generator overloads.
+void randint_like_rule(const c10::OperatorHandle& op, Stack* stack) {
+  auto args = pop_args(op, stack);
+  const at::Tensor& self = shard_self(op, args);
+  const std::string& overload = op.operator_name().overload_name;
+  if (overload.size() >= 4 && overload.compare(overload.size() - 4, 4, "_out") == 0) {
+    fail(op, args, "out= variants of randint_like are not supported");
+  }
+  SpecPtr spec = std::make_shared<const ShardSpec>(without_partial(*spec_of(self)));
+  at::ScalarType dtype = local_of(self).scalar_type();
+  const c10::IValue dt = named_arg(op, args, "dtype");
+  if (dt.isInt()) dtype = static_cast<at::ScalarType>(dt.toInt());
+  int64_t low = 0, high = 0;
+  const c10::IValue lo = named_arg(op, args, "low");
+  const c10::IValue hi = named_arg(op, args, "high");
+  if (lo.isInt()) low = lo.toInt();
+  if (hi.isTensor()) {
+    const at::Tensor& h = hi.toTensor();
+    if (spec_of(h) || h.dim() != 0) {
+      fail(op, args, "randint_like's high must be a plain 0-dim tensor");
+    }
+    high = h.item<int64_t>();
+  } else {
+    high = hi.toInt();
+  }
+  if (!(low < high)) {
+    fail(op, args,
+         "randint_like expects low < high, got low=" + std::to_string(low) +
+             ", high=" + std::to_string(high));
+  }
+  const uint64_t key = draw_key(spec->mesh(), generator_arg(args));
+  at::Tensor values =
+      draw_integers(*spec, key, low, static_cast<uint64_t>(high) - static_cast<uint64_t>(low))
+          .to(dtype);
   stack->push_back(wrap(values, spec));
 }
 
@@ -295,6 +483,20 @@ const RuleRegistrar randn_like_ops({"randn_like"}, [](const c10::OperatorHandle&
   like_rule(op, s, Kind::Normal);
 });
 const RuleRegistrar dropout_ops({"dropout"}, dropout_rule);
+const RuleRegistrar exponential_ops({"exponential_"}, [](const c10::OperatorHandle& op, Stack* s) {
+  inplace_dist_rule(op, s, Kind::Exponential);
+});
+const RuleRegistrar cauchy_ops({"cauchy_"}, [](const c10::OperatorHandle& op, Stack* s) {
+  inplace_dist_rule(op, s, Kind::Cauchy);
+});
+const RuleRegistrar log_normal_ops({"log_normal_"}, [](const c10::OperatorHandle& op, Stack* s) {
+  inplace_dist_rule(op, s, Kind::LogNormal);
+});
+const RuleRegistrar geometric_ops({"geometric_"}, [](const c10::OperatorHandle& op, Stack* s) {
+  inplace_dist_rule(op, s, Kind::Geometric);
+});
+const RuleRegistrar random_ops({"random_"}, random_rule);
+const RuleRegistrar randint_like_ops({"randint_like"}, randint_like_rule);
 
 }  // namespace
 }  // namespace shardtensor::ops

@@ -212,7 +212,13 @@ at::Tensor swap_shard_dims(const at::Tensor& local, const DeviceMesh& mesh,
 
 }  // namespace
 
-at::Tensor redistribute_local(const at::Tensor& local, const ShardSpec& src, const ShardSpec& dst) {
+at::Tensor redistribute_local(const at::Tensor& local_in, const ShardSpec& src,
+                              const ShardSpec& dst) {
+  // libtorch's ZeroTensor (at::_efficientzerotensor: sgn's gradient of a real
+  // input, ...) has no storage, so no data pointer for the transport: every
+  // rank materialises its own piece (clone keeps the autograd history), which
+  // is local and the same decision on every rank holding one.
+  const at::Tensor local = local_in._is_zerotensor() ? local_in.clone() : local_in;
   TORCH_CHECK(src.mesh() == dst.mesh(), "redistribute: the meshes differ: ", src.to_string(),
               " vs ", dst.to_string());
   TORCH_CHECK(src.global_shape() == dst.global_shape(),

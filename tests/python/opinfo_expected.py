@@ -18,9 +18,9 @@ EXPECTED = {
     'linalg.vector_norm': ("decision", 'complex128 (3, 5) R: complex inputs are not supported by the sharded norm rule'),
     'masked.normalize': ("decision", 'complex128 (5,) R: complex inputs are not supported by the sharded norm rule'),
     'nn.functional.batch_norm': ("decision", 'float64 (5, 5, 5) S(1): batch_norm: the channel dim (dim 1) is sharded; shard the batch or spatial dims instead (statistics are per channel and the channel dim must be whole '),
-    'nn.functional.conv_transpose1d': ("decision", 'float64 (1, 3, 4) S(1): sharding the channel dim of a transposed convolution is not supported'),
-    'nn.functional.conv_transpose2d': ("decision", 'float64 (1, 3, 4, 4) S(1): sharding the channel dim of a transposed convolution is not supported'),
-    'nn.functional.conv_transpose3d': ("decision", 'float64 (1, 3, 4, 4, 4) S(1): sharding the channel dim of a transposed convolution is not supported'),
+    'nn.functional.conv_transpose1d': ("decision", 'float64 (1, 3, 4) S(1): sharding the channel dim of a transposed convolution is not supported; complex128: complex convolution is not supported on ShardTensors (Note [complex convolution], a gap)'),
+    'nn.functional.conv_transpose2d': ("decision", 'float64 (1, 3, 4, 4) S(1): sharding the channel dim of a transposed convolution is not supported; complex128: complex convolution is not supported on ShardTensors (Note [complex convolution], a gap)'),
+    'nn.functional.conv_transpose3d': ("decision", 'float64 (1, 3, 4, 4, 4) S(1): sharding the channel dim of a transposed convolution is not supported; complex128: complex convolution is not supported on ShardTensors (Note [complex convolution], a gap)'),
     'nn.functional.cross_entropy': ("decision", 'float64 (2, 3) S(1): the class dim (dim 1) is sharded; shard the batch or spatial dims instead (the class dim must be whole on every rank)'),
     'nn.functional.group_norm': ("decision", 'float64 (1, 6, 3) S(1): group_norm: the channel dim (dim 1) is sharded; shard the batch or spatial dims instead (statistics are per channel and the channel dim must be whole '),
     'nn.functional.instance_norm': ("decision", 'float64 (5, 5, 5) S(1): instance_norm: the channel dim (dim 1) is sharded; shard the batch or spatial dims instead (statistics are per channel and the channel dim must be who'),
@@ -50,10 +50,11 @@ EXPECTED = {
                   "refused on every rank naming the op, placements and layout (was an internal error)"),
     # ---- gaps: refused on every rank, but by libtorch's own error on the pieces (no message
     # naming the op and placements, or an op plain torch supports): to be fixed ----
+    'nn.functional.conv1d': ("gap", "complex128 (1, 3, 4) S(0): complex convolution is not supported on ShardTensors (Note [complex convolution], src/ops/conv.cpp): libtorch decomposes it into real convolutions, the sharded rule calls at::convolution, which has no complex CPU kernel"),
+    'nn.functional.conv2d': ("gap", "complex128: complex convolution is not supported on ShardTensors (Note [complex convolution], src/ops/conv.cpp)"),
+    'nn.functional.conv3d': ("gap", "complex128: complex convolution is not supported on ShardTensors (Note [complex convolution], src/ops/conv.cpp)"),
     'logsumexp': ("gap", 'complex128 (5, 5) S(1): NotImplementedError: "max_values_cpu" not implemented for \'ComplexDouble\''),
     'masked.logsumexp': ("gap", 'complex128 (3, 5) S(0): NotImplementedError: "max_values_cpu" not implemented for \'ComplexDouble\''),
-    'nn.functional.avg_pool1d': ("gap", "int64 (2, 3, 9) S(2): RuntimeError: result type Float can't be cast to the desired output type Long"),
-    'nn.functional.local_response_norm': ("gap", "int64 (1, 6, 3) S(1): RuntimeError: result type Float can't be cast to the desired output type Long"),
     'nn.functional.interpolate.bilinear': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
     'nn.functional.interpolate.bicubic': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
     'nn.functional.upsample_bilinear': ("gap", "uint8: linear/cubic interpolation of integer dtypes refused on every rank (Note [integer linear interpolation], src/ops/interpolate.cpp): the sharded uint8 results differed from torch's (found by this sweep); float samples are compared"),
@@ -66,36 +67,4 @@ EXPECTED = {
 # NOT expected behaviour: the sweep skips them only so that the rest can run, prints
 # each as "KNOWN BUG, not run", and runs them with --run-known-bugs. Remove an entry
 # with its fix.
-CONV_T_COMPLEX = (
-    "Shard(0) of a batch-1 input at 2 ranks: the rank holding the sample raises "
-    "'slow_conv2d_cpu' / 'slow_conv_transpose2d_out_cpu' not implemented for ComplexDouble "
-    "(plain torch decomposes complex convolutions; the sharded rules call the real "
-    "kernel), the rank with an empty piece does not: an exception on some ranks only "
-    "(src/ops/conv.cpp, src/ops/conv_transpose.cpp)")
-MAXPOOL_INT = (
-    "Shard(3) of a (1, 2, 3, 6) int64 input (max_pool2d; max_pool3d: (1, 2, 3, 6, 5)) at 2 "
-    "ranks: one rank raises 'value cannot be "
-    "converted to type int64_t without overflow' (an infinite fill for an integer halo?), "
-    "the other enters the exchange: an exception on some ranks only (src/ops/pool.cpp)")
-ZERO_GRAD = (
-    "float64 Shard(0) of a (20, 20) input at 2 ranks: the input's gradient comes back as "
-    "libtorch's ZeroTensor (sgn's backward on real input: at::_efficientzerotensor, no "
-    "storage); full_tensor() of that gradient passes its null data pointer to "
-    "MPI_Iallgatherv and every rank dies with SIGSEGV in ompi_datatype_sndrcv "
-    "(comm::transport::all_gatherv; src/comm/transport_mpi.cpp)")
-AVGPOOL_INT = (
-    "int64 (2, 3, 3, 4, 4) Shard(2) at 3 ranks: rank 0 raises 'result type Float can't be "
-    "cast to the desired output type Long' on its piece, ranks 1 and 2 enter the exchange: "
-    "an exception on some ranks only (at 2 ranks every rank raises; src/ops/pool.cpp)")
-KNOWN_BUGS = {
-    ("nn.functional.avg_pool3d", "torch.int64"): AVGPOOL_INT,
-    ("sgn", "torch.float64"): ZERO_GRAD,
-    ("nn.functional.max_pool2d", "torch.int64"): MAXPOOL_INT,
-    ("nn.functional.max_pool3d", "torch.int64"): MAXPOOL_INT,
-    ("nn.functional.conv1d", "torch.complex128"): CONV_T_COMPLEX,
-    ("nn.functional.conv2d", "torch.complex128"): CONV_T_COMPLEX,
-    ("nn.functional.conv3d", "torch.complex128"): CONV_T_COMPLEX,
-    ("nn.functional.conv_transpose1d", "torch.complex128"): CONV_T_COMPLEX,
-    ("nn.functional.conv_transpose2d", "torch.complex128"): CONV_T_COMPLEX,
-    ("nn.functional.conv_transpose3d", "torch.complex128"): CONV_T_COMPLEX,
-}
+KNOWN_BUGS = {}
