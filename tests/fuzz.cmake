@@ -2,8 +2,13 @@
 # programs at 2, 3 and 4 ranks and on the 2x2 mesh (FUZZ_COUNT programs each,
 # different seeds per rank count, at most FUZZ_SECONDS each: about 15 ms per
 # program, so the four take about half a minute together on 2 cores);
-# `make fuzz SECONDS=...` runs longer campaigns.
-set(SHARDTENSOR_FUZZ_BUDGET "FUZZ_COUNT=600;FUZZ_SECONDS=60;SHARDTENSOR_TIMEOUT=60")
+# `make fuzz SECONDS=...` runs longer campaigns. Honesty limits: each run
+# fails below FUZZ_MIN_COMPARED programs compared (half the budget: a loaded
+# machine may hit FUZZ_SECONDS first) or above FUZZ_MAX_REFUSED_PERCENT of its
+# programs refused on every rank (about 5% today; every reason is printed with
+# its count).
+set(SHARDTENSOR_FUZZ_BUDGET
+  "FUZZ_COUNT=600;FUZZ_SECONDS=60;SHARDTENSOR_TIMEOUT=60;FUZZ_MIN_COMPARED=300;FUZZ_MAX_REFUSED_PERCENT=10")
 add_executable(test_fuzz fuzz/test_fuzz.cpp)
 target_link_libraries(test_fuzz PRIVATE shardtensor_testing)
 if(SHARDTENSOR_USE_PCH)

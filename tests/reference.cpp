@@ -27,7 +27,7 @@ at::Tensor gathered(const at::Tensor& t) {
                                            double atol, bool check_backward) {
   std::vector<at::Tensor> ref_in, sh_in, ref_p, sh_p;
   for (const auto& in : inputs) {
-    bool rg = in.requires_grad && in.full.is_floating_point();
+    bool rg = in.requires_grad && (in.full.is_floating_point() || in.full.is_complex());
     ref_in.push_back(in.full.detach().clone().requires_grad_(rg));
     if (in.placements) {
       sh_in.push_back(distribute_tensor(in.full, mesh, *in.placements, rg, in.sizes));
@@ -36,8 +36,9 @@ at::Tensor gathered(const at::Tensor& t) {
     }
   }
   for (const auto& p : params) {
-    ref_p.push_back(p.detach().clone().requires_grad_(true));
-    sh_p.push_back(p.detach().clone().requires_grad_(true));
+    const bool rg = p.is_floating_point() || p.is_complex();  // integer parameters: no gradient
+    ref_p.push_back(p.detach().clone().requires_grad_(rg));
+    sh_p.push_back(p.detach().clone().requires_grad_(rg));
   }
   at::Tensor ref_out = fn(ref_in, ref_p);
   at::Tensor sh_out = fn(sh_in, sh_p);
@@ -49,6 +50,23 @@ at::Tensor gathered(const at::Tensor& t) {
     if (!r) {
       ok = false;
       msg << "\n  " << what << ": " << r.message();
+    }
+  };
+  // An undefined gradient (None) is compared as such, never as zeros: where
+  // libtorch's is undefined ours must be undefined too, and the other way
+  // round. Definedness is agreed first, so no rank gathers alone.
+  auto compare_grad = [&](const std::string& what, const at::Tensor& g, const at::Tensor& ref_g) {
+    const bool ours_all = all_ranks(g.defined()), ours_none = all_ranks(!g.defined());
+    const bool ref_all = all_ranks(ref_g.defined()), ref_none = all_ranks(!ref_g.defined());
+    if (!ours_all && !ours_none) {
+      ok = false;
+      msg << "\n  " << what << ": defined on some ranks only";
+    } else if (ours_none != ref_none || ours_all != ref_all) {
+      ok = false;
+      msg << "\n  " << what << ": " << (ours_none ? "undefined" : "defined") << ", libtorch's is "
+          << (ref_none ? "undefined (None)" : "defined");
+    } else if (ours_all) {
+      compare(what, gathered(g), ref_g);
     }
   };
   compare("output", gathered(sh_out), ref_out);
@@ -63,17 +81,10 @@ at::Tensor gathered(const at::Tensor& t) {
       at::Tensor g = sh_in[i].defined() && ShardTensor::is_shard_tensor(sh_in[i])
                          ? ShardTensor(sh_in[i]).grad()
                          : sh_in[i].grad();
-      at::Tensor ref_g = ref_in[i].grad();
-      if (!ref_g.defined()) ref_g = torch::zeros_like(ref_in[i]);
-      if (!g.defined()) g = torch::zeros_like(ref_g);
-      compare("grad of input " + std::to_string(i), gathered(g), ref_g);
+      compare_grad("grad of input " + std::to_string(i), g, ref_in[i].grad());
     }
     for (size_t i = 0; i < params.size(); ++i) {
-      at::Tensor ref_g = ref_p[i].grad();
-      at::Tensor g = sh_p[i].grad();
-      if (!ref_g.defined()) ref_g = torch::zeros_like(ref_p[i]);
-      if (!g.defined()) g = torch::zeros_like(ref_g);
-      compare("grad of param " + std::to_string(i), g, ref_g);
+      compare_grad("grad of param " + std::to_string(i), sh_p[i].grad(), ref_p[i].grad());
     }
   }
   if (ok) return ::testing::AssertionSuccess();
@@ -117,11 +128,10 @@ Run run_once(const RefFn& fn, const std::vector<RefInput>& inputs,
   for (size_t i = 0; i < x.size(); ++i) {
     if (!x[i].requires_grad()) continue;
     at::Tensor g = ShardTensor::is_shard_tensor(x[i]) ? ShardTensor(x[i]).grad() : x[i].grad();
-    r.grads.push_back(g.defined() ? gathered(g) : torch::zeros_like(ins[i]));
+    // Undefined stays undefined (compared as such in `within`, never as zeros).
+    r.grads.push_back(all_ranks(g.defined()) ? gathered(g) : at::Tensor());
   }
-  for (size_t i = 0; i < p.size(); ++i) {
-    r.grads.push_back(p[i].grad().defined() ? p[i].grad() : torch::zeros_like(p[i]));
-  }
+  for (size_t i = 0; i < p.size(); ++i) r.grads.push_back(p[i].grad());
   return r;
 }
 
@@ -129,6 +139,14 @@ Run run_once(const RefFn& fn, const std::vector<RefInput>& inputs,
 bool within(const at::Tensor& sh, const at::Tensor& si, const at::Tensor& ex, double factor,
             double unit, std::string* why, double* ratio) {
   std::ostringstream os;
+  if (!sh.defined() || !si.defined()) {
+    // An undefined gradient (None) must be undefined in both runs.
+    *ratio = 0;
+    if (sh.defined() == si.defined()) return true;
+    *why = sh.defined() ? "sharded gradient defined, single-process's undefined (None)"
+                        : "sharded gradient undefined, single-process's defined";
+    return false;
+  }
   if (sh.scalar_type() != si.scalar_type() || sh.sizes() != si.sizes()) {
     os << "sharded " << sh.scalar_type() << sh.sizes() << " vs single-process " << si.scalar_type()
        << si.sizes();

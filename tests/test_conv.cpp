@@ -811,3 +811,42 @@ TEST_F(Conv, OverlapForwardHoldsNoPaddedCopy) {
     EXPECT_TRUE(all_close(gathered(out), at::conv2d(x, w, b, 1, 1), 0.0, 0.0));
   }
 }
+
+// Issue 25: a constant pad that grows a zero-extent dim yields the pad value,
+// not zeros (the empty-piece path built its piece with new_zeros). Zero-extent
+// dims unsharded and sharded, beside sharded dims with empty pieces at every
+// coordinate, negative pads (crops), replicated inputs, float and int64.
+TEST_F(Conv, ConstantPadOfZeroExtentDims) {
+  struct Case {
+    std::vector<int64_t> shape, pad;
+    P p;
+  };
+  const std::vector<Case> cases = {
+      {{3, 0, 4}, {0, 0, 2, 1}, {S0}},       // zero dim unsharded, dim 0 sharded
+      {{3, 0, 4}, {0, 0, 2, 1}, {S2, S0}},   // ... last dim sharded too
+      {{3, 0, 4}, {1, -2, 2, 1}, {S2}},      // a crop of the sharded dim
+      {{3, 0, 4}, {0, 0, 2, 1}, {R}},        // replicated
+      {{3, 0, 4}, {0, 0, 2, 1}, {S1}},       // the zero dim itself sharded
+      {{3, 5, 0}, {2, 3}, {S2, S1}},         // zero last dim sharded, padded
+      {{3, 5, 0}, {2, 3, -1, 1}, {S1, S0}},  // and a crop of the sharded dim 1
+      {{0, 2}, {1, 1, 1, 1}, {S0}},          // every dim padded, one zero
+  };
+  for (const auto& c : cases) {
+    for (auto dtype : {at::kFloat, at::kLong}) {
+      const bool grad = dtype == at::kFloat;
+      auto full = at::zeros(c.shape, at::TensorOptions().dtype(dtype));
+      RefFn fn = [&](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+        return at::constant_pad_nd(in[0], c.pad, 2.5);
+      };
+      const std::string name = str(c.shape) + " pad " + str(c.pad) + " on " +
+                               st::to_string(fit_placements(mesh, c.p)) + " " +
+                               c10::toString(dtype);
+      EXPECT_TRUE(reference_check(fn, {sh(full, c.p, grad)}, mesh, {}, kRtol, kAtol, grad)) << name;
+      for (EmptyAt at : {EmptyAt::kFirst, EmptyAt::kMiddle, EmptyAt::kLast}) {
+        EXPECT_TRUE(reference_check(fn, {empty_input_at(mesh, full, c.p, at, grad)}, mesh, {},
+                                    kRtol, kAtol, grad))
+            << name << " empty at " << static_cast<int>(at);
+      }
+    }
+  }
+}

@@ -5,6 +5,8 @@
 // blocks]).
 #include <torch/torch.h>
 
+#include <limits>
+
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -230,4 +232,53 @@ TEST(Rearrange, PixelShuffleUnshuffle) {
   EXPECT_TRUE(at::equal(gathered(z), x));
   EXPECT_TRUE(throws_everywhere([&] { auto bad = at::pixel_shuffle(sx, 3); },
                                 {"pixel_shuffle", "divisible", "Shard"}));
+}
+
+// Issue 25: cummax/cummin along a sharded dim for every ordered dtype. The
+// identity that an empty piece contributes is the dtype's lowest/highest value
+// (extreme_identity, shared with the reductions), not +-inf, which no integer
+// dtype can hold: the rank with an empty piece threw before the all-gather and
+// the others waited. Empty pieces at the first, a middle and the last
+// coordinate; floats with inf and NaN (libtorch propagates NaN).
+TEST(Scan, CummaxCumminEveryDtype) {
+  auto mesh = test_mesh();
+  const double inf = std::numeric_limits<double>::infinity();
+  auto base = at::round(rnd({9, 4}, 7, 40.0));
+  auto fl = rnd({9, 4}, 8);
+  fl.index_put_({2, 1}, inf);
+  fl.index_put_({6, 1}, -inf);
+  fl.index_put_({4, 2}, std::numeric_limits<double>::quiet_NaN());
+  fl.index_put_({7, 0}, -inf);
+  const std::vector<std::pair<at::ScalarType, at::Tensor>> inputs = {
+      {at::kChar, base.clamp(-128, 127).to(at::kChar)},
+      {at::kShort, base.to(at::kShort)},
+      {at::kInt, base.to(at::kInt)},
+      {at::kLong, base.to(at::kLong)},
+      {at::kByte, base.abs().to(at::kByte)},
+      {at::kBool, (base > 0)},
+      {at::kFloat, fl.to(at::kFloat)},
+      {at::kDouble, fl.to(at::kDouble)},
+  };
+  for (const auto& [dtype, x] : inputs) {
+    for (bool is_max : {true, false}) {
+      for (int which : {0, 1}) {
+        RefFn fn = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          auto vi = is_max ? at::cummax(in[0], 0) : at::cummin(in[0], 0);
+          return which == 0 ? std::get<0>(vi) : std::get<1>(vi);
+        };
+        const std::string name = std::string(is_max ? "cummax " : "cummin ") +
+                                 c10::toString(dtype) + (which == 0 ? " values" : " indices");
+        for (const Placements& p : std::vector<Placements>{{S0, S1}, {S0}, {R, S0}}) {
+          EXPECT_TRUE(
+              reference_check(fn, {sharded_input(mesh, x, p, false)}, mesh, {}, 0, 0, false))
+              << name << " on " << st::to_string(p);
+          for (EmptyAt at : {EmptyAt::kFirst, EmptyAt::kMiddle, EmptyAt::kLast}) {
+            EXPECT_TRUE(
+                reference_check(fn, {empty_input_at(mesh, x, p, at, false)}, mesh, {}, 0, 0, false))
+                << name << " on " << st::to_string(p) << " empty at " << static_cast<int>(at);
+          }
+        }
+      }
+    }
+  }
 }

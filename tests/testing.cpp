@@ -40,6 +40,12 @@ RefInput empty_first_input(const DeviceMesh& mesh, const at::Tensor& full, const
   return RefInput{full, p, requires_grad, sizes_with_empty_first(mesh, p, full.sizes())};
 }
 
+RefInput empty_input_at(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
+                        EmptyAt where, bool requires_grad) {
+  auto p = fit_placements(mesh, wanted);
+  return RefInput{full, p, requires_grad, sizes_with_empty_at(mesh, p, full.sizes(), where)};
+}
+
 ::testing::AssertionResult throws_everywhere(const std::function<void()>& fn,
                                              const std::vector<std::string>& needles) {
   bool threw = false, named = false;
@@ -72,24 +78,43 @@ Placements fit_placements(const DeviceMesh& mesh, const Placements& wanted) {
   return out;
 }
 
-ShardSizes sizes_with_empty_first(const DeviceMesh& mesh, const Placements& placements,
-                                  c10::IntArrayRef global_shape) {
+std::vector<int64_t> split_with_empty(int64_t n, int64_t parts, int64_t empty_at) {
+  TORCH_CHECK(parts >= 1 && empty_at >= 0 && empty_at < parts, "split_with_empty: coordinate ",
+              empty_at, " outside a mesh dim of ", parts);
+  if (parts == 1) return {n};
+  std::vector<int64_t> out = balanced_sizes(n, parts - 1);
+  out.insert(out.begin() + empty_at, 0);
+  return out;
+}
+
+int64_t empty_coordinate(EmptyAt where, int64_t parts) {
+  switch (where) {
+    case EmptyAt::kFirst:
+      return 0;
+    case EmptyAt::kMiddle:
+      return parts / 2;
+    case EmptyAt::kLast:
+      break;
+  }
+  return parts - 1;
+}
+
+ShardSizes sizes_with_empty_at(const DeviceMesh& mesh, const Placements& placements,
+                               c10::IntArrayRef global_shape, EmptyAt where) {
   ShardSizes sizes(mesh.ndim());
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     if (!is_shard(placements[m])) continue;
     int64_t d = shard_dim(placements[m]);
     if (d < 0) d += static_cast<int64_t>(global_shape.size());
-    const int64_t n = global_shape[d];
     const int64_t p = mesh.size(m);
-    if (p == 1) {
-      sizes[m] = {n};
-      continue;
-    }
-    sizes[m] = {0};
-    auto rest = balanced_sizes(n, p - 1);
-    sizes[m].insert(sizes[m].end(), rest.begin(), rest.end());
+    sizes[m] = split_with_empty(global_shape[d], p, empty_coordinate(where, p));
   }
   return sizes;
+}
+
+ShardSizes sizes_with_empty_first(const DeviceMesh& mesh, const Placements& placements,
+                                  c10::IntArrayRef global_shape) {
+  return sizes_with_empty_at(mesh, placements, global_shape, EmptyAt::kFirst);
 }
 
 // The harness's own agreement: over the whole job under either transport
@@ -125,9 +150,20 @@ bool all_ranks(bool ok) { return max_over_ranks(ok ? 0 : 1) == 0; }
     std::ostringstream os;
     os << "shape " << actual.sizes() << " vs expected " << expected.sizes();
     why = os.str();
+  } else if (actual.is_complex() != expected.is_complex()) {
+    worst = 1e300;
+    std::ostringstream os;
+    os << "dtype " << actual.scalar_type() << " vs expected " << expected.scalar_type();
+    why = os.str();
   } else if (actual.numel() > 0) {
-    auto a = actual.detach().to(torch::kDouble);
-    auto b = expected.detach().to(torch::kDouble);
+    // Complex values compare as (real, imag) pairs: .to(kDouble) would drop
+    // the imaginary part.
+    auto as_real = [](const at::Tensor& t) {
+      return t.is_complex() ? at::view_as_real(t.detach().to(torch::kComplexDouble).resolve_conj())
+                            : t.detach().to(torch::kDouble);
+    };
+    auto a = as_real(actual);
+    auto b = as_real(expected);
     auto diff = (a - b).abs();
     // diff / tolerance, with exact matches counting 0 even when the tolerance is 0.
     auto err = torch::where(diff == 0, torch::zeros_like(diff), diff / (atol + rtol * b.abs()));

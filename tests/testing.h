@@ -55,11 +55,27 @@ struct RefInput {
   std::optional<ShardSizes> sizes = std::nullopt;
 };
 
+/// Local. The one home for splits with an empty piece: `n` elements over
+/// `parts` coordinates, coordinate `empty_at` (0 <= empty_at < parts) gets
+/// nothing and the others a balanced split of all `n`. One part: {n}.
+/// Throws (TORCH_CHECK) if `empty_at` is out of range.
+std::vector<int64_t> split_with_empty(int64_t n, int64_t parts, int64_t empty_at);
+
+/// Which coordinate of a mesh dim gets the empty piece: the first, a middle
+/// one (size / 2) or the last; with two coordinates middle and last coincide.
+enum class EmptyAt { kFirst, kMiddle, kLast };
+/// Local. The coordinate `where` names on a mesh dim of `parts` coordinates.
+int64_t empty_coordinate(EmptyAt where, int64_t parts);
+
 /// Local. Sizes for `mesh` that give coordinate 0 of every Shard mesh dim an
 /// empty piece and split the rest balanced (for the empty-shard cases); the
 /// same as balanced when a mesh dim has one coordinate.
 ShardSizes sizes_with_empty_first(const DeviceMesh& mesh, const Placements& placements,
                                   c10::IntArrayRef global_shape);
+/// Local. Like sizes_with_empty_first, with the empty piece at the first, a
+/// middle or the last coordinate of every Shard mesh dim.
+ShardSizes sizes_with_empty_at(const DeviceMesh& mesh, const Placements& placements,
+                               c10::IntArrayRef global_shape, EmptyAt where);
 
 /// Local. An input sharded as `wanted` (fitted to the mesh), balanced split.
 RefInput sharded_input(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
@@ -67,6 +83,9 @@ RefInput sharded_input(const DeviceMesh& mesh, const at::Tensor& full, const Pla
 /// Local. Like sharded_input, with the first piece along every Shard mesh dim empty.
 RefInput empty_first_input(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
                            bool requires_grad = true);
+/// Local. Like sharded_input, with the piece at `where` along every Shard mesh dim empty.
+RefInput empty_input_at(const DeviceMesh& mesh, const at::Tensor& full, const Placements& wanted,
+                        EmptyAt where, bool requires_grad = true);
 
 /// Collective over MPI_COMM_WORLD. Runs `fn`; success on every rank iff `fn`
 /// threw a c10::Error whose message contains every one of `needles` on every

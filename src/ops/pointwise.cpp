@@ -39,7 +39,7 @@ namespace {
 //    add_ of the bias); copy_ into a Partial self likewise (from a Partial of
 //    the same mesh dims and dtype summand by summand, from a whole operand on
 //    coordinate 0);
-//    neg/neg_, clone, contiguous of a Partial operand; mul/mul_ and
+//    neg/neg_, clone of a Partial operand (contiguous: ops/shape.cpp); mul/mul_ and
 //    div/div_ (no rounding_mode) of one Partial operand (for div the
 //    numerator) by operands that are plain or Replicate on the Partial mesh
 //    dims (scalars included). In-place forms must write into the Partial operand.
@@ -200,7 +200,7 @@ std::vector<int64_t> pending_partial_dims(const c10::OperatorHandle& op,
     if (inplace && n_partial == 1 && !pd[0].empty() && others_whole(0)) return pd[0];
     return {};
   }
-  if (base == "neg" || base == "clone" || base == "contiguous") {
+  if (base == "neg" || base == "clone") {
     return operand_idx.size() == 1 ? pd[0] : std::vector<int64_t>{};
   }
   if (base != "mul" && base != "div") return {};
@@ -453,8 +453,8 @@ const RuleRegistrar pointwise_ops(
      // in-place fills (the random ops: ops/random.cpp)
      "fill_", "zero_",
      // conversions
-     "_to_copy", "clone", "detach", "detach_", "contiguous", "alias", "copy_", "lift_fresh",
-     "resolve_conj", "resolve_neg", "positive", "_conj", "conj_physical", "real", "imag"},
+     "_to_copy", "clone", "detach", "detach_", "alias", "copy_", "lift_fresh", "resolve_conj",
+     "resolve_neg", "positive", "_conj", "conj_physical", "real", "imag"},
     pointwise_rule);
 
 const RuleRegistrar like_ops({"empty_like", "zeros_like", "ones_like", "full_like"}, like_rule);

@@ -14,7 +14,9 @@
 #include <numeric>
 #include <sstream>
 
+#include "comm/diagnostic.h"
 #include "ops/common.h"
+#include "ops/registry.h"
 
 namespace shardtensor::ops {
 namespace {
@@ -82,6 +84,27 @@ Piece replicate_mesh_dims(const Piece& x, const std::vector<int64_t>& dims) {
   if (!changed) return x;
   SpecPtr spec = make_spec(s.mesh(), p, s.global_shape(), sizes);
   return {detail::redistribute_local(x.local, s, *spec), spec};
+}
+
+// Note [visible gathers] for a rule that replicates the mesh dims in `dims`
+// of the whole input (unbind, diagonal along a sharded dim): counted, and
+// refused in strict mode, on every rank before any communication.
+void note_replication(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                      const Piece& x, const std::vector<int64_t>& dims, const std::string& what) {
+  const ShardSpec& s = *x.spec;
+  Placements p = s.placements();
+  ShardSizes sizes = s.all_shard_sizes();
+  std::string held;
+  for (int64_t m : dims) {
+    if (!is_shard(p[m])) continue;
+    held += (held.empty() ? "" : ", ") + to_string(p[m]) + " on mesh dim " + std::to_string(m);
+    p[m] = Replicate{};
+    sizes[m] = {};
+  }
+  if (held.empty()) return;
+  SpecPtr g = make_spec(s.mesh(), p, s.global_shape(), sizes);
+  note_gather(op, args, s.mesh(), gathered_bytes(s, *g, x.local.element_size()),
+              what + " replicates the whole input " + s.to_string() + " over " + held);
 }
 
 // The layout after removing tensor dims `removed` (sorted ascending, none of
@@ -163,6 +186,59 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
   stack->push_back(c10::IValue(out));
 }
 
+// Note [stale copy views]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A view op whose result had to be a copy where libtorch's is a view (select,
+// squeeze, unbind or diagonal of a sharded dim, a view that moves data: Note
+// [view layout]) writes in-place changes of the result back into its source
+// (Note [view write-back]). The decision to copy depends on metadata only, so
+// every rank holds such a copy or none does. The copy is exact only while the
+// source is unchanged: libtorch's view would see later writes into the source,
+// and writing the whole copy back would put its old values over them (even
+// over elements the view never covered: unbind writes back its whole
+// replicated block). So each copy records the version counter of its source's
+// piece (libtorch bumps it on every in-place op through any alias of that
+// piece, the write-backs included), shared by the copies made together
+// (unbind's results: a write-back through one keeps the others exact). A
+// write through a copy after its source's piece was written by anything else
+// is refused, on every rank (one uncounted all-reduce of a flag: a rank whose
+// piece of a written slice is empty may not have seen the write), and nothing
+// is written back. Reads of such a stale copy are not re-derived (yet): they
+// see the values of the time the view was taken.
+struct Generation {
+  int64_t seen = 0;  // the source piece's version after the last write-back
+  std::string what;  // the view op, its input's and its result's layouts
+};
+
+int64_t version_of(const at::Tensor& base) {
+  const at::Tensor& l = local_of(base);
+  return l.is_inference() ? 0 : static_cast<int64_t>(l._version());
+}
+
+std::shared_ptr<Generation> generation(const std::string& view_op, const at::Tensor& base,
+                                       const SpecPtr& result) {
+  auto g = std::make_shared<Generation>();
+  g->seen = version_of(base);
+  g->what = view_op + " of " + spec_of(base)->to_string() + " (a copy laid out as " +
+            result->to_string() + ")";
+  return g;
+}
+
+// Collective over every rank of the source's mesh (uncounted).
+// A copy that is in fact the source's own piece (a mesh dim of one
+// coordinate replicates nothing) is always fresh.
+void check_fresh(const Generation& gen, const at::Tensor& base, const at::Tensor& rep,
+                 const at::Tensor& r) {
+  const bool fresh = rep.is_alias_of(local_of(base)) || version_of(base) == gen.seen;
+  const bool all = comm::diagnostic_agree(spec_of(base)->mesh(), 0, fresh).all_ok;
+  TORCH_CHECK(all, "cannot write in place into the result of ", gen.what,
+              ": the result is a copy (libtorch's would be a view) and its source was written "
+              "after the view was taken, so writing the copy back would undo that write "
+              "(Note [stale copy views]); take the view again after writing the source. "
+              "The written tensor: ",
+              spec_of(r)->to_string());
+}
+
 // Note [view write-back] (tensor/shard_tensor_impl.h) for a view result whose
 // local piece is a view of `rep`, which holds the piece of `base` except along
 // the tensor dims in `dims`, where it holds the global range starting at
@@ -176,13 +252,18 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
 // of it still copy an empty slice so that every rank's backward makes that
 // all-reduce. Forward is local.
 void set_write_back(const at::Tensor& result, const at::Tensor& base, const at::Tensor& rep,
-                    std::vector<std::pair<int64_t, int64_t>> dims, bool copied) {
+                    std::vector<std::pair<int64_t, int64_t>> dims, bool copied,
+                    const std::shared_ptr<Generation>& gen) {
   auto wb = std::make_shared<detail::WriteBack>();
-  wb->fn = [base, rep, dims, copied](const at::Tensor& r) {
+  wb->fn = [base, rep, dims, copied, gen](const at::Tensor& r) {
+    if (gen) check_fresh(*gen, base, rep, r);
     if (copied) rep.copy_(local_of(r).reshape(rep.sizes()));
     const ShardSpec& bs = *spec_of(base);
     at::Tensor dst = local_of(base);
-    if (dst.is_same(rep)) return;
+    if (dst.is_same(rep)) {
+      if (gen) gen->seen = version_of(base);
+      return;
+    }
     const auto offs = bs.local_offsets();
     const auto shape = bs.local_shape();
     at::Tensor src = rep;
@@ -203,6 +284,7 @@ void set_write_back(const at::Tensor& result, const at::Tensor& base, const at::
       }
     }
     dst.copy_(src);
+    if (gen) gen->seen = version_of(base);
   };
   detail::shard_impl(result)->set_write_back(std::move(wb));
 }
@@ -393,12 +475,14 @@ std::pair<SpecPtr, SpecPtr> plan_view(const c10::OperatorHandle& op,
 // layout and copied into the source's piece. Collective like the move (every
 // rank runs the same in-place op).
 void set_moved_write_back(const at::Tensor& result, const at::Tensor& base, const at::Tensor& rep,
-                          SpecPtr mid, bool copied) {
+                          SpecPtr mid, bool copied, const std::shared_ptr<Generation>& gen) {
   auto wb = std::make_shared<detail::WriteBack>();
-  wb->fn = [base, rep, mid, copied](const at::Tensor& r) {
+  wb->fn = [base, rep, mid, copied, gen](const at::Tensor& r) {
+    if (gen) check_fresh(*gen, base, rep, r);
     if (copied) rep.copy_(local_of(r).reshape(rep.sizes()));
     const ShardSpec& bs = *spec_of(base);
     local_of(base).copy_(detail::redistribute_local(rep, *mid, bs));
+    if (gen) gen->seen = version_of(base);
   };
   detail::shard_impl(result)->set_write_back(std::move(wb));
 }
@@ -407,47 +491,50 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
                      const at::Tensor& self, c10::IntArrayRef requested, ViewKind kind) {
   const ShardSpec& s = *spec_of(self);
   const std::vector<int64_t> to = at::infer_size(requested, s.numel());
+  // Note [wrapper strides]: whether libtorch's result is a view is decided by
+  // the global tensor's strides (the wrapper's), never by a piece's, so every
+  // rank decides alike: view refuses what libtorch refuses, and reshape copies
+  // exactly where libtorch copies.
+  const bool global_view =
+      at::detail::computeStride(self.sizes(), self.strides(), c10::IntArrayRef(to)).has_value();
+  if (kind == ViewKind::View && !global_view) {
+    fail(op, args,
+         "view size " + str(to) + " is not compatible with input tensor's size " +
+             str(self.sizes()) + " and stride " + str(self.strides()) +
+             " (at least one dimension spans across two contiguous subspaces), as in libtorch. "
+             "Use .reshape(...) instead.");
+  }
+  const bool is_view = kind == ViewKind::View || (kind == ViewKind::Reshape && global_view);
   auto [mid, out] = plan_view(op, args, s, to, kind, self.element_size());
   at::Tensor local = local_of(self);
   if (mid) local = detail::redistribute_local(local, s, *mid);
   const at::Tensor rep = local;
   bool copied = false;
   const auto shape = out->local_shape();
-  switch (kind) {
-    case ViewKind::View:
-      // Note [view strides]: the piece's strides decide, as the global
-      // tensor's do in libtorch. A piece with 0 or 1 element along a sharded
-      // dim passes checks that longer pieces fail, so for a view that libtorch
-      // would refuse, only some ranks may throw; programs that run in one
-      // process are unaffected.
-      //
-      // A ShardTensor wrapper always reports contiguous strides, so
-      // `x.contiguous()` on it is a no-op that never reaches the piece (e.g.
-      // MultiheadAttention's `k.contiguous().view(..)` after a chunk). A piece
-      // whose strides refuse the view is therefore copied to contiguous memory
-      // first (a view where the strides allow it, as before), which is what
-      // x.contiguous().view() does in libtorch; only when even that fails is it
-      // an error.
-      try {
-        const auto strides =
-            at::detail::computeStride(local.sizes(), local.strides(), c10::IntArrayRef(shape));
-        copied = !strides;
-        local = strides ? local.view(shape) : local.contiguous().view(shape);
-      } catch (const c10::Error& e) {
-        fail(op, args,
-             std::string("the local piece's sizes and strides do not allow this view (") +
-                 e.what_without_backtrace() + "); use reshape");
-      }
-      break;
-    case ViewKind::Reshape:
-      local = local.reshape(shape);
-      break;
-    case ViewKind::UnsafeView:
-      local = at::_unsafe_view(local, shape);
-      break;
+  if (is_view) {
+    // Note [view strides]: the global strides allow the view, and so do the
+    // piece's in every layout plan_view produces; a piece whose strides still
+    // refuse it (a piece of a view made outside this file, whose wrapper
+    // reports contiguous strides) is copied to contiguous memory, and writes
+    // through the result go back to the source (Note [view write-back]).
+    try {
+      const auto strides =
+          at::detail::computeStride(local.sizes(), local.strides(), c10::IntArrayRef(shape));
+      copied = !strides;
+      local = strides ? local.view(shape) : local.contiguous().view(shape);
+    } catch (const c10::Error& e) {
+      fail(op, args,
+           std::string("the local piece's sizes and strides do not allow this view (") +
+               e.what_without_backtrace() + "); use reshape");
+    }
+  } else if (kind == ViewKind::Reshape) {
+    // libtorch copies: so does every rank, even where its piece could be viewed.
+    local = at::_unsafe_view(local.clone(at::MemoryFormat::Contiguous), shape);
+  } else {
+    local = at::_unsafe_view(local, shape);
   }
   at::Tensor result = wrap(local, out);
-  if (kind == ViewKind::View && (mid || copied)) {
+  if (is_view && (mid || copied)) {
     // Not a view of the piece (a replicated mesh dim, or a contiguous copy):
     // writes go back through Note [view write-back]. `mid` only replicates.
     std::vector<std::pair<int64_t, int64_t>> back;
@@ -464,10 +551,14 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
         }
       }
     }
+    // A copy made by `mid` is made on every rank (Note [stale copy views]);
+    // one made because this piece's strides refuse the view is this rank's
+    // alone, and cannot be checked collectively.
+    auto gen = mid ? generation(kind_name(kind), self, out) : nullptr;
     if (only_replicates) {
-      set_write_back(result, self, rep, back, copied);
+      set_write_back(result, self, rep, back, copied, gen);
     } else {
-      set_moved_write_back(result, self, rep, mid, copied);
+      set_moved_write_back(result, self, rep, mid, copied, gen);
     }
   }
   return result;
@@ -651,7 +742,8 @@ void squeeze_rule(const c10::OperatorHandle& op, Stack* stack) {
     for (int64_t d : dims) {
       if (s.mesh_dim_of(d) >= 0) back.emplace_back(d, 0);
     }
-    set_write_back(out, args[0].toTensor(), x.local, back, /*copied=*/false);
+    set_write_back(out, args[0].toTensor(), x.local, back, /*copied=*/false,
+                   generation("squeeze", args[0].toTensor(), spec_ptr_of(out)));
   }
   stack->push_back(out);
 }
@@ -841,7 +933,8 @@ void select_rule(const c10::OperatorHandle& op, Stack* stack) {
   std::vector<int64_t> shape = s.global_shape();
   shape.erase(shape.begin() + dim);
   at::Tensor out = wrap(rep.local.select(dim, 0), drop_dims(*rep.spec, {dim}, shape));
-  set_write_back(out, self, rep.local, {{dim, index}}, /*copied=*/false);
+  set_write_back(out, self, rep.local, {{dim, index}}, /*copied=*/false,
+                 generation("select", self, spec_ptr_of(out)));
   stack->push_back(out);
 }
 
@@ -933,7 +1026,10 @@ void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t dim = at::maybe_wrap_dim(args[1].toInt(), s.ndim());
   const int64_t m = s.mesh_dim_of(dim);
   Piece x = piece_of(args[0].toTensor());
-  if (m >= 0) x = replicate_mesh_dims(x, {m});
+  if (m >= 0) {
+    note_replication(op, args, x, {m}, "unbind along the sharded dim " + std::to_string(dim));
+    x = replicate_mesh_dims(x, {m});
+  }
   std::vector<int64_t> shape = s.global_shape();
   shape.erase(shape.begin() + dim);
   SpecPtr spec = drop_dims(*x.spec, {dim}, shape);
@@ -942,8 +1038,11 @@ void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
   if (m >= 0) {
     // The results are views of the replicated copy: writes through any of
     // them go back to the owners (Note [view write-back]).
+    // One generation for all of them: a write-back through one writes the
+    // whole replicated block, which the others view (Note [stale copy views]).
+    const auto gen = generation("unbind", args[0].toTensor(), spec);
     for (const auto& t : out) {
-      set_write_back(t, args[0].toTensor(), x.local, {{dim, 0}}, /*copied=*/false);
+      set_write_back(t, args[0].toTensor(), x.local, {{dim, 0}}, /*copied=*/false, gen);
     }
   }
   stack->push_back(c10::IValue(out));
@@ -971,37 +1070,117 @@ void diagonal_rule(const c10::OperatorHandle& op, Stack* stack) {
       back.emplace_back(d, 0);
     }
   }
+  note_replication(op, args, piece_of(self), rep_dims,
+                   "diagonal over the dims " + std::to_string(d1) + " and " + std::to_string(d2) +
+                       ", at least one of them sharded,");
   Piece x = replicate_mesh_dims(piece_of(self), rep_dims);
   const auto meta =
       at::empty(s.global_shape(), self.options().device(at::kMeta)).diagonal(offset, d1, d2);
   at::Tensor out =
       wrap(x.local.diagonal(offset, d1, d2),
            drop_dims(*x.spec, {std::min(d1, d2), std::max(d1, d2)}, meta.sizes().vec()));
-  if (!rep_dims.empty()) set_write_back(out, self, x.local, back, /*copied=*/false);
+  if (!rep_dims.empty()) {
+    set_write_back(out, self, x.local, back, /*copied=*/false,
+                   generation("diagonal", self, spec_ptr_of(out)));
+  }
   stack->push_back(out);
 }
 
-const RuleRegistrar view_ops({"view"}, view_rule);
-const RuleRegistrar reshape_ops({"reshape"}, reshape_rule);
-const RuleRegistrar unsafe_view_ops({"_unsafe_view"}, unsafe_view_rule);
-const RuleRegistrar reshape_alias_ops({"_reshape_alias"}, reshape_alias_rule);
-const RuleRegistrar flatten_ops({"flatten.using_ints"}, flatten_rule);
-const RuleRegistrar unflatten_ops({"unflatten.int"}, unflatten_rule);
-const RuleRegistrar squeeze_ops({"squeeze"}, squeeze_rule);
-const RuleRegistrar unsqueeze_ops({"unsqueeze"}, unsqueeze_rule);
-const RuleRegistrar permute_ops({"permute"}, permute_rule);
-const RuleRegistrar transpose_ops({"transpose.int", "t"}, transpose_rule);
+// Note [wrapper strides]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A ShardTensor's wrapper holds no data, but libtorch (and user code) read its
+// strides: Tensor::contiguous() returns `self` when is_contiguous() is true,
+// without reaching the dispatcher. A wrapper that always reported contiguous
+// strides made `x.t().contiguous()` (or after permute, a slice, ...) return
+// the view itself, so a later in-place op on it wrote into `x`, at any number
+// of ranks. So every rule of this file gives its results the strides that
+// libtorch's own tensor would have: the same op on a meta tensor with the
+// input's global sizes and strides (metadata only, identical on every rank).
+// A non-contiguous wrapper then makes contiguous() reach the dispatcher, whose
+// clone copies the piece, as in libtorch; view and reshape decide view or copy
+// from them (Note [view strides]). The pieces' own strides are unchanged.
+// Results of other rules have contiguous strides: for the view ops elsewhere
+// (alias, detach, real, unfold, ...) that is a known gap.
+Rule with_torch_strides(Rule rule) {
+  return [rule = std::move(rule)](const c10::OperatorHandle& op, Stack* stack) {
+    const size_t n = op.schema().arguments().size();
+    Stack meta(stack->end() - n, stack->end());
+    for (auto& v : meta) {
+      if (!v.isTensor() || !spec_of(v.toTensor())) continue;
+      const at::Tensor& t = v.toTensor();
+      v = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+    }
+    rule(op, stack);
+    try {
+      op.callBoxed(&meta);
+    } catch (const c10::Error&) {
+      return;  // libtorch would refuse what the rule took: the strides stay contiguous
+    }
+    const size_t nret = op.schema().returns().size();
+    if (meta.size() < nret || stack->size() < nret) return;
+    auto set = [](const at::Tensor& r, const at::Tensor& m) {
+      auto* impl = detail::shard_impl(r);
+      if (impl && m.defined() && m.sizes() == r.sizes()) impl->set_global_strides(m.strides());
+    };
+    for (size_t j = 0; j < nret; ++j) {
+      const c10::IValue& r = (*stack)[stack->size() - nret + j];
+      const c10::IValue& m = meta[meta.size() - nret + j];
+      if (r.isTensor() && m.isTensor()) {
+        set(r.toTensor(), m.toTensor());
+      } else if (r.isTensorList() && m.isTensorList()) {
+        const auto rs = r.toTensorVector();
+        const auto ms = m.toTensorVector();
+        for (size_t k = 0; k < rs.size() && k < ms.size(); ++k) set(rs[k], ms[k]);
+      }
+    }
+  };
+}
+
+// contiguous(self, memory_format): libtorch returns `self` when self is
+// contiguous in that format and self.clone(memory_format) otherwise, decided
+// by the wrapper's strides (Note [wrapper strides]), identical on every rank.
+// Never the piece's: a piece of one row or column of a transposed view is
+// contiguous, and contiguous() of it would return the piece itself, so that
+// writes through the result reached the source on some ranks only.
+void contiguous_rule(const c10::OperatorHandle& op, Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const at::Tensor self = (*stack)[stack->size() - n].toTensor();
+  const auto format = (*stack)[stack->size() - n + 1].toOptional<c10::MemoryFormat>().value_or(
+      c10::MemoryFormat::Contiguous);
+  if (self.is_contiguous(format)) {
+    stack->erase(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+    stack->push_back(self);
+    return;
+  }
+  static const c10::OperatorHandle clone =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::clone", "");
+  const Rule* rule = find_rule(clone.operator_name());
+  TORCH_INTERNAL_ASSERT(rule != nullptr, "ShardTensor: no rule for aten::clone");
+  (*rule)(clone, stack);  // same arguments: (self, memory_format)
+}
+
+const RuleRegistrar view_ops({"view"}, with_torch_strides(view_rule));
+const RuleRegistrar reshape_ops({"reshape"}, with_torch_strides(reshape_rule));
+const RuleRegistrar unsafe_view_ops({"_unsafe_view"}, with_torch_strides(unsafe_view_rule));
+const RuleRegistrar reshape_alias_ops({"_reshape_alias"}, with_torch_strides(reshape_alias_rule));
+const RuleRegistrar flatten_ops({"flatten.using_ints"}, with_torch_strides(flatten_rule));
+const RuleRegistrar unflatten_ops({"unflatten.int"}, with_torch_strides(unflatten_rule));
+const RuleRegistrar squeeze_ops({"squeeze"}, with_torch_strides(squeeze_rule));
+const RuleRegistrar unsqueeze_ops({"unsqueeze"}, with_torch_strides(unsqueeze_rule));
+const RuleRegistrar permute_ops({"permute"}, with_torch_strides(permute_rule));
+const RuleRegistrar transpose_ops({"transpose.int", "t"}, with_torch_strides(transpose_rule));
 const RuleRegistrar inplace_view_ops({"squeeze_", "unsqueeze_", "transpose_", "t_"},
-                                     inplace_view_rule);
-const RuleRegistrar slice_ops({"slice.Tensor"}, slice_rule);
-const RuleRegistrar narrow_ops({"narrow"}, narrow_rule);
-const RuleRegistrar select_ops({"select.int"}, select_rule);
-const RuleRegistrar expand_ops({"expand"}, expand_rule);
+                                     with_torch_strides(inplace_view_rule));
+const RuleRegistrar slice_ops({"slice.Tensor"}, with_torch_strides(slice_rule));
+const RuleRegistrar narrow_ops({"narrow"}, with_torch_strides(narrow_rule));
+const RuleRegistrar select_ops({"select.int"}, with_torch_strides(select_rule));
+const RuleRegistrar expand_ops({"expand"}, with_torch_strides(expand_rule));
 const RuleRegistrar split_ops({"split.Tensor", "split_with_sizes", "unsafe_split.Tensor",
                                "unsafe_split_with_sizes"},
-                              split_rule);
-const RuleRegistrar unbind_ops({"unbind.int"}, unbind_rule);
-const RuleRegistrar diagonal_ops({"diagonal"}, diagonal_rule);
+                              with_torch_strides(split_rule));
+const RuleRegistrar unbind_ops({"unbind.int"}, with_torch_strides(unbind_rule));
+const RuleRegistrar diagonal_ops({"diagonal"}, with_torch_strides(diagonal_rule));
+const RuleRegistrar contiguous_ops({"contiguous"}, with_torch_strides(contiguous_rule));
 
 }  // namespace
 }  // namespace shardtensor::ops

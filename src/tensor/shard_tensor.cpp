@@ -41,6 +41,7 @@ ShardTensorImpl::ShardTensorImpl(at::Tensor local, std::shared_ptr<const ShardSp
 c10::intrusive_ptr<c10::TensorImpl> ShardTensorImpl::shallow_copy_and_detach(
     const c10::VariableVersion& version_counter, bool allow_tensor_metadata_change) const {
   auto impl = c10::make_intrusive<ShardTensorImpl>(local_.detach(), spec_);
+  impl->set_global_strides(strides());  // Note [wrapper strides]
   impl->set_version_counter(version_counter);
   impl->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
   return impl;
@@ -49,6 +50,7 @@ c10::intrusive_ptr<c10::TensorImpl> ShardTensorImpl::shallow_copy_and_detach(
 c10::intrusive_ptr<c10::TensorImpl> ShardTensorImpl::shallow_copy_and_detach(
     c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const {
   auto impl = c10::make_intrusive<ShardTensorImpl>(local_.detach(), spec_);
+  impl->set_global_strides(strides());  // Note [wrapper strides]
   impl->set_version_counter(std::move(version_counter));
   impl->set_allow_tensor_metadata_change(allow_tensor_metadata_change);
   return impl;
@@ -60,7 +62,17 @@ void ShardTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl
   local_ = other->local_;
   spec_ = other->spec_;
   set_sizes_contiguous(spec_->global_shape());
+  set_global_strides(other->strides());  // Note [wrapper strides]
   data_type_ = other->data_type_;
+}
+
+void ShardTensorImpl::set_global_strides(c10::IntArrayRef strides) {
+  TORCH_CHECK(static_cast<int64_t>(strides.size()) == dim(), "ShardTensor: ", strides.size(),
+              " strides for a tensor of ", dim(), " dims");
+  // Not set_sizes_and_strides: that refuses tensors made by detach(), whose
+  // metadata a view rule (squeeze_, t_) may still change.
+  sizes_and_strides_.set_strides(strides);
+  refresh_contiguous();
 }
 
 ShardTensorImpl* shard_impl(const at::Tensor& t) {

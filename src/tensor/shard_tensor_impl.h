@@ -55,6 +55,14 @@ class ShardTensorImpl final : public c10::TensorImpl {
   const std::shared_ptr<const WriteBack>& write_back() const { return write_back_; }
   void set_write_back(std::shared_ptr<const WriteBack> wb) { write_back_ = std::move(wb); }
 
+  /// Local. Note [wrapper strides] (ops/shape.cpp): gives the wrapper the
+  /// strides that libtorch's own tensor of the same global shape would have
+  /// after the same view ops (a permuted or sliced view is not contiguous), so
+  /// that is_contiguous() and contiguous() answer as in libtorch. Metadata
+  /// only: the piece's own strides are unchanged. Throws if `strides` does not
+  /// have one entry per dim.
+  void set_global_strides(c10::IntArrayRef strides);
+
   /// Note [wrapper autograd]: the local piece's gradient accumulator, kept
   /// alive while a hook mirrors its gradient into this wrapper's grad().
   std::shared_ptr<void>& grad_mirror() { return grad_mirror_; }

@@ -1,0 +1,234 @@
+// Aliasing follows libtorch (issue 25, part B): Note [wrapper strides] and
+// Note [stale copy views] (src/ops/shape.cpp). Every program runs on a plain
+// tensor and on a ShardTensor of it (uneven, and with an empty piece at the
+// first and at a later coordinate, several dtypes) and every step is compared.
+#include <torch/torch.h>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+using shardtensor::DeviceMesh;
+using shardtensor::Placements;
+
+namespace {
+
+// A program over a list of tensors: ts[0] is the source; it may push views.
+// It returns the tensors to compare after each step.
+using Step = std::function<void(std::vector<at::Tensor>& ts)>;
+
+void check_steps(const DeviceMesh& mesh, const std::string& name, const at::Tensor& x,
+                 const std::vector<Step>& steps, const std::vector<Placements>& layouts,
+                 const std::vector<at::ScalarType>& dtypes = {at::kFloat, at::kLong,
+                                                              at::kComplexDouble}) {
+  for (const auto& wanted : layouts) {
+    const auto p = fit_placements(mesh, wanted);
+    for (int empty = 0; empty < 3; ++empty) {
+      for (auto dtype : dtypes) {
+        at::Tensor full = x.to(dtype);
+        std::optional<st::ShardSizes> sizes;
+        if (empty == 1) sizes = sizes_with_empty_first(mesh, p, full.sizes());
+        if (empty == 2) sizes = sizes_with_empty_at(mesh, p, full.sizes(), EmptyAt::kLast);
+        std::vector<at::Tensor> ref{full.clone()};
+        std::vector<at::Tensor> got{st::distribute_tensor(full, mesh, p, false, sizes)};
+        for (size_t i = 0; i < steps.size(); ++i) {
+          steps[i](ref);
+          steps[i](got);
+          ASSERT_EQ(ref.size(), got.size());
+          for (size_t k = 0; k < ref.size(); ++k) {
+            EXPECT_TRUE(all_close(gathered(got[k]), ref[k], 0, 0))
+                << name << ": tensor " << k << " after step " << i << " on " << st::to_string(p)
+                << " empty=" << empty << " " << c10::toString(dtype);
+          }
+        }
+      }
+    }
+  }
+}
+
+const std::vector<Placements> kLayouts = {{S0, S1}, {S1, S0}, {S1, R}, {R, S0}};
+
+}  // namespace
+
+// Issue 25 item 1: contiguous() of a transposed, permuted or sliced view is a
+// copy, as in libtorch: writes through it leave the source alone and writes
+// into the source leave it alone. Was: the wrapper always said contiguous, so
+// contiguous() returned the view itself (at P = 1 too).
+TEST(Alias, ContiguousOfANonContiguousViewIsACopy) {
+  auto mesh = test_mesh();
+  auto x = rnd({7, 5}, 1, 4.0).round();
+  using V = std::vector<at::Tensor>;
+  auto push = [](std::function<at::Tensor(const at::Tensor&)> f) {
+    return Step([f](V& ts) { ts.push_back(f(ts[0])); });
+  };
+  const Step mul_view = [](V& ts) { ts[1].mul_(10); };
+  const Step zero_src = [](V& ts) { ts[0].zero_(); };
+  const Step add_src = [](V& ts) { ts[0].add_(3); };
+  check_steps(
+      mesh, "t().contiguous()", x,
+      {push([](const at::Tensor& t) { return t.t().contiguous(); }), mul_view, zero_src, mul_view},
+      kLayouts);
+  check_steps(mesh, "t().contiguous() source first", x,
+              {push([](const at::Tensor& t) { return t.t().contiguous(); }), add_src, mul_view},
+              kLayouts);
+  check_steps(mesh, "permute().contiguous()", x.reshape({7, 5, 1}),
+              {push([](const at::Tensor& t) {
+                 return t.permute({2, 1, 0}).contiguous();
+               }),
+               mul_view, zero_src, mul_view},
+              {{S0, S1}, {S1, S0}});
+  check_steps(mesh, "[:, 1:3].contiguous()", x,
+              {push([](const at::Tensor& t) { return t.slice(1, 1, 3).contiguous(); }), mul_view,
+               add_src, mul_view},
+              kLayouts);
+  // A contiguous view stays a view: contiguous() returns it.
+  check_steps(mesh, "[1:4].contiguous() is a view", x,
+              {push([](const at::Tensor& t) { return t.slice(0, 1, 4).contiguous(); }), mul_view,
+               add_src, mul_view},
+              kLayouts);
+  // The strides themselves are libtorch's.
+  at::Tensor u = st::distribute_tensor(x, mesh, fit_placements(mesh, {S0, S1}));
+  EXPECT_EQ(u.t().strides(), x.t().strides());
+  EXPECT_EQ(u.slice(1, 1, 3).strides(), x.slice(1, 1, 3).strides());
+  EXPECT_FALSE(u.t().is_contiguous());
+  EXPECT_TRUE(u.t().contiguous().is_contiguous());
+}
+
+// view and reshape decide view or copy from the global strides, on every
+// rank alike: view of a non-contiguous tensor raises everywhere (as in
+// libtorch), reshape of it copies everywhere, reshape of a contiguous one is
+// a view. Writes in both directions are compared.
+TEST(Alias, ViewAndReshapeDecideByTheGlobalStrides) {
+  auto mesh = test_mesh();
+  auto x = rnd({6, 4}, 2, 4.0).round();
+  using V = std::vector<at::Tensor>;
+  check_steps(mesh, "t().reshape(-1) copies", x,
+              {[](V& ts) { ts.push_back(ts[0].t().reshape({-1})); }, [](V& ts) { ts[1].mul_(10); },
+               [](V& ts) { ts[0].add_(1); }, [](V& ts) { ts[1].sub_(2); }},
+              kLayouts);
+  check_steps(mesh, "reshape(3, 8) views", x,
+              {[](V& ts) {
+                 ts.push_back(ts[0].reshape({3, 8}));
+               },
+               [](V& ts) { ts[1].mul_(10); }, [](V& ts) { ts[1].sub_(2); }},
+              {{S0, R}, {R, R}});
+  check_steps(mesh, "t().contiguous().view(-1)", x,
+              {[](V& ts) { ts.push_back(ts[0].t().contiguous().view({-1})); },
+               [](V& ts) { ts[1].mul_(10); }, [](V& ts) { ts[0].add_(1); }},
+              kLayouts);
+  for (const auto& wanted : kLayouts) {
+    const auto p = fit_placements(mesh, wanted);
+    at::Tensor u = st::distribute_tensor(x, mesh, p);
+    EXPECT_TRUE(throws_everywhere([&] { u.t().view({-1}); }, {"view", "stride", "reshape"}))
+        << st::to_string(p);
+  }
+}
+
+// Chains of views: a view of a view, then writes at both ends.
+TEST(Alias, ChainsOfViews) {
+  auto mesh = test_mesh();
+  auto x = rnd({6, 5}, 3, 4.0).round();
+  using V = std::vector<at::Tensor>;
+  check_steps(
+      mesh, "slice of transpose", x,
+      {[](V& ts) { ts.push_back(ts[0].t()); }, [](V& ts) { ts.push_back(ts[1].slice(1, 1, 4)); },
+       [](V& ts) { ts[2].mul_(10); }, [](V& ts) { ts[0].add_(1); }, [](V& ts) { ts[2].sub_(3); },
+       [](V& ts) { ts.push_back(ts[2].contiguous()); }, [](V& ts) { ts[3].mul_(7); },
+       [](V& ts) { ts[0].neg_(); }},
+      kLayouts);
+  check_steps(mesh, "select of a fresh select", x,
+              {[](V& ts) { ts[0].select(0, 2).select(0, 3).fill_(100); },
+               [](V& ts) { ts[0].select(1, 4).select(0, 5).fill_(-100); }},
+              kLayouts);
+}
+
+// Issue 25 item 2: a copy view (diagonal, unbind, select along a sharded
+// dim, a view that moves data) whose source was written after the view was
+// taken refuses writes on every rank (Note [stale copy views]) instead of
+// writing its old values back over the source; the source is unchanged by the
+// refused write. Writes into a fresh copy view still go back.
+TEST(Alias, StaleCopyViewsRefuseWrites) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({5, 5}, 4, 4.0).round();
+  for (const auto& wanted : kLayouts) {
+    const auto p = fit_placements(mesh, wanted);
+    const std::string where = " on " + st::to_string(p);
+    using F = std::function<at::Tensor(const at::Tensor&)>;
+    for (const auto& [name, f] : std::vector<std::pair<std::string, F>>{
+             {"diagonal", [](const at::Tensor& t) { return t.diagonal(); }},
+             {"unbind", [](const at::Tensor& t) { return t.unbind(0)[2]; }},
+             {"select", [](const at::Tensor& t) { return t.select(0, 2); }},
+             {"select", [](const at::Tensor& t) { return t.select(1, 3); }}}) {
+      at::Tensor u = st::distribute_tensor(x, mesh, p);
+      at::Tensor d = f(u);
+      u.zero_();
+      const bool copy = !st::ShardTensor(d).local().is_alias_of(st::ShardTensor(u).local());
+      bool sharded_copy = false;
+      for (const auto& pl : p) sharded_copy = sharded_copy || st::is_shard(pl);
+      at::Tensor want = at::zeros_like(x);
+      at::Tensor wd = f(want);
+      // all ranks agree on `copy`: the decision is metadata (checked here).
+      ASSERT_TRUE(all_ranks(copy) || all_ranks(!copy)) << name << where;
+      if (all_ranks(copy)) {
+        EXPECT_TRUE(throws_everywhere([&] { d.add_(1); }, {name, "source was written", "Shard"}))
+            << name << where;
+      } else {
+        d.add_(1);
+        wd.add_(1);
+      }
+      EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << name << where;
+      (void)sharded_copy;
+    }
+    // Fresh: writes through every unbind result go back (one generation).
+    at::Tensor u = st::distribute_tensor(x, mesh, p);
+    at::Tensor want = x.clone();
+    auto rows = u.unbind(1);
+    auto wrows = want.unbind(1);
+    for (int64_t i : {0, 3, 4}) {
+      rows[i].mul_(2);
+      wrows[i].mul_(2);
+    }
+    EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << "unbind" << where;
+    at::Tensor d = u.diagonal();
+    d.add_(1);
+    want.diagonal().add_(1);
+    d.add_(1);
+    want.diagonal().add_(1);
+    EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << "diagonal" << where;
+  }
+}
+
+// Issue 25 item 7: unbind and diagonal along a sharded dim replicate the whole
+// tensor: counted in gathered_bytes, refused in strict mode.
+TEST(Alias, UnbindAndDiagonalAlongShardedDimsAreVisibleGathers) {
+  auto mesh = test_mesh();
+  auto x = rnd({6, 6}, 5);
+  for (const auto& wanted : kLayouts) {
+    const auto p = fit_placements(mesh, wanted);
+    at::Tensor u = st::distribute_tensor(x, mesh, p);
+    const bool s0 = std::any_of(p.begin(), p.end(), [](const auto& pl) {
+      return st::is_shard(pl) && st::shard_dim(pl) == 0;
+    });
+    const bool any =
+        std::any_of(p.begin(), p.end(), [&](const auto& pl) { return st::is_shard(pl); }) &&
+        mesh.size() > 1;
+    st::set_strict(false);
+    st::reset_comm_stats();
+    auto rows = u.unbind(0);
+    const int64_t after_unbind = st::comm_stats().gathered_bytes;
+    EXPECT_TRUE(all_close(gathered(rows[1]), x[1], 0, 0));
+    st::reset_comm_stats();
+    auto d = u.diagonal();
+    const int64_t after_diag = st::comm_stats().gathered_bytes;
+    EXPECT_TRUE(all_close(gathered(d), x.diagonal(), 0, 0));
+    if (s0 && mesh.size() > 1) EXPECT_TRUE(all_ranks(after_unbind > 0)) << st::to_string(p);
+    if (any) EXPECT_TRUE(all_ranks(after_diag > 0)) << st::to_string(p);
+    st::set_strict(true);
+    if (s0 && mesh.size() > 1) {
+      EXPECT_TRUE(throws_everywhere([&] { u.unbind(0); }, {"unbind", "strict"}));
+    }
+    if (any) EXPECT_TRUE(throws_everywhere([&] { u.diagonal(); }, {"diagonal", "strict"}));
+    st::set_strict(false);
+  }
+}
