@@ -16,8 +16,9 @@ namespace shardtensor::ops {
 /// but not the right second derivative: double backward then throws.
 struct CarryGrad : public torch::autograd::Function<CarryGrad> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& value,
-                            const at::Tensor& carrier, std::string inexact) {
+                            const at::Tensor& carrier, std::string inexact, bool none) {
     ctx->saved_data["inexact"] = std::move(inexact);
+    ctx->saved_data["none"] = none;
     return value.clone();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -28,7 +29,11 @@ struct CarryGrad : public torch::autograd::Function<CarryGrad> {
                 "double backward (create_graph=true) through a sharded ", inexact,
                 " is not supported: its gradient is attached as a constant-weight carrier "
                 "(Note [gradient carriers]), whose second derivative would be silently wrong");
-    return {at::Tensor(), grads[0], at::Tensor()};
+    // `none`: libtorch's backward gives no gradient at all (x.norm(0)): an
+    // undefined gradient, so that x.grad stays None as it does there.
+    if (ctx->saved_data.at("none").toBool())
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {at::Tensor(), grads[0], at::Tensor(), at::Tensor()};
   }
 };
 
@@ -41,12 +46,13 @@ inline bool needs_grad(const at::Tensor& t) {
 
 /// Note [gradient carriers]: `value` in forward, the gradient of `carrier`
 /// (same shape) in backward. `make_carrier` is only evaluated when a gradient
-/// is needed.
+/// is needed. `none`: the op has no gradient in libtorch (it returns an
+/// undefined one), so neither does this: backward hands nothing to the carrier.
 template <class F>
 at::Tensor carry_grad(const at::Tensor& value, const at::Tensor& local, F make_carrier,
-                      std::string inexact = {}) {
+                      std::string inexact = {}, bool none = false) {
   if (!needs_grad(local)) return value;
-  return CarryGrad::apply(value, make_carrier(), std::move(inexact));
+  return CarryGrad::apply(value, make_carrier(), std::move(inexact), none);
 }
 
 }  // namespace shardtensor::ops

@@ -594,7 +594,7 @@ void norm_rule(const c10::OperatorHandle& op, Stack* stack) {
         }
         return (xc * w).sum(p.dims, true);
       },
-      ord < 0 ? "norm of negative order" : "");
+      ord < 0 ? "norm of negative order" : "", /*none=*/ord == 0);
   stack->push_back(result(finish(out.to(ct), p), p));
 }
 

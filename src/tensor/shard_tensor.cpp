@@ -224,13 +224,26 @@ at::Tensor swap_shard_dims(const at::Tensor& local, const DeviceMesh& mesh,
 
 }  // namespace
 
+namespace {
+at::Tensor redistribute_piece(const at::Tensor& local, const ShardSpec& src, const ShardSpec& dst);
+}  // namespace
+
 at::Tensor redistribute_local(const at::Tensor& local_in, const ShardSpec& src,
                               const ShardSpec& dst) {
-  // libtorch's ZeroTensor (at::_efficientzerotensor: sgn's gradient of a real
-  // input, ...) has no storage, so no data pointer for the transport: every
-  // rank materialises its own piece (clone keeps the autograd history), which
-  // is local and the same decision on every rank holding one.
-  const at::Tensor local = local_in._is_zerotensor() ? local_in.clone() : local_in;
+  // libtorch's ZeroTensor (at::_efficientzerotensor: sgn's or norm(p=0)'s
+  // gradient, ...) has no storage, so no data pointer for the transport: every
+  // rank materialises its own piece (clone keeps the autograd history) and
+  // takes part in the communication as usual. Without history the result is a
+  // ZeroTensor again, so that autograd still sees "no gradient" where libtorch
+  // does (x.norm(0).backward() leaves x.grad None).
+  if (!local_in._is_zerotensor()) return redistribute_piece(local_in, src, dst);
+  at::Tensor out = redistribute_piece(local_in.clone(), src, dst);
+  if (local_in.requires_grad()) return out;
+  return at::_efficientzerotensor(out.sizes(), out.options());
+}
+
+namespace {
+at::Tensor redistribute_piece(const at::Tensor& local, const ShardSpec& src, const ShardSpec& dst) {
   TORCH_CHECK(src.mesh() == dst.mesh(), "redistribute: the meshes differ: ", src.to_string(),
               " vs ", dst.to_string());
   TORCH_CHECK(src.global_shape() == dst.global_shape(),
@@ -322,6 +335,7 @@ at::Tensor redistribute_local(const at::Tensor& local_in, const ShardSpec& src,
   }
   return out;
 }
+}  // namespace
 
 }  // namespace detail
 
