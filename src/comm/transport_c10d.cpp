@@ -248,37 +248,28 @@ namespace {
 // acc = acc (op) x, element-wise, in acc's dtype (MPI's semantics per dtype:
 // bool Sum/Max are or, Min/Product and; complex has Sum and Product only).
 void combine_(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
-  const bool is_bool = acc.scalar_type() == at::kBool;
+  if (acc.scalar_type() == at::kBool) {
+    if (op == ReduceOp::Sum || op == ReduceOp::Max) {
+      acc.logical_or_(x);
+    } else {
+      acc.logical_and_(x);
+    }
+    return;
+  }
+  TORCH_CHECK(!acc.is_complex() || op == ReduceOp::Sum || op == ReduceOp::Product,
+              "shardtensor transport: ", op == ReduceOp::Max ? "Max" : "Min", " of complex values");
   switch (op) {
     case ReduceOp::Sum:
-      if (is_bool) {
-        acc.logical_or_(x);
-      } else {
-        acc.add_(x);
-      }
+      acc.add_(x);
       return;
     case ReduceOp::Product:
-      if (is_bool) {
-        acc.logical_and_(x);
-      } else {
-        acc.mul_(x);
-      }
+      acc.mul_(x);
       return;
     case ReduceOp::Max:
-      TORCH_CHECK(!acc.is_complex(), "shardtensor transport: Max of complex values");
-      if (is_bool) {
-        acc.logical_or_(x);
-      } else {
-        at::maximum_out(acc, acc, x);
-      }
+      at::maximum_out(acc, acc, x);
       return;
     case ReduceOp::Min:
-      TORCH_CHECK(!acc.is_complex(), "shardtensor transport: Min of complex values");
-      if (is_bool) {
-        acc.logical_and_(x);
-      } else {
-        at::minimum_out(acc, acc, x);
-      }
+      at::minimum_out(acc, acc, x);
       return;
   }
 }
