@@ -13,6 +13,7 @@
 #include <shardtensor/io/checkpoint.h>
 #include <shardtensor/io/hdf5.h>
 #include <shardtensor/mesh/device_mesh.h>
+#include <shardtensor/nn/fully_shard.h>
 #include <shardtensor/nn/module.h>
 #include <shardtensor/ops/attention.h>
 #include <shardtensor/ops/fft.h>

@@ -138,6 +138,7 @@ struct SinkArgs {
   std::shared_ptr<detail::ReplicatedGradSink> sink;
   const at::TensorImpl* leaf = nullptr;
   MPI_Comm comm = MPI_COMM_NULL;  // for the fallback under create_graph
+  std::vector<int64_t> dims;      // the mesh dims the use is over
 };
 
 struct UseReplicatedSinkFn : torch::autograd::Function<UseReplicatedSinkFn> {
@@ -153,7 +154,7 @@ struct UseReplicatedSinkFn : torch::autograd::Function<UseReplicatedSinkFn> {
       // differentiable all-reduce here (Note [differentiable adjoints]).
       return {AllReduceFn::apply(grads[0], GroupArgs{args.comm}), Variable()};
     }
-    args.sink->add_partial(args.leaf, grads[0]);
+    args.sink->add_partial(args.leaf, grads[0], args.dims);
     return {Variable(), Variable()};
   }
 };
@@ -343,6 +344,7 @@ at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
   const Prim p = Prim::UseReplicated;
   const Group g = group(p, mesh, mesh_dims);
   TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
+  detail::before_replicated_use(t);  // fully_shard gathers here (Note [fully_shard])
   if (g.comm != MPI_COMM_NULL) {
     Checks checks(p);
     Fingerprint fp;
@@ -350,8 +352,8 @@ at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
     agree_or_throw(p, g.comm, fp, checks);
   }
   if (auto sink = detail::grad_sink_for(t, mesh, g.dims)) {
-    return UseReplicatedSinkFn::apply(t,
-                                      SinkArgs{std::move(sink), t.unsafeGetTensorImpl(), g.comm});
+    return UseReplicatedSinkFn::apply(
+        t, SinkArgs{std::move(sink), t.unsafeGetTensorImpl(), g.comm, g.dims});
   }
   if (t.is_view() && t.requires_grad()) {
     // A view of a registered leaf (linear's w.t()): route the leaf itself to
@@ -360,7 +362,7 @@ at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
     const at::Tensor base(t._base());
     if (auto sink = detail::grad_sink_for(base, mesh, g.dims)) {
       at::Tensor marked = UseReplicatedSinkFn::apply(
-          base, SinkArgs{std::move(sink), base.unsafeGetTensorImpl(), g.comm});
+          base, SinkArgs{std::move(sink), base.unsafeGetTensorImpl(), g.comm, g.dims});
       return retake_view(marked, t);
     }
   }

@@ -5,6 +5,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -17,6 +18,7 @@ struct SinkEntry {
   DeviceMesh mesh;
   std::shared_ptr<ReplicatedGradSink> sink;
 };
+std::atomic<bool> g_before_use{false};
 std::mutex& sink_mutex() {
   static std::mutex m;
   return m;
@@ -42,6 +44,7 @@ void set_grad_sink(const at::Tensor& leaf, const DeviceMesh& mesh,
     return;
   }
   reg.erase(key);
+  if (sink->wants_before_use()) g_before_use.store(true, std::memory_order_relaxed);
   reg.emplace(key, SinkEntry{c10::weak_intrusive_ptr<at::TensorImpl>(leaf.getIntrusivePtr()), mesh,
                              std::move(sink)});
 }
@@ -49,13 +52,40 @@ void set_grad_sink(const at::Tensor& leaf, const DeviceMesh& mesh,
 std::shared_ptr<ReplicatedGradSink> grad_sink_for(const at::Tensor& t, const DeviceMesh& mesh,
                                                   const std::vector<int64_t>& mesh_dims) {
   if (!t.defined() || !t.requires_grad() || !t.is_leaf()) return nullptr;
-  if (static_cast<int64_t>(mesh_dims.size()) != mesh.ndim()) return nullptr;
-  std::lock_guard<std::mutex> lock(sink_mutex());
-  auto& reg = sink_registry();
-  if (reg.empty()) return nullptr;
-  auto it = reg.find(t.unsafeGetTensorImpl());
-  if (it == reg.end() || it->second.leaf.expired() || it->second.mesh != mesh) return nullptr;
-  return it->second.sink;
+  std::shared_ptr<ReplicatedGradSink> sink;
+  {
+    std::lock_guard<std::mutex> lock(sink_mutex());
+    auto& reg = sink_registry();
+    if (reg.empty()) return nullptr;
+    auto it = reg.find(t.unsafeGetTensorImpl());
+    if (it == reg.end() || it->second.leaf.expired() || it->second.mesh != mesh) return nullptr;
+    sink = it->second.sink;
+  }
+  return sink->takes(mesh.ndim(), mesh_dims) ? sink : nullptr;
+}
+
+bool before_use_enabled() { return g_before_use.load(std::memory_order_relaxed); }
+
+void before_replicated_use(const at::Tensor& t) {
+  if (!t.defined()) return;
+  std::shared_ptr<ReplicatedGradSink> sink;
+  const at::TensorImpl* leaf = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(sink_mutex());
+    auto& reg = sink_registry();
+    if (reg.empty()) return;
+    const at::TensorBase* candidates[2] = {&t, t.is_view() ? &t._base() : nullptr};
+    for (const at::TensorBase* c : candidates) {
+      if (c == nullptr || !c->defined()) continue;
+      auto it = reg.find(c->unsafeGetTensorImpl());
+      if (it == reg.end() || it->second.leaf.expired()) continue;
+      sink = it->second.sink;
+      leaf = it->first;
+      break;
+    }
+  }
+  // Outside the lock: the sink may communicate, and may register tensors.
+  if (sink) sink->before_use(leaf);
 }
 
 size_t grad_sink_registry_size() {

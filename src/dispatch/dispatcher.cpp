@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "comm/diagnostic.h"
+#include "comm/grad_sink.h"
 #include "core/debug.h"
 #include "core/fingerprint.h"
 #include "dispatch/fallback.h"
@@ -208,6 +209,20 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
       written.push_back(v.toTensor());
     } else if (i == 0 && ops::returns_view(schema)) {
       view_source = v.toTensor();
+    }
+  }
+  if (comm::detail::before_use_enabled()) {
+    // fully_shard gathers a unit's parameters at their first use with a
+    // ShardTensor (Note [fully_shard]), also where no rule marks them.
+    for (size_t i = 0; i < n; ++i) {
+      const c10::IValue& v = (*stack)[stack->size() - n + i];
+      if (v.isTensor()) {
+        if (!detail::shard_impl(v.toTensor())) comm::detail::before_replicated_use(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) {
+          if (!detail::shard_impl(t)) comm::detail::before_replicated_use(t);
+        }
+      }
     }
   }
   Counters& c = counters();

@@ -21,6 +21,7 @@
 #include "comm/grad_sink.h"
 #include "comm/plain.h"
 #include "core/fingerprint.h"
+#include "nn/module_support.h"
 
 // Note [gradient buckets]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -127,7 +128,8 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
 
   size_t num_buckets() const { return buckets_.size(); }
 
-  void add_partial(const at::TensorImpl* leaf, const at::Tensor& grad) override {
+  void add_partial(const at::TensorImpl* leaf, const at::Tensor& grad,
+                   const std::vector<int64_t>& /*mesh_dims: all of them*/) override {
     auto it = index_.find(leaf);
     TORCH_INTERNAL_ASSERT(it != index_.end(), "gradient reducer: unknown parameter");
     Param& p = params_[it->second];
@@ -258,6 +260,53 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
 
 }  // namespace
 
+namespace nn_detail {
+
+void agree_on_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const DeviceMesh& mesh, const char* what, const std::string& extra) {
+  // Every rank must hold the same list: compare a fingerprint before moving
+  // any data, so a mismatch throws on every rank (Note [collective discipline]).
+  std::ostringstream fp;
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK(!ShardTensor::is_shard_tensor(t), what, ": ", name,
+                " is a ShardTensor; parameters and buffers must be plain tensors");
+    fp << name << ':' << t.sizes() << ':' << t.scalar_type() << ':' << t.requires_grad() << ';';
+  }
+  fp << extra;
+  // FNV-1a: the same value on every rank for the same text (std::hash is not).
+  const auto h = static_cast<int64_t>(detail::fingerprint(fp.str()) >> 2);
+  std::vector<int64_t> agree{h, -h};
+  comm::all_reduce_max(mesh, agree);
+  TORCH_CHECK(agree[0] == -agree[1], what,
+              ": ranks hold modules with different parameters or buffers "
+              "(names, shapes, dtypes or requires_grad differ) or different options; this rank "
+              "has: ",
+              fp.str());
+}
+
+void broadcast_from_rank0(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                          const DeviceMesh& mesh) {
+  // One broadcast per dtype: parameters and buffers packed into one bucket.
+  std::map<at::ScalarType, std::vector<at::Tensor>> buckets;
+  for (const auto& [name, t] : tensors) {
+    if (t.numel() > 0) buckets[t.scalar_type()].push_back(t);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [dtype, list] : buckets) {
+    std::vector<at::Tensor> flat;
+    for (const auto& t : list) flat.push_back(t.detach().reshape({-1}));
+    at::Tensor bucket = at::cat(flat).contiguous();
+    comm::broadcast_(bucket, 0, mesh);
+    int64_t off = 0;
+    for (auto& t : list) {
+      t.detach().copy_(bucket.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  }
+}
+
+}  // namespace nn_detail
+
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh) {
   distribute_module(module, mesh, DistributeOptions());
 }
@@ -277,42 +326,11 @@ void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
   for (const auto& b : module.named_buffers(/*recurse=*/true)) {
     tensors.emplace_back("buffer " + b.key(), b.value());
   }
-  // Every rank must hold the same list: compare a fingerprint before moving
-  // any data, so a mismatch throws on every rank (Note [collective discipline]).
-  std::ostringstream fp;
-  for (const auto& [name, t] : tensors) {
-    TORCH_CHECK(!ShardTensor::is_shard_tensor(t), "distribute_module: ", name,
-                " is a ShardTensor; parameters and buffers must be plain tensors");
-    fp << name << ':' << t.sizes() << ':' << t.scalar_type() << ':' << t.requires_grad() << ';';
-  }
-  fp << "bucket:" << options.bucket_gradients() << ':' << options.bucket_cap_bytes();
-  // FNV-1a: the same value on every rank for the same text (std::hash is not).
-  const auto h = static_cast<int64_t>(detail::fingerprint(fp.str()) >> 2);
-  std::vector<int64_t> agree{h, -h};
-  comm::all_reduce_max(mesh, agree);
-  TORCH_CHECK(agree[0] == -agree[1],
-              "distribute_module: ranks hold modules with different parameters or buffers "
-              "(names, shapes, dtypes or requires_grad differ) or different options; this rank "
-              "has: ",
-              fp.str());
   {
-    // One broadcast per dtype: parameters and buffers packed into one bucket.
-    std::map<at::ScalarType, std::vector<at::Tensor>> buckets;
-    for (const auto& [name, t] : tensors) {
-      if (t.numel() > 0) buckets[t.scalar_type()].push_back(t);
-    }
-    torch::NoGradGuard no_grad;
-    for (auto& [dtype, list] : buckets) {
-      std::vector<at::Tensor> flat;
-      for (const auto& t : list) flat.push_back(t.detach().reshape({-1}));
-      at::Tensor bucket = at::cat(flat).contiguous();
-      comm::broadcast_(bucket, 0, mesh);
-      int64_t off = 0;
-      for (auto& t : list) {
-        t.detach().copy_(bucket.narrow(0, off, t.numel()).view(t.sizes()));
-        off += t.numel();
-      }
-    }
+    std::ostringstream extra;
+    extra << "bucket:" << options.bucket_gradients() << ':' << options.bucket_cap_bytes();
+    nn_detail::agree_on_tensors(tensors, mesh, "distribute_module", extra.str());
+    nn_detail::broadcast_from_rank0(tensors, mesh);
   }
   if (!options.bucket_gradients()) {
     for (const auto& p : params) comm::detail::set_grad_sink(p, mesh, nullptr);

@@ -1,0 +1,255 @@
+// fully_shard (Note [fully_shard]): three Adam steps of a U-Net, with each
+// encoder/decoder block its own unit and the root holding the rest, equal three
+// single-process steps on the concatenated batch (losses, parameters, Adam
+// state, float64), at every data x domain layout of the ranks; each rank
+// holds 1/D of the parameters and of the optimizer state.
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "models/unet.h"
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+
+namespace {
+
+struct Layout {
+  int64_t data, domain;
+};
+
+/// Every data x domain factorization of the world's size.
+std::vector<Layout> layouts() {
+  const int64_t p = test_mesh().size();
+  std::vector<Layout> out;
+  for (int64_t d = 1; d <= p; ++d) {
+    if (p % d == 0) out.push_back({d, p / d});
+  }
+  return out;
+}
+
+std::string name_of(const Layout& l) {
+  return std::to_string(l.data) + "x" + std::to_string(l.domain);
+}
+
+/// A unit and the prefix of its parameter names in the whole model.
+struct NamedUnit {
+  std::string prefix;
+  st::FullyShard unit;
+};
+
+/// fully_shard on every encoder/decoder block, then on the root.
+std::vector<NamedUnit> shard_unet(models::UNet2d& net, const st::DeviceMesh& mesh,
+                                  bool reshard_after_forward) {
+  std::vector<NamedUnit> units;
+  auto opts = st::FullyShardOptions().reshard_after_forward(reshard_after_forward);
+  for (const auto& child : net->named_children()) {
+    const std::string& n = child.key();
+    if (n.rfind("enc", 0) == 0 || n.rfind("dec", 0) == 0) {
+      units.push_back({n + ".", st::fully_shard(*child.value(), mesh, "data", opts)});
+    }
+  }
+  units.push_back({"", st::fully_shard(*net, mesh, "data", opts)});
+  return units;
+}
+
+const torch::optim::AdamParamState& adam_state(const torch::optim::Adam& opt, const at::Tensor& p) {
+  const auto& state = opt.state();
+  auto it = state.find(p.unsafeGetTensorImpl());
+  TORCH_CHECK(it != state.end(), "no Adam state");
+  return static_cast<const torch::optim::AdamParamState&>(*it->second);
+}
+
+void check_unet_layout(const Layout& l, bool zero3) {
+  SCOPED_TRACE("layout " + name_of(l) + (zero3 ? " ZeRO-3" : " ZeRO-2"));
+  auto mesh = st::DeviceMesh::create({l.data, l.domain}, {"data", "domain"});
+  const int64_t batch = l.data + 1;  // uneven over the data dim
+  auto x = rnd({batch, 2, 16, 12}, 31).to(at::kDouble);
+  auto y = rnd({batch, 1, 16, 12}, 32).to(at::kDouble);
+  auto opts =
+      models::UNetOptions(2, 1).base_channels(4).depth(2).norm(models::Norm::Group).groups(2);
+  torch::manual_seed(5);
+  models::UNet2d ref(opts);
+  ref->to(at::kDouble);
+  torch::manual_seed(50 + mesh.rank());  // different on every rank: fully_shard broadcasts
+  models::UNet2d net(opts);
+  net->to(at::kDouble);
+  // Rank 0's initial values must be the reference's.
+  if (mesh.rank() == 0) {
+    torch::NoGradGuard g;
+    auto rp = ref->named_parameters();
+    for (auto& p : net->named_parameters()) p.value().copy_(rp[p.key()]);
+  }
+  auto units = shard_unet(net, mesh, zero3);
+  ASSERT_GE(units.size(), 3u);  // blocks enc*, dec*, and the root
+  for (const auto& u : units) {
+    EXPECT_TRUE(u.unit.is_sharded()) << u.prefix;
+    EXPECT_EQ(u.unit.shard().numel(), (u.unit.numel() + l.data - 1) / l.data) << u.prefix;
+  }
+  auto shards = st::fully_shard_parameters(*net);
+  EXPECT_EQ(shards.size(), units.size());
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam opt(shards, torch::optim::AdamOptions(1e-2));
+  // Batch over "data", rows over "domain".
+  st::Placements p{st::Shard{0}, st::Shard{2}};
+  auto sx = st::distribute_tensor(x, mesh, p);
+  auto sy = st::distribute_tensor(y, mesh, p);
+  for (int step = 0; step < 3; ++step) {
+    ref_opt.zero_grad();
+    auto ref_loss = (ref->forward(x) - y).pow(2).mean();
+    ref_loss.backward();
+    ref_opt.step();
+    opt.zero_grad();
+    auto loss = (net->forward(sx) - sy).pow(2).mean();
+    // After forward: ZeRO-3 has freed every block but the last one used;
+    // ZeRO-2 holds them all; the root is gathered.
+    int64_t gathered = 0;
+    for (const auto& u : units) gathered += u.unit.is_sharded() ? 0 : 1;
+    EXPECT_EQ(gathered, zero3 ? 2 : static_cast<int64_t>(units.size())) << "step " << step;
+    loss.backward();
+    for (const auto& u : units) EXPECT_TRUE(u.unit.is_sharded()) << "after backward: " << u.prefix;
+    EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << "loss at step " << step;
+    opt.step();
+  }
+  auto rp = ref->named_parameters();
+  for (const auto& u : units) {
+    const auto full = u.unit.full_state_dict();
+    const auto& st_ = adam_state(opt, u.unit.shard());
+    EXPECT_EQ(st_.exp_avg().numel(), u.unit.shard_numel());  // 1/D of the state
+    const auto m1 = u.unit.unflatten(st_.exp_avg());
+    const auto m2 = u.unit.unflatten(st_.exp_avg_sq());
+    for (size_t i = 0; i < full.size(); ++i) {
+      const std::string name = u.prefix + full[i].first;
+      const at::Tensor& r = rp[name];
+      EXPECT_TRUE(all_close(full[i].second, r, 1e-10, 1e-14)) << "parameter " << name;
+      const auto& rs = adam_state(ref_opt, r);
+      EXPECT_TRUE(all_close(m1[i], rs.exp_avg(), 1e-10, 1e-16)) << "exp_avg of " << name;
+      EXPECT_TRUE(all_close(m2[i], rs.exp_avg_sq(), 1e-10, 1e-20)) << "exp_avg_sq of " << name;
+      EXPECT_EQ(st_.step(), rs.step());
+    }
+  }
+}
+
+struct Scale : torch::nn::Module {
+  Scale() { w = register_parameter("w", torch::full({3}, 1.5, at::kDouble)); }
+  at::Tensor forward(const at::Tensor& x) { return x * w; }
+  at::Tensor w;
+};
+
+struct Net : torch::nn::Module {
+  Net() {
+    fc1 = register_module("fc1", torch::nn::Linear(5, 7));
+    scale = register_module("scale", std::make_shared<Scale>());
+    fc2 = register_module("fc2", torch::nn::Linear(7, 3));
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) { return scale->forward(fc2(torch::tanh(fc1(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  std::shared_ptr<Scale> scale;
+};
+
+}  // namespace
+
+TEST(FullyShard, UNetAdamStepsEqualSingleProcessAtEveryLayout) {
+  for (const auto& l : layouts()) {
+    check_unet_layout(l, /*zero3=*/true);
+    check_unet_layout(l, /*zero3=*/false);
+  }
+}
+
+// A unit with fewer elements than D (Scale: 3), a plain use of a parameter
+// (a weight penalty: whole gradient, no sum), clip_grad_norm_ against
+// torch's, and full state dicts in and out.
+TEST(FullyShard, SmallUnitsPlainUsesAndClipping) {
+  for (const auto& l : layouts()) {
+    SCOPED_TRACE("layout " + name_of(l));
+    auto mesh = st::DeviceMesh::create({l.data, l.domain}, {"data", "domain"});
+    auto x = rnd({2 * l.data + 1, 9, 5}, 41).to(at::kDouble);
+    auto y = rnd({2 * l.data + 1, 9, 3}, 42).to(at::kDouble);
+    torch::manual_seed(3);
+    Net ref;
+    torch::manual_seed(3);
+    Net net;
+    auto u_scale = st::fully_shard(*net.scale, mesh, "data");
+    auto u_fc1 = st::fully_shard(*net.fc1, mesh, "data");
+    auto u_root = st::fully_shard(net, mesh, "data");
+    EXPECT_EQ(u_scale.shard_numel(), (3 + l.data - 1) / l.data);
+    const std::vector<st::FullyShard> units{u_scale, u_fc1, u_root};
+    torch::optim::AdamW ref_opt(ref.parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW opt(st::fully_shard_parameters(net), torch::optim::AdamWOptions(1e-2));
+    auto sx = st::distribute_tensor(x, mesh, {st::Shard{0}, st::Shard{1}});
+    auto sy = st::distribute_tensor(y, mesh, {st::Shard{0}, st::Shard{1}});
+    for (int step = 0; step < 3; ++step) {
+      ref_opt.zero_grad();
+      auto ref_loss = (ref.forward(x) - y).pow(2).mean() + 0.1 * ref.fc2->weight.pow(2).sum();
+      ref_loss.backward();
+      const double ref_norm = torch::nn::utils::clip_grad_norm_(ref.parameters(), 0.05);
+      ref_opt.step();
+      opt.zero_grad();
+      auto out = net.forward(sx);
+      u_root.unshard();  // a plain use below
+      auto loss = (out - sy).pow(2).mean() + 0.1 * net.fc2->weight.pow(2).sum();
+      loss.backward();
+      EXPECT_TRUE(net.fc2->weight.grad().defined() == false) << "module parameters get no grad";
+      const double norm = st::clip_grad_norm_(units, 0.05);
+      EXPECT_NEAR(norm, ref_norm, 1e-10 * ref_norm) << "step " << step;
+      EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << "loss at step " << step;
+      opt.step();
+    }
+    auto rp = ref.named_parameters();
+    const std::vector<std::string> pre{"scale.", "fc1.", ""};
+    for (size_t k = 0; k < units.size(); ++k) {
+      for (const auto& [n, v] : units[k].full_state_dict()) {
+        EXPECT_TRUE(all_close(v, rp[pre[k] + n], 1e-10, 1e-14)) << pre[k] + n;
+      }
+    }
+    // Full state in: a fresh model takes the trained values.
+    torch::manual_seed(77);
+    Net other;
+    auto o_scale = st::fully_shard(*other.scale, mesh, "data");
+    auto o_root = st::fully_shard(other, mesh, "data");
+    o_scale.load_full_state_dict(u_scale.full_state_dict());
+    std::vector<std::pair<std::string, at::Tensor>> root_state;
+    for (const auto& [n, v] : u_root.full_state_dict()) root_state.emplace_back(n, v);
+    for (const auto& [n, v] : u_fc1.full_state_dict()) root_state.emplace_back("fc1." + n, v);
+    o_root.load_full_state_dict(root_state);
+    auto a = net.forward(sx), b = other.forward(sx);
+    EXPECT_TRUE(all_close(gathered(a), gathered(b), 0, 0));
+  }
+}
+
+TEST(FullyShard, RejectsBadInputOnEveryRank) {
+  auto mesh = st::DeviceMesh::create({test_mesh().size()}, {"data"});
+  torch::nn::Linear lin(3, 2);
+  bool threw = false;
+  try {
+    st::fully_shard(*lin, mesh, "domain");
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("'domain' is not a dim of the mesh") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  // Mixed dtypes in one unit.
+  torch::nn::Linear mixed(3, 2);
+  mixed->bias.set_data(mixed->bias.to(at::kDouble));
+  threw = false;
+  try {
+    st::fully_shard(*mixed, mesh, "data");
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("is Double but weight is Float") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+  // The same parameters twice.
+  torch::nn::Linear twice(3, 2);
+  st::fully_shard(*twice, mesh, "data");
+  threw = false;
+  try {
+    std::vector<std::pair<std::string, at::Tensor>> ps{{"weight", twice->weight}};
+    st::fully_shard(ps, {}, mesh, "data", st::FullyShardOptions(), false);
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("already in a fully_shard unit") != std::string::npos;
+  }
+  EXPECT_TRUE(all_ranks(threw));
+}
