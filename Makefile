@@ -98,7 +98,7 @@ help:
 	@echo "make bench-quick   benchmark subset (< 10 min on 2 cores) -> bench/results/quick.json"
 	@echo "make bench         every benchmark scenario -> bench/results/*.json"
 	@echo "make bench-fixed | bench-weak | bench-strong | bench-maxsize | bench-overhead | bench-attention"
-	@echo "make bench-scale | bench-profile | bench-io | bench-targets | bench-transport   scale model (P = 1..16), per-op profile, HDF5 reads, issue 13's targets, MPI vs Gloo"
+	@echo "make bench-scale | bench-profile | bench-io | bench-targets | bench-transport | bench-fsdp   scale model (P = 1..16), per-op profile, HDF5 reads, issue 13's targets, MPI vs Gloo, fully_shard vs replicated"
 	@echo "make bench-report  docs/benchmarks.md + docs/img/bench_*.png from bench/results/*.json (gnuplot)"
 
 # Builds only the demo (and the library), not the tests.
@@ -270,6 +270,12 @@ bench: bench-build
 
 $(addprefix bench-,$(BENCH_SCENARIOS)): bench-%: bench-build
 	$(BENCH_ENV) $(REPO_ROOT)/bench/run.sh $*
+
+# fully_shard vs replicated parameters, U-Net at P = 4 on 1x4, 2x2, 4x1 (bench/fsdp.sh).
+.PHONY: bench-fsdp
+bench-fsdp: build
+	MPIRUN=$(MPIRUN) MPIRUN_FLAGS="$(MPIRUN_FLAGS)" UNET=$(BUILD_ABS)/examples/unet_train \
+	  $(REPO_ROOT)/bench/fsdp.sh $(REPO_ROOT)/bench/results/fsdp.json
 
 # gnuplot-nox only for the report, through the deps mechanism (not a dependency of test/build).
 bench-deps:

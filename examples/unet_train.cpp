@@ -53,6 +53,7 @@
 
 #include "models/check.h"
 #include "models/diffusion.h"
+#include "models/fsdp.h"
 #include "models/unet.h"
 
 namespace st = shardtensor;
@@ -72,6 +73,7 @@ struct Config {
   std::string checkpoint = "unet_checkpoint";
   std::string data_file = "unet_train_data.h5";
   bool resume = false;
+  bool fully_shard = false;  // parameters, gradients, Adam state sharded over "data"
   std::string png = "unet_train.png";
   int64_t log_every = 1;
 };
@@ -105,6 +107,9 @@ bool parse(int argc, char** argv, Config& c) {
   app.add_option("--checkpoint", c.checkpoint, "checkpoint directory (\"\" = none)")
       ->capture_default_str();
   app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint");
+  app.add_flag("--fully-shard", c.fully_shard,
+               "shard parameters, gradients and Adam state over the data dim (fully_shard, "
+               "one unit per U-Net block) instead of replicating them");
   app.add_option("--data", c.data_file, "HDF5 file of the training batch")->capture_default_str();
   app.add_option("--png", c.png, "output image (\"\" = none)")->capture_default_str();
   app.add_option("--log-every", c.log_every, "print the loss every N steps")->capture_default_str();
@@ -162,6 +167,31 @@ models::UNetOptions model_options(const Config& c) {
 
 /// One sharded Adam step on a small grid against a single-process step: the
 /// same model, the same samples (gathered), the same optimizer.
+/// distribute_module, or fully_shard per block (--fully-shard); returns the units.
+std::vector<models::NamedUnit> distribute(torch::nn::Module& net, const st::DeviceMesh& mesh,
+                                          const Config& c) {
+  if (!c.fully_shard) {
+    st::distribute_module(net, mesh);
+    return {};
+  }
+  return models::fully_shard_blocks(net, mesh, "data", st::FullyShardOptions(), {"enc", "dec"});
+}
+
+/// What the optimizer steps: the parameters, or fully_shard's shards.
+std::vector<at::Tensor> trained_parameters(torch::nn::Module& net, const Config& c) {
+  return c.fully_shard ? st::fully_shard_parameters(net) : net.parameters();
+}
+
+/// Collective over the data dim: every parameter's full value, by its name in the model.
+std::vector<std::pair<std::string, at::Tensor>> full_parameters(
+    const std::vector<models::NamedUnit>& units) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& u : units) {
+    for (auto& [n, v] : u.unit.full_state_dict()) out.emplace_back(u.prefix + n, v);
+  }
+  return out;
+}
+
 bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   const int64_t n = 64, batch = std::max<int64_t>(2, mesh.size(0));
   // In float64: Adam's first step is lr * g / (|g| + eps), so gradient entries
@@ -187,9 +217,9 @@ bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   torch::manual_seed(99);
   models::UNet2d net(model_options(c));
   net->to(at::kDouble);
-  st::distribute_module(*net, mesh);
+  auto units = distribute(*net, mesh, c);
   torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(c.lr));
-  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(c.lr));
+  torch::optim::Adam opt(trained_parameters(*net, c), torch::optim::AdamOptions(c.lr));
   auto ref_loss = (predict(ref, x) - y).pow(2).mean();
   ref_loss.backward();
   ref_opt.step();
@@ -197,17 +227,19 @@ bool verify_small(const Config& c, const st::DeviceMesh& mesh, bool root) {
   loss.backward();
   opt.step();
   const double rtol = 1e-8, atol = 1e-10;
-  const check::StepError err = check::compare_step(*net, *ref, loss, ref_loss, rtol, atol);
+  const check::StepError err =
+      c.fully_shard ? check::compare_step(full_parameters(units), *ref, loss, ref_loss, rtol, atol)
+                    : check::compare_step(*net, *ref, loss, ref_loss, rtol, atol);
   const double worst = err.worst;
   const std::string& worst_name = err.where;
   const bool ok = err.ok();
   if (root) {
     std::printf(
-        "check: one sharded Adam step on %lldx%lld (batch %lld, float64) vs single-process: loss "
+        "check: one sharded%s Adam step on %lldx%lld (batch %lld, float64) vs single-process: loss "
         "%.12f vs %.12f; worst |diff|/(atol+rtol|ref|) = %.3g (%s; rtol %.0e, atol %.0e) -> %s\n",
-        static_cast<long long>(n), static_cast<long long>(n), static_cast<long long>(batch),
-        loss.item<double>(), ref_loss.item<double>(), worst, worst_name.c_str(), rtol, atol,
-        ok ? "MATCH" : "MISMATCH");
+        c.fully_shard ? " (fully_shard)" : "", static_cast<long long>(n), static_cast<long long>(n),
+        static_cast<long long>(batch), loss.item<double>(), ref_loss.item<double>(), worst,
+        worst_name.c_str(), rtol, atol, ok ? "MATCH" : "MISMATCH");
   }
   return ok;
 }
@@ -234,16 +266,22 @@ int run(int argc, char** argv) {
   }
   torch::manual_seed(1);
   models::UNet2d net(model_options(c));
-  st::distribute_module(*net, mesh);
-  torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(c.lr));
+  auto units = distribute(*net, mesh, c);
+  torch::optim::Adam opt(trained_parameters(*net, c), torch::optim::AdamOptions(c.lr));
 
   int64_t first_step = 0;
   if (c.resume) {
     if (c.checkpoint.empty() || !st::io::checkpoint_exists(c.checkpoint)) {
       usage("--resume needs a checkpoint in --checkpoint DIR (" + c.checkpoint + ")");
     }
-    auto loaded = st::io::load_checkpoint(c.checkpoint, mesh,
-                                          st::io::LoadOptions().module(net.get()).optimizer(&opt));
+    auto loaded =
+        c.fully_shard
+            ? st::io::load_checkpoint(
+                  c.checkpoint, mesh,
+                  st::io::LoadOptions().layouts(st::io::fully_shard_layouts(*net, mesh, &opt)))
+            : st::io::load_checkpoint(c.checkpoint, mesh,
+                                      st::io::LoadOptions().module(net.get()).optimizer(&opt));
+    if (c.fully_shard) st::io::load_fully_shard_tensors(loaded, *net, &opt);
     first_step = loaded.step;
     if (root) {
       std::printf("resumed from %s at step %lld\n", c.checkpoint.c_str(), (long long)first_step);
@@ -299,6 +337,21 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+  {
+    // Parameters + gradients + Adam's two moments held by this rank, against
+    // every rank holding them all (distribute_module). Measured from the
+    // tensors themselves: the shards (fully_shard) or the parameters.
+    double held = 0, replicated = 0;
+    for (const auto& p : net->parameters()) replicated += 4.0 * p.numel() * p.element_size();
+    for (const auto& t : trained_parameters(*net, c)) held += 4.0 * t.numel() * t.element_size();
+    held = max_over_ranks(held);
+    if (root) {
+      std::printf(
+          "parameter+gradient+Adam state bytes/rank: %.0f (replicated: %.0f; ratio %.4f, 1/D = "
+          "%.4f)\n",
+          held, replicated, held / replicated, 1.0 / static_cast<double>(c.data));
+    }
+  }
   if (root && c.steps > 0) {
     std::printf("loss %.6f -> %.6f (%.1fx lower)\n", first_loss, last_loss,
                 first_loss / std::max(1e-30, last_loss));
@@ -347,9 +400,13 @@ int run(int argc, char** argv) {
     }
   }
   if (!c.checkpoint.empty()) {
-    st::io::save_checkpoint(
-        c.checkpoint, mesh,
-        st::io::CheckpointState().module(net.get()).optimizer(&opt).step(first_step + c.steps));
+    st::io::save_checkpoint(c.checkpoint, mesh,
+                            c.fully_shard
+                                ? st::io::CheckpointState()
+                                      .tensors(st::io::fully_shard_tensors(*net, mesh, &opt))
+                                      .step(first_step + c.steps)
+                                : st::io::CheckpointState().module(net.get()).optimizer(&opt).step(
+                                      first_step + c.steps));
     if (root) {
       std::printf("saved sharded checkpoint %s/checkpoint.h5 (step %lld; --resume continues)\n",
                   c.checkpoint.c_str(), (long long)(first_step + c.steps));

@@ -35,4 +35,25 @@ if(TARGET unet_train)
   set_tests_properties(example.unet_train.np4 example.unet_train_resume.np4 PROPERTIES
     ENVIRONMENT "${SHARDTENSOR_TEST_ENV}" TIMEOUT 300 PROCESSORS 2 LABELS "mpi;example"
     FAIL_REGULAR_EXPRESSION "MISMATCH|MPI_ABORT|exited on signal")
+  # The same with --fully-shard (issue 26): 2x2 saves a fully sharded checkpoint, 4x1
+  # resumes from it (another data size D), and both runs' one-step check prints MATCH.
+  set(_unet_fs_args --size 64 --steps 2 --solver-steps 10 --base-channels 4 --depth 2
+                    --checkpoint example_unet_fs_ckpt --data example_unet_fs_data.h5
+                    --png example_unet_fs.png
+                    --fully-shard)
+  add_test(NAME example.unet_train.fully_shard.np4
+    COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np 4 $<TARGET_FILE:unet_train>
+            ${_unet_fs_args} --mesh 2x2)
+  add_test(NAME example.unet_train.fully_shard_resume.np4
+    COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np 4 $<TARGET_FILE:unet_train>
+            ${_unet_fs_args} --mesh 4x1 --resume)
+  set_tests_properties(example.unet_train.fully_shard.np4 PROPERTIES
+    FIXTURES_SETUP unet_fs_checkpoint
+    PASS_REGULAR_EXPRESSION "bytes/rank: [0-9]+ \\(replicated: [0-9]+; ratio 0\\.5[0-9]*, 1/D = 0\\.5000\\).*\\(fully_shard\\).*MATCH")
+  set_tests_properties(example.unet_train.fully_shard_resume.np4 PROPERTIES
+    FIXTURES_REQUIRED unet_fs_checkpoint
+    PASS_REGULAR_EXPRESSION "resumed from example_unet_fs_ckpt at step 2.*ratio 0\\.25[0-9]*, 1/D = 0\\.2500.*MATCH")
+  set_tests_properties(example.unet_train.fully_shard.np4 example.unet_train.fully_shard_resume.np4
+    PROPERTIES ENVIRONMENT "${SHARDTENSOR_TEST_ENV}" TIMEOUT 300 PROCESSORS 2
+    LABELS "mpi;example" FAIL_REGULAR_EXPRESSION "MISMATCH|MPI_ABORT|exited on signal")
 endif()

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <shardtensor/io/checkpoint.h>
+#include "models/fsdp.h"
 #include "models/unet.h"
 #include "testing.h"
 
@@ -35,25 +37,14 @@ std::string name_of(const Layout& l) {
   return std::to_string(l.data) + "x" + std::to_string(l.domain);
 }
 
-/// A unit and the prefix of its parameter names in the whole model.
-struct NamedUnit {
-  std::string prefix;
-  st::FullyShard unit;
-};
+using models::NamedUnit;
 
 /// fully_shard on every encoder/decoder block, then on the root.
 std::vector<NamedUnit> shard_unet(models::UNet2d& net, const st::DeviceMesh& mesh,
                                   bool reshard_after_forward) {
-  std::vector<NamedUnit> units;
-  auto opts = st::FullyShardOptions().reshard_after_forward(reshard_after_forward);
-  for (const auto& child : net->named_children()) {
-    const std::string& n = child.key();
-    if (n.rfind("enc", 0) == 0 || n.rfind("dec", 0) == 0) {
-      units.push_back({n + ".", st::fully_shard(*child.value(), mesh, "data", opts)});
-    }
-  }
-  units.push_back({"", st::fully_shard(*net, mesh, "data", opts)});
-  return units;
+  return models::fully_shard_blocks(
+      *net, mesh, "data", st::FullyShardOptions().reshard_after_forward(reshard_after_forward),
+      {"enc", "dec"});
 }
 
 const torch::optim::AdamParamState& adam_state(const torch::optim::Adam& opt, const at::Tensor& p) {
@@ -252,4 +243,77 @@ TEST(FullyShard, RejectsBadInputOnEveryRank) {
     threw = std::string(e.what()).find("already in a fully_shard unit") != std::string::npos;
   }
   EXPECT_TRUE(all_ranks(threw));
+}
+
+// Note [fully_shard checkpoint]: two Adam steps at 2x2, a checkpoint, then a
+// different model and optimizer at 4x1 load it and take the third step; the
+// result equals three single-process steps.
+TEST(FullyShard, CheckpointSavedAt2x2ContinuesAt4x1) {
+  if (test_mesh().size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  auto x = rnd({4, 2, 16, 12}, 61).to(at::kDouble);
+  auto y = rnd({4, 1, 16, 12}, 62).to(at::kDouble);
+  auto opts =
+      models::UNetOptions(2, 1).base_channels(4).depth(2).norm(models::Norm::Group).groups(2);
+  torch::manual_seed(8);
+  models::UNet2d ref(opts);
+  ref->to(at::kDouble);
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+  std::vector<at::Tensor> ref_losses;
+  for (int step = 0; step < 3; ++step) {
+    ref_opt.zero_grad();
+    auto l = (ref->forward(x) - y).pow(2).mean();
+    l.backward();
+    ref_opt.step();
+    ref_losses.push_back(l.detach());
+  }
+  const std::string dir = "test_fully_shard_checkpoint";
+  st::Placements p{st::Shard{0}, st::Shard{2}};
+  {
+    auto mesh = st::DeviceMesh::create({2, 2}, {"data", "domain"});
+    torch::manual_seed(8);
+    models::UNet2d net(opts);
+    net->to(at::kDouble);
+    shard_unet(net, mesh, true);
+    torch::optim::Adam opt(st::fully_shard_parameters(*net), torch::optim::AdamOptions(1e-2));
+    auto sx = st::distribute_tensor(x, mesh, p), sy = st::distribute_tensor(y, mesh, p);
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      auto l = (net->forward(sx) - sy).pow(2).mean();
+      l.backward();
+      opt.step();
+      EXPECT_TRUE(all_close(l, ref_losses[step], 1e-10, 0)) << "2x2 step " << step;
+    }
+    st::io::save_checkpoint(
+        dir, mesh,
+        st::io::CheckpointState().tensors(st::io::fully_shard_tensors(*net, mesh, &opt)).step(2));
+  }
+  auto mesh = st::DeviceMesh::create({4, 1}, {"data", "domain"});
+  torch::manual_seed(1234);  // another initialization: everything comes from the checkpoint
+  models::UNet2d net(opts);
+  net->to(at::kDouble);
+  auto units = shard_unet(net, mesh, true);
+  torch::optim::Adam opt(st::fully_shard_parameters(*net), torch::optim::AdamOptions(1e-2));
+  auto loaded = st::io::load_checkpoint(
+      dir, mesh, st::io::LoadOptions().layouts(st::io::fully_shard_layouts(*net, mesh, &opt)));
+  EXPECT_EQ(loaded.step, 2);
+  st::io::load_fully_shard_tensors(loaded, *net, &opt);
+  auto sx = st::distribute_tensor(x, mesh, p), sy = st::distribute_tensor(y, mesh, p);
+  opt.zero_grad();
+  auto l = (net->forward(sx) - sy).pow(2).mean();
+  l.backward();
+  opt.step();
+  EXPECT_TRUE(all_close(l, ref_losses[2], 1e-10, 0)) << "4x1 step 2";
+  auto rp = ref->named_parameters();
+  for (const auto& u : units) {
+    const auto full = u.unit.full_state_dict();
+    const auto& s = adam_state(opt, u.unit.shard());
+    const auto m2 = u.unit.unflatten(s.exp_avg_sq());
+    EXPECT_EQ(s.step(), 3);
+    for (size_t i = 0; i < full.size(); ++i) {
+      const std::string name = u.prefix + full[i].first;
+      EXPECT_TRUE(all_close(full[i].second, rp[name], 1e-10, 1e-14)) << name;
+      EXPECT_TRUE(all_close(m2[i], adam_state(ref_opt, rp[name]).exp_avg_sq(), 1e-10, 1e-20))
+          << name;
+    }
+  }
 }

@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace check {
 
@@ -42,6 +44,27 @@ inline StepError compare_step(const torch::nn::Module& net, const torch::nn::Mod
     if (err > e.worst) {
       e.worst = err;
       e.where = p.key();
+    }
+  }
+  e.worst = max_over_ranks(e.worst);
+  return e;
+}
+
+/// The same for a model whose parameters are given as (name, full value)
+/// pairs, e.g. gathered from fully_shard's units (Note [fully_shard]).
+inline StepError compare_step(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                              const torch::nn::Module& ref, const at::Tensor& loss,
+                              const at::Tensor& ref_loss, double rtol, double atol) {
+  StepError e;
+  const double l = loss.item<double>(), r = ref_loss.item<double>();
+  e.worst = std::abs(l - r) / (atol + rtol * std::abs(r));
+  const auto ref_params = ref.named_parameters();
+  for (const auto& [name, value] : params) {
+    const auto& q = ref_params[name];
+    const double err = ((value - q).abs() / (atol + rtol * q.abs())).max().item<double>();
+    if (err > e.worst) {
+      e.worst = err;
+      e.where = name;
     }
   }
   e.worst = max_over_ranks(e.worst);

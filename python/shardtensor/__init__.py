@@ -33,8 +33,9 @@ from ._irregular import (GhostPlan, RebalancedGraph, balanced_sizes_by_cost, ext
                          rows_like, scatter_rows)
 from ._manager import DistributedManager
 from ._mesh import DeviceMesh, init_device_mesh
-from ._nn import (backward, distribute_module, grad, halo_exchange, halo_exchange_begin, halo_exchange_end,
-                  scaled_dot_product_attention)
+from ._nn import (backward, clip_grad_norm_, distribute_module, full_state_dict, fully_shard, grad,
+                  halo_exchange, halo_exchange_begin, halo_exchange_end, load_full_state_dict,
+                  scaled_dot_product_attention, unflatten_shard)
 from ._tensor import ShardTensor, distribute_tensor, scatter_tensor
 from .placement import Partial, Placement, Replicate, Shard
 
@@ -42,7 +43,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardTensor", "Shard", "Replicate", "Partial", "Placement", "DeviceMesh", "init_device_mesh",
-    "scatter_tensor", "distribute_tensor", "distribute_module", "backward", "grad",
+    "scatter_tensor", "distribute_tensor", "distribute_module", "fully_shard", "full_state_dict",
+    "load_full_state_dict", "clip_grad_norm_", "unflatten_shard", "backward", "grad",
     "scaled_dot_product_attention", "halo_exchange", "halo_exchange_begin", "halo_exchange_end",
     "DistributedManager", "comm_stats", "reset_comm_stats",
     "memory_stats", "reset_peak_memory_stats", "io", "set_timeout", "timeout", "set_strict",

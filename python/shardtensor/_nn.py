@@ -5,7 +5,8 @@ import torch
 from . import _C
 from ._tensor import _mesh_of, _wrap
 
-__all__ = ["distribute_module", "backward", "grad", "scaled_dot_product_attention", "halo_exchange",
+__all__ = ["distribute_module", "fully_shard", "full_state_dict", "load_full_state_dict",
+           "clip_grad_norm_", "unflatten_shard", "backward", "grad", "scaled_dot_product_attention", "halo_exchange",
            "halo_exchange_begin", "halo_exchange_end"]
 
 
@@ -119,3 +120,109 @@ def halo_exchange_end(pending):
     gradient (a plain local tensor connected to autograd). Raises RuntimeError if
     ``pending`` was already ended. C++: shardtensor::halo_exchange_end."""
     return pending.end()
+
+
+def fully_shard(module, mesh=None, dim="data", *, reshard_after_forward=True):
+    """Shards ``module``'s parameters over mesh dim ``dim`` (FSDP / ZeRO), as
+    PyTorch's FSDP2 ``fully_shard``; the other mesh dims keep
+    :func:`distribute_module`'s meaning (parameters replicated there, their
+    gradients summed). Apply it to blocks first, then to the root. Returns
+    ``module``.
+
+    The unit is ``module``'s parameters not already in an inner unit. Every
+    parameter and buffer is first broadcast from mesh rank 0. Each rank then
+    keeps 1/D of the unit's flattened, padded parameters (D = size of ``dim``)
+    in one ``nn.Parameter`` registered as ``module._st_flat_param``; the
+    original parameters stay attributes of their modules (same names, same
+    shapes), no longer registered, so ``model.parameters()`` gives the shards
+    and ``torch.optim`` steps them unchanged (its state is 1/D too). They are
+    gathered over ``dim`` before the module's forward, freed when the next
+    unit's forward starts (``reshard_after_forward``, ZeRO-3; else kept until
+    backward, ZeRO-2), gathered again for backward, and their gradients are
+    reduce-scattered into ``_st_flat_param.grad`` (this rank's slice of the
+    single-process gradient). Collective over the mesh. Raises on every rank
+    if the ranks' modules differ, ``dim`` is not a mesh dim, or the unit mixes
+    dtypes. C++: shardtensor::fully_shard (docs/fully_shard.md).
+    """
+    mesh = _mesh_of(mesh)
+    params, owners = [], []
+    is_root = False
+    for mod_name, mod in module.named_modules():
+        for local, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if local == "_st_flat_param":
+                is_root = is_root or mod is not module
+                continue
+            if not p.requires_grad:
+                continue
+            full = f"{mod_name}.{local}" if mod_name else local
+            params.append((full, p))
+            owners.append((mod, local))
+    # shared parameters appear once in named_modules' walk per owner; keep the first
+    seen, unique, unique_owners = set(), [], []
+    for (n, p), o in zip(params, owners):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        unique.append((n, p))
+        unique_owners.append(o)
+    buffers = [(n, b) for n, b in module.named_buffers()]
+    unit = _C.fully_shard(unique, buffers, mesh._c, str(dim), bool(reshard_after_forward), is_root)
+    dtype = unique[0][1].dtype if unique else torch.float32
+    flat = torch.nn.Parameter(torch.empty(unit.shard_numel(), dtype=dtype))
+    unit.set_shard(flat)
+    for (mod, local), (_, p) in zip(unique_owners, unique):
+        del mod._parameters[local]
+        mod.__dict__[local] = p  # still what the module's forward reads
+    module.register_parameter("_st_flat_param", flat)
+    module._st_unit = unit
+    module.register_forward_pre_hook(lambda mod, inputs: unit.unshard())
+    return module
+
+
+def _units(module):
+    return [(name, mod._st_unit) for name, mod in module.named_modules() if hasattr(mod, "_st_unit")]
+
+
+def full_state_dict(module):
+    """The full value of every parameter of the fully sharded units in
+    ``module``, by dotted name (as ``module.state_dict()`` would name them
+    without fully_shard). Collective over each unit's data dim."""
+    out = {}
+    for prefix, unit in _units(module):
+        for n, v in unit.full_state_dict():
+            out[f"{prefix}.{n}" if prefix else n] = v
+    return out
+
+
+def load_full_state_dict(module, state):
+    """Sets the fully sharded units in ``module`` from full parameter values
+    named as :func:`full_state_dict` names them (every rank passes the same
+    values; each keeps its slice). Local. Raises if a name is missing or a
+    shape differs."""
+    for prefix, unit in _units(module):
+        sub = []
+        for n in unit.names():
+            key = f"{prefix}.{n}" if prefix else n
+            if key not in state:
+                raise KeyError(f"load_full_state_dict: no value for '{key}'")
+            sub.append((n, state[key]))
+        unit.load_full_state_dict(sub)
+
+
+def clip_grad_norm_(module, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over the sharded gradients of the fully
+    sharded units in ``module``: returns the global 2-norm (before clipping)
+    and scales the shard gradients so that it is at most ``max_norm``.
+    Collective over the data dim."""
+    return _C.clip_grad_norm_([u for _, u in _units(module)], float(max_norm))
+
+
+def unflatten_shard(unit_module, shard_like):
+    """Gathers a tensor laid out like ``unit_module._st_flat_param`` (e.g. its
+    Adam ``exp_avg``) and returns it per parameter of that unit, by name
+    relative to ``unit_module``, with the parameters' shapes (padding
+    dropped). Collective over the data dim."""
+    unit = unit_module._st_unit
+    return dict(zip(unit.names(), unit.unflatten(shard_like)))

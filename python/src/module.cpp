@@ -293,6 +293,38 @@ PYBIND11_MODULE(_C, m) {
       },
       Release());
 
+  // fully_shard (Note [fully_shard]): the Python package passes a unit's named
+  // parameters (not those of inner units) and the module's buffers.
+  py::class_<st::FullyShard>(m, "FullyShard")
+      .def("shard", &st::FullyShard::shard)
+      .def("set_shard", &st::FullyShard::set_shard)
+      .def("numel", &st::FullyShard::numel)
+      .def("padded_numel", &st::FullyShard::padded_numel)
+      .def("shard_numel", &st::FullyShard::shard_numel)
+      .def("names", &st::FullyShard::names)
+      .def("is_sharded", &st::FullyShard::is_sharded)
+      .def("unshard", &st::FullyShard::unshard, Release())
+      .def("reshard", &st::FullyShard::reshard)
+      .def("full_state_dict", &st::FullyShard::full_state_dict, Release())
+      .def("load_full_state_dict", &st::FullyShard::load_full_state_dict)
+      .def("unflatten", &st::FullyShard::unflatten, Release());
+  m.def(
+      "fully_shard",
+      [](const std::vector<std::pair<std::string, at::Tensor>>& params,
+         const std::vector<std::pair<std::string, at::Tensor>>& buffers, const st::DeviceMesh& mesh,
+         const std::string& dim, bool reshard_after_forward, bool is_root) {
+        return st::fully_shard(params, buffers, mesh, dim,
+                               st::FullyShardOptions().reshard_after_forward(reshard_after_forward),
+                               is_root);
+      },
+      Release());
+  m.def(
+      "clip_grad_norm_",
+      [](const std::vector<st::FullyShard>& units, double max_norm) {
+        return st::clip_grad_norm_(units, max_norm);
+      },
+      Release());
+
   // ---- ops -------------------------------------------------------------------
   m.def(
       "scaled_dot_product_attention",

@@ -67,7 +67,7 @@ std::shared_ptr<ReplicatedGradSink> grad_sink_for(const at::Tensor& t, const Dev
 bool before_use_enabled() { return g_before_use.load(std::memory_order_relaxed); }
 
 void before_replicated_use(const at::Tensor& t) {
-  if (!t.defined()) return;
+  if (!before_use_enabled() || !t.defined()) return;
   std::shared_ptr<ReplicatedGradSink> sink;
   const at::TensorImpl* leaf = nullptr;
   {

@@ -2,9 +2,13 @@
 // Note [crash-safe checkpoint].
 #include <shardtensor/io/checkpoint.h>
 #include <shardtensor/io/hdf5.h>
+#include <shardtensor/nn/fully_shard.h>
 #include <shardtensor/tensor/shard_tensor.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
@@ -212,6 +216,176 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, const DeviceMesh& mesh,
   }
   file.close();
   return out;
+}
+
+// --- fully_shard units (Note [fully_shard checkpoint]) ------------------------
+
+namespace {
+
+/// The optimizer's state tensors of one shard, by name (created empty-valued
+/// with zeros when `create` and the shard has no state yet).
+struct ShardState {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  int64_t step = 0;
+};
+
+std::vector<std::string> state_names(torch::optim::Optimizer* opt) {
+  if (opt == nullptr) return {};
+  if (auto* a = dynamic_cast<torch::optim::Adam*>(opt)) {
+    const auto& o = static_cast<const torch::optim::AdamOptions&>(a->defaults());
+    if (o.amsgrad()) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    return {"exp_avg", "exp_avg_sq"};
+  }
+  if (auto* a = dynamic_cast<torch::optim::AdamW*>(opt)) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(a->defaults());
+    if (o.amsgrad()) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    return {"exp_avg", "exp_avg_sq"};
+  }
+  if (auto* sgd = dynamic_cast<torch::optim::SGD*>(opt)) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(sgd->defaults());
+    if (o.momentum() != 0) return {"momentum_buffer"};
+    return {};
+  }
+  TORCH_CHECK(false,
+              "fully_shard checkpoint: only Adam, AdamW and SGD optimizer state can be saved "
+              "per shard");
+}
+
+template <typename State>
+at::Tensor* adam_slot(State& s, const std::string& name) {
+  if (name == "exp_avg") return const_cast<at::Tensor*>(&s.exp_avg());
+  if (name == "exp_avg_sq") return const_cast<at::Tensor*>(&s.exp_avg_sq());
+  return const_cast<at::Tensor*>(&s.max_exp_avg_sq());
+}
+
+/// Pointers to the state tensors of `shard` in `opt` (made, zero, when absent).
+std::vector<at::Tensor*> state_slots(torch::optim::Optimizer* opt, const at::Tensor& shard,
+                                     const std::vector<std::string>& names, int64_t** step) {
+  *step = nullptr;
+  std::vector<at::Tensor*> out;
+  if (opt == nullptr || names.empty()) return out;
+  auto& states = opt->state();
+  void* key = shard.unsafeGetTensorImpl();
+  auto zeros = [&] { return at::zeros_like(shard.detach(), at::MemoryFormat::Contiguous); };
+  auto fill = [&](auto& st) {
+    if (!st.exp_avg().defined()) st.exp_avg(zeros());
+    if (!st.exp_avg_sq().defined()) st.exp_avg_sq(zeros());
+    if (!st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zeros());
+    for (const auto& n : names) out.push_back(adam_slot(st, n));
+    *step = const_cast<int64_t*>(&st.step());
+  };
+  if (dynamic_cast<torch::optim::Adam*>(opt)) {
+    if (!states.count(key)) states[key] = std::make_unique<torch::optim::AdamParamState>();
+    fill(static_cast<torch::optim::AdamParamState&>(*states[key]));
+  } else if (dynamic_cast<torch::optim::AdamW*>(opt)) {
+    if (!states.count(key)) states[key] = std::make_unique<torch::optim::AdamWParamState>();
+    fill(static_cast<torch::optim::AdamWParamState&>(*states[key]));
+  } else {
+    if (!states.count(key)) states[key] = std::make_unique<torch::optim::SGDParamState>();
+    auto& st = static_cast<torch::optim::SGDParamState&>(*states[key]);
+    if (!st.momentum_buffer().defined()) st.momentum_buffer(zeros());
+    out.push_back(const_cast<at::Tensor*>(&st.momentum_buffer()));
+  }
+  return out;
+}
+
+/// Shard(0) over the data dim, replicated elsewhere, with the real (unpadded) extents.
+TensorLayout unit_layout(const FullyShard& u, const DeviceMesh& mesh) {
+  TORCH_CHECK(u.mesh() == mesh,
+              "fully_shard checkpoint: a unit of the module lives on another mesh than ", mesh);
+  const int64_t data_dim = u.data_dim();
+  TensorLayout l;
+  l.placements.assign(static_cast<size_t>(mesh.ndim()), Replicate{});
+  l.placements[static_cast<size_t>(data_dim)] = Shard{0};
+  ShardSizes sizes(static_cast<size_t>(mesh.ndim()));
+  for (int64_t c = 0; c < mesh.size(data_dim); ++c) {
+    sizes[static_cast<size_t>(data_dim)].push_back(
+        std::clamp<int64_t>(u.numel() - c * u.shard_numel(), 0, u.shard_numel()));
+  }
+  l.sizes = sizes;
+  return l;
+}
+
+int64_t my_extent(const TensorLayout& l, const DeviceMesh& mesh) {
+  for (size_t m = 0; m < l.placements.size(); ++m) {
+    if (std::holds_alternative<Shard>(l.placements[m])) {
+      return (*l.sizes)[m][static_cast<size_t>(mesh.coordinate()[m])];
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+NamedTensors fully_shard_tensors(torch::nn::Module& module, const DeviceMesh& mesh,
+                                 torch::optim::Optimizer* optimizer) {
+  const auto names = state_names(optimizer);
+  NamedTensors out;
+  const auto units = fully_shard_units(module);
+  for (size_t k = 0; k < units.size(); ++k) {
+    const auto& u = units[k];
+    const TensorLayout l = unit_layout(u, mesh);
+    const int64_t n = my_extent(l, mesh);
+    const std::string base = "fsdp/" + std::to_string(k) + "/";
+    auto piece = [&](const at::Tensor& t) {
+      return ShardTensor::from_local(t.detach().narrow(0, 0, n).contiguous(), mesh, l.placements,
+                                     l.sizes);
+    };
+    out.emplace_back(base + "param", piece(u.shard()));
+    int64_t* step = nullptr;
+    const auto slots = state_slots(optimizer, u.shard(), names, &step);
+    for (size_t i = 0; i < slots.size(); ++i) out.emplace_back(base + names[i], piece(*slots[i]));
+    if (step != nullptr) {
+      out.emplace_back(base + "step", at::full({1}, *step, at::TensorOptions().dtype(at::kLong)));
+    }
+  }
+  return out;
+}
+
+TensorLayouts fully_shard_layouts(torch::nn::Module& module, const DeviceMesh& mesh,
+                                  torch::optim::Optimizer* optimizer) {
+  const auto names = state_names(optimizer);
+  TensorLayouts out;
+  const auto units = fully_shard_units(module);
+  for (size_t k = 0; k < units.size(); ++k) {
+    const TensorLayout l = unit_layout(units[k], mesh);
+    const std::string base = "fsdp/" + std::to_string(k) + "/";
+    out[base + "param"] = l;
+    for (const auto& n : names) out[base + n] = l;
+  }
+  return out;
+}
+
+void load_fully_shard_tensors(const LoadedCheckpoint& loaded, torch::nn::Module& module,
+                              torch::optim::Optimizer* optimizer) {
+  const auto names = state_names(optimizer);
+  const auto units = fully_shard_units(module);
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < units.size(); ++k) {
+    const auto& u = units[k];
+    const std::string base = "fsdp/" + std::to_string(k) + "/";
+    auto take = [&](const std::string& name, const at::Tensor& into) {
+      auto it = loaded.tensors.find(base + name);
+      TORCH_CHECK(it != loaded.tensors.end(), "fully_shard checkpoint: no tensor '", base + name,
+                  "' (was it saved with fully_shard_tensors for the same model and optimizer?)");
+      TORCH_CHECK(ShardTensor::is_shard_tensor(it->second) && it->second.numel() == u.numel(),
+                  "fully_shard checkpoint: '", base + name, "' has ", it->second.numel(),
+                  " elements, the unit has ", u.numel(), " (load it with fully_shard_layouts)");
+      const at::Tensor local = ShardTensor(it->second).local();
+      into.zero_();
+      into.narrow(0, 0, local.numel()).copy_(local);
+    };
+    u.reshard();
+    take("param", u.shard().detach());
+    int64_t* step = nullptr;
+    const auto slots = state_slots(optimizer, u.shard(), names, &step);
+    for (size_t i = 0; i < slots.size(); ++i) take(names[i], *slots[i]);
+    if (step != nullptr) {
+      auto it = loaded.tensors.find(base + "step");
+      TORCH_CHECK(it != loaded.tensors.end(), "fully_shard checkpoint: no tensor '", base, "step'");
+      *step = it->second.item<int64_t>();
+    }
+  }
 }
 
 }  // namespace shardtensor::io

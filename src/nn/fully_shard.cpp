@@ -309,6 +309,19 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
   // --- accessors -------------------------------------------------------------
 
   const at::Tensor& shard() const { return shard_; }
+  void set_shard(const at::Tensor& t) {
+    TORCH_CHECK(
+        t.dim() == 1 && t.numel() == shard_numel_ && t.scalar_type() == shard_.scalar_type(),
+        "fully_shard set_shard: expected a 1-D ", shard_.scalar_type(), " tensor of ", shard_numel_,
+        " elements, got ", t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(t.is_leaf(), "fully_shard set_shard: the shard must be a leaf tensor");
+    {
+      torch::NoGradGuard no_grad;
+      t.detach().copy_(shard_.detach());
+    }
+    shard_ = t;
+    if (!shard_.requires_grad()) shard_.requires_grad_(true);
+  }
   int64_t numel() const { return numel_; }
   int64_t padded() const { return padded_; }
   int64_t shard_numel() const { return shard_numel_; }
@@ -489,9 +502,12 @@ detail::FullyShardUnit& unit_of(const FullyShard& f) {
 }  // namespace
 
 const at::Tensor& FullyShard::shard() const { return unit_of(*this).shard(); }
+void FullyShard::set_shard(const at::Tensor& t) const { unit_of(*this).set_shard(t); }
 int64_t FullyShard::numel() const { return unit_of(*this).numel(); }
 int64_t FullyShard::padded_numel() const { return unit_of(*this).padded(); }
 int64_t FullyShard::shard_numel() const { return unit_of(*this).shard_numel(); }
+const DeviceMesh& FullyShard::mesh() const { return unit_of(*this).mesh(); }
+int64_t FullyShard::data_dim() const { return unit_of(*this).dim(); }
 bool FullyShard::is_sharded() const { return !unit_of(*this).gathered(); }
 void FullyShard::unshard() const { unit_of(*this).unshard(); }
 void FullyShard::reshard() const { unit_of(*this).reshard(); }

@@ -113,6 +113,36 @@ struct LoadedCheckpoint {
 LoadedCheckpoint load_checkpoint(const std::string& dir, const DeviceMesh& mesh,
                                  const LoadOptions& opts = {});
 
+/// Note [fully_shard checkpoint]: the units of a module under fully_shard
+/// (Note [fully_shard]) are saved as named tensors of the ordinary format:
+/// for the k-th unit of fully_shard_units(module), `fsdp/<k>/param` and its
+/// optimizer state over the shard (Adam/AdamW: `exp_avg`, `exp_avg_sq`, with
+/// amsgrad `max_exp_avg_sq`; SGD with momentum: `momentum_buffer`), each a
+/// 1-D global dataset of the unit's numel() elements (padding dropped),
+/// written by the data dim's coordinates as Shard(0) hyperslabs, plus
+/// `fsdp/<k>/step` (Adam's step count). A checkpoint loads onto any data x
+/// domain layout of the same model: each rank reads its new shard.
+
+/// Collective over every rank of `mesh` (the units' mesh). The named tensors
+/// that save `module`'s fully sharded units and, if not null, `optimizer`'s
+/// state of their shards (Note [fully_shard checkpoint]); put them in
+/// CheckpointState::tensors. Throws c10::Error if the optimizer is not Adam,
+/// AdamW or SGD, or a unit is on another mesh.
+NamedTensors fully_shard_tensors(torch::nn::Module& module, const DeviceMesh& mesh,
+                                 torch::optim::Optimizer* optimizer = nullptr);
+
+/// Local. The layouts under which load_checkpoint() reads those tensors onto
+/// `mesh` for `module`'s units (already made by fully_shard on `mesh`) and
+/// `optimizer` (same kind and options as the saving one).
+TensorLayouts fully_shard_layouts(torch::nn::Module& module, const DeviceMesh& mesh,
+                                  torch::optim::Optimizer* optimizer = nullptr);
+
+/// Local. Sets the units' shards and `optimizer`'s state of them from a
+/// checkpoint loaded with fully_shard_layouts(). Throws c10::Error if a
+/// tensor is missing or its size differs from the unit's.
+void load_fully_shard_tensors(const LoadedCheckpoint& loaded, torch::nn::Module& module,
+                              torch::optim::Optimizer* optimizer = nullptr);
+
 /// Local. True if `dir` holds a complete checkpoint (its checkpoint.h5 exists).
 bool checkpoint_exists(const std::string& dir);
 

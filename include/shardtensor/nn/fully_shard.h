@@ -48,6 +48,10 @@ class FullyShard {
   /// to the optimizer (fully_shard_parameters() collects every unit's); its
   /// grad() is set by backward (Note [fully_shard]).
   const at::Tensor& shard() const;
+  /// Local. Makes `t` (a 1-D leaf of shard_numel() elements and the unit's
+  /// dtype, e.g. a Python nn.Parameter) the shard, copying the current shard
+  /// into it. Throws c10::Error if its shape or dtype differs.
+  void set_shard(const at::Tensor& t) const;
   /// Local. Total elements of the unit's parameters, that total rounded up
   /// to a multiple of D (the data dim's size), and that divided by D.
   int64_t numel() const;
@@ -55,6 +59,9 @@ class FullyShard {
   int64_t shard_numel() const;
   /// Local. The unit's parameter names (as given to fully_shard), in order.
   std::vector<std::string> names() const;
+  /// Local. The mesh and the mesh dim the unit is sharded over.
+  const DeviceMesh& mesh() const;
+  int64_t data_dim() const;
   /// Local. Whether the parameters are currently freed (only the shard held).
   bool is_sharded() const;
 
