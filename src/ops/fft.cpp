@@ -26,6 +26,7 @@
 #include <sstream>
 
 #include "ops/common.h"
+#include "ops/settings.h"
 
 namespace shardtensor {
 namespace {
@@ -260,7 +261,9 @@ void fft_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
     if (!q.free(last)) plan_swap(last, -1);
     plan_transform({last}, Kind::C2R);
   }
-  const bool back = fft_layout() == FftLayout::Input;
+  // Note [agreed settings]: every rank has planned alike; nothing sent yet.
+  const bool back =
+      use_setting(p.mesh, Setting::FftLayout) == static_cast<int64_t>(FftLayout::Input);
 
   // ---- run ----
   p.local = local_of(x).resolve_conj();  // hfft passes a conj view
