@@ -99,12 +99,6 @@ using namespace ops;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-std::string shape_str(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
-
 std::string describe(const at::Tensor& t) {
   if (!t.defined()) return "undefined";
   std::ostringstream os;
