@@ -197,6 +197,22 @@ Grads deep_reference(int passes, bool penalty) {
   return out;
 }
 
+/// `steps` optimizer steps on the loss mean(forward(x)^2), of the single
+/// process reference (`ref` on the full `x`) and of the distributed module
+/// (`net` on the sharded `sx`), side by side.
+template <class M>
+void train_side_by_side(M& ref, torch::optim::Optimizer& ro, const at::Tensor& x, M& net,
+                        torch::optim::Optimizer& o, const at::Tensor& sx, int steps) {
+  for (int step = 0; step < steps; ++step) {
+    ro.zero_grad();
+    ref.forward(x).pow(2).mean().backward();
+    ro.step();
+    o.zero_grad();
+    net.forward(sx).pow(2).mean().backward();
+    o.step();
+  }
+}
+
 ::testing::AssertionResult same_grads(const Grads& a, const Grads& ref) {
   for (const auto& [name, g] : ref.g) {
     const at::Tensor& mine = a.g.at(name);
@@ -279,14 +295,7 @@ TEST(GradientBuckets, OptimizersUnchanged) {
     };
     auto ro = make(ref);
     auto o = make(net);
-    for (int step = 0; step < 3; ++step) {
-      ro->zero_grad();
-      ref.forward(x).pow(2).mean().backward();
-      ro->step();
-      o->zero_grad();
-      net.forward(sx).pow(2).mean().backward();
-      o->step();
-    }
+    train_side_by_side(ref, *ro, x, net, *o, sx, 3);
     for (const auto& prm : net.named_parameters()) {
       EXPECT_TRUE(all_close(prm.value(), ref.named_parameters()[prm.key()]))
           << prm.key() << " optimizer " << which;
@@ -437,5 +446,111 @@ TEST(DistributeModule, SequentialTakesFactoryResultsDirectly) {
     auto y = list[0]->as<torch::nn::Identity>()->forward(t);
     ASSERT_TRUE(st::ShardTensor::is_shard_tensor(y));
     EXPECT_TRUE(all_close(st::ShardTensor(y).full_tensor(), x));
+  }
+}
+
+namespace {
+
+// A custom layer that skips an empty piece (Note [gradient defined
+// everywhere]): `gate` and `shift` are used only on ranks whose piece is
+// non-empty. relu(gate) with gate < 0 gives `gate` a gradient of exact zeros.
+struct Branchy : torch::nn::Module {
+  Branchy() {
+    lin = register_module("lin", torch::nn::Linear(4, 4));
+    gate = register_parameter("gate", -torch::ones({4}));
+    shift = register_parameter("shift", torch::full({4}, 0.5));
+  }
+  at::Tensor branch(const at::Tensor& y, const at::Tensor& g, const at::Tensor& s) {
+    return y * (1 + torch::relu(g)) + s;
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = torch::tanh(lin(x));
+    if (!st::ShardTensor::is_shard_tensor(y)) return branch(y, gate, shift);  // single process
+    const st::ShardTensor sy(y);
+    at::Tensor local = sy.local();
+    if (local.numel() > 0) {
+      std::vector<int64_t> all(sy.mesh().ndim());
+      for (size_t m = 0; m < all.size(); ++m) all[m] = static_cast<int64_t>(m);
+      local = branch(local, st::comm::use_replicated(gate, sy.mesh(), all),
+                     st::comm::use_replicated(shift, sy.mesh(), all));
+    }
+    return st::ShardTensor::from_local(local, sy.mesh(), sy.placements(),
+                                       sy.spec().all_shard_sizes());
+  }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor gate, shift;
+};
+
+// The optimizer state of `p` as tensors (step as a tensor); empty without state.
+std::vector<at::Tensor> state_of(torch::optim::Optimizer& o, const at::Tensor& p, bool adam) {
+  auto it = o.state().find(p.unsafeGetTensorImpl());
+  if (it == o.state().end()) return {};
+  if (adam) {
+    auto& s = static_cast<torch::optim::AdamParamState&>(*it->second);
+    return {s.exp_avg(), s.exp_avg_sq(), torch::tensor({static_cast<double>(s.step())})};
+  }
+  auto& s = static_cast<torch::optim::SGDParamState&>(*it->second);
+  return {s.momentum_buffer()};
+}
+
+// Exactly the same values on every rank.
+bool same_everywhere(const at::Tensor& t) {
+  auto c = t.to(at::kDouble).contiguous();
+  return all_ranks(torch::equal(reduce_over_ranks(c, st::ReduceOp::Max),
+                                reduce_over_ranks(c, st::ReduceOp::Min)));
+}
+
+}  // namespace
+
+// Note [gradient defined everywhere]: a parameter reached on some ranks only
+// gets a .grad on every rank (or on none), so SGD with momentum and Adam keep
+// identical parameters and state everywhere, equal to the single process.
+// Failed before the fix: on the rank with the empty piece `gate` had no .grad
+// (elsewhere zeros), so weight decay moved it elsewhere only and Adam kept no
+// state there.
+TEST(GradientBuckets, GradientReachedOnSomeRanksOnlyIsDefinedEverywhere) {
+  auto mesh = test_mesh();
+  if (mesh.size() == 1) GTEST_SKIP() << "needs an empty piece on one of several ranks";
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
+  auto x = at::randn({5, 3, 4}, gen);
+  auto pl = fit_placements(mesh, {st::Shard{0}, st::Shard{1}});
+  for (auto where : {EmptyAt::kFirst, EmptyAt::kMiddle, EmptyAt::kLast}) {
+    auto sx =
+        st::distribute_tensor(x, mesh, pl, false, sizes_with_empty_at(mesh, pl, x.sizes(), where));
+    for (bool adam : {false, true}) {
+      torch::manual_seed(3);
+      Branchy ref;
+      torch::manual_seed(3);
+      Branchy net;
+      st::distribute_module(net, mesh);
+      auto make = [&](Branchy& m) -> std::unique_ptr<torch::optim::Optimizer> {
+        if (adam) {
+          return std::make_unique<torch::optim::Adam>(
+              m.parameters(), torch::optim::AdamOptions(1e-2).weight_decay(0.1));
+        }
+        return std::make_unique<torch::optim::SGD>(
+            m.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
+      };
+      auto ro = make(ref);
+      auto o = make(net);
+      train_side_by_side(ref, *ro, x, net, *o, sx, 4);
+      const std::string what = std::string(adam ? "Adam" : "SGD momentum") + ", empty piece at " +
+                               std::to_string(static_cast<int>(where));
+      auto ref_params = ref.named_parameters();
+      for (const auto& prm : net.named_parameters()) {
+        const at::Tensor& r = ref_params[prm.key()];
+        EXPECT_TRUE(all_ranks(prm.value().grad().defined() == r.grad().defined()))
+            << prm.key() << " " << what;
+        EXPECT_TRUE(same_everywhere(prm.value())) << prm.key() << " " << what;
+        EXPECT_TRUE(all_close(prm.value(), r)) << prm.key() << " " << what;
+        auto mine = state_of(*o, prm.value(), adam), want = state_of(*ro, r, adam);
+        ASSERT_TRUE(all_ranks(mine.size() == want.size()))
+            << "optimizer state of " << prm.key() << " " << what;
+        for (size_t i = 0; i < want.size(); ++i) {
+          EXPECT_TRUE(same_everywhere(mine[i])) << prm.key() << " state " << i << " " << what;
+          EXPECT_TRUE(all_close(mine[i], want[i])) << prm.key() << " state " << i << " " << what;
+        }
+      }
+    }
   }
 }

@@ -103,4 +103,17 @@ void barrier(const DeviceMesh& mesh) {
   all_reduce(mesh, token, ReduceOp::Max);
 }
 
+CacheAgreement agree_cache_reuse(const DeviceMesh& mesh, bool ok, std::optional<int64_t> hit_stamp,
+                                 int64_t next_stamp) {
+  const bool hit = hit_stamp.has_value();
+  std::vector<int64_t> v = {ok ? 0 : 1, hit ? 0 : 1, hit ? *hit_stamp : -1, hit ? -*hit_stamp : 1,
+                            next_stamp};
+  all_reduce_max(mesh, v);
+  CacheAgreement a;
+  a.all_ok = v[0] == 0;
+  a.reuse = v[1] == 0 && v[2] == -v[3];
+  a.stamp = v[4];
+  return a;
+}
+
 }  // namespace shardtensor::comm

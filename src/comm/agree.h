@@ -17,6 +17,7 @@
 #include <shardtensor/mesh/device_mesh.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,36 @@ std::vector<int64_t> broadcast_record(const DeviceMesh& mesh, const std::vector<
 /// (same length on every rank), in place.
 void all_reduce_max(const DeviceMesh& mesh, std::vector<int64_t>& values);
 void all_reduce_sum(const DeviceMesh& mesh, std::vector<int64_t>& values);
+
+/// Note [cross-rank cache agreement]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// A per-process cache of something every rank builds collectively (a ghost
+/// plan whose send lists depend on every rank's ids, Note [index plan cache]
+/// in src/ops/graph_ops.cpp) may be reused by a rank only if every rank reuses
+/// the entry of the *same* build. Each lookup therefore does one small
+/// all-reduce (max) of five integers over the mesh: an error flag (the
+/// caller's own check of its data: then comm::check_all raises the failing
+/// rank's message on every rank), a miss flag, the entry's build stamp and
+/// its negation (max and -min: all equal), and the stamp a new build would
+/// take. Stamps are per-process counters made equal by that max at each
+/// build; a later build of the same mesh gets a larger stamp on every rank, so
+/// two different builds never agree. Unless every rank hit an entry with one
+/// stamp, every rank rebuilds (collectively) and stores the new build under
+/// CacheAgreement::stamp.
+
+/// Verdict of agree_cache_reuse().
+struct CacheAgreement {
+  bool all_ok = true;  ///< every rank passed ok = true
+  bool reuse = false;  ///< every rank hit an entry of one build: reuse it
+  int64_t stamp = 0;   ///< the stamp of a new build (the same on every rank)
+};
+
+/// Collective over every rank of `mesh` (Note [cross-rank cache agreement]).
+/// `hit_stamp`: the stamp of this rank's cache hit, or nullopt on a miss;
+/// `next_stamp`: this process's stamp counter + 1. One all-reduce of five
+/// int64, counted in CommStats. Throws c10::Error on transport failure only.
+CacheAgreement agree_cache_reuse(const DeviceMesh& mesh, bool ok, std::optional<int64_t> hit_stamp,
+                                 int64_t next_stamp);
 
 /// Collective over every rank of `mesh`. Waits until every rank has arrived
 /// (for tests and benchmarks that time a phase).

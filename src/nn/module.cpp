@@ -68,6 +68,21 @@
 //    every rank when every rank runs the same graph), waits for all, adds each
 //    slot to p.grad() (defining it if needed, so accumulation over several
 //    backwards adds up), and zeroes the buckets for the next backward.
+//  - Note [gradient defined everywhere]: whether p.grad() is defined after a
+//    backward must not depend on the rank. A parameter's accumulator may run on
+//    some ranks only (a branch taken only where this rank's piece is
+//    non-empty, e.g. a custom layer that skips an empty piece), and its summed
+//    slot may be all zeros (a dead ReLU). Deciding per rank ("ready, touched
+//    or a nonzero sum") then left .grad zero-filled on some ranks and
+//    undefined on others, and optimizers with state drift: SGD with momentum
+//    or weight decay and Adam step, and keep state, only where .grad is
+//    defined. So each bucket carries, after its slots, one flag element per
+//    parameter (1 where this rank's backward reached it: accumulator ran or a
+//    slot was written), summed by the same all-reduce; a sum > 0 defines .grad
+//    on every rank (a sum of ones cannot round to 0 in any float dtype). Cost:
+//    one element per parameter in each bucket (bytes, no extra message).
+//    Gradients that reach .grad through autograd directly (plain uses) are
+//    full on every rank and must come from the same graph on every rank.
 //  - torch::autograd::grad(outputs, inputs) with `inputs` does not run the
 //    accumulators: a slot written without its hook firing is detected in the
 //    callback and throws (on every rank) instead of returning a wrong gradient.
@@ -107,8 +122,10 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
       index_[p.var.unsafeGetTensorImpl()] = params_.size();
       params_.push_back(std::move(p));
     }
+    // Note [gradient defined everywhere]: one flag element per parameter after the slots.
     for (auto& b : buckets_) {
-      b.flat = at::zeros({static_cast<int64_t>(b.bytes / c10::elementSize(b.dtype))},
+      b.elements = static_cast<int64_t>(b.bytes / c10::elementSize(b.dtype));
+      b.flat = at::zeros({b.elements + static_cast<int64_t>(b.params.size())},
                          at::TensorOptions().dtype(b.dtype));
       b.pending = b.params.size();
     }
@@ -168,7 +185,9 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
   };
   struct Bucket {
     at::ScalarType dtype = at::kFloat;
-    int64_t bytes = 0;
+    int64_t bytes = 0;  // of the slots
+    int64_t elements =
+        0;  // slots; then one flag per parameter (Note [gradient defined everywhere])
     std::vector<size_t> params;
     at::Tensor flat;
     size_t pending = 0;
@@ -208,6 +227,11 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
 
   void start(size_t i) {
     Bucket& b = buckets_[i];
+    // Note [gradient defined everywhere]: this rank's flags ride with the sum.
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      const Param& p = params_[b.params[j]];
+      b.flat[b.elements + static_cast<int64_t>(j)].fill_(p.ready || p.touched ? 1 : 0);
+    }
     b.started = true;
     b.request = channel_.start_sum_(b.flat);
   }
@@ -222,8 +246,12 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
     torch::NoGradGuard no_grad;
     for (auto& b : buckets_) {
       b.request.finish();
-      for (size_t i : b.params) {
-        Param& p = params_[i];
+      // Summed flags: nonzero iff some rank's backward reached the parameter.
+      const at::Tensor somewhere =
+          b.flat.narrow(0, b.elements, static_cast<int64_t>(b.params.size())).ne(0);
+      const auto* reached = somewhere.data_ptr<bool>();
+      for (size_t j = 0; j < b.params.size(); ++j) {
+        Param& p = params_[b.params[j]];
         at::Tensor s = slot(p).view(p.var.sizes());
         if (p.touched && !p.ready && error.empty()) {
           error =
@@ -233,7 +261,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
         }
         at::Tensor& g = p.var.mutable_grad();
         if (!g.defined()) {
-          if (p.ready || p.touched || s.ne(0).any().item<bool>()) g = s.clone();
+          if (reached[j]) g = s.clone();  // on every rank or on none
         } else {
           g.add_(s);
         }

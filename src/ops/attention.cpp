@@ -63,6 +63,7 @@
 #include "comm/function_output.h"
 #include "comm/ring.h"
 #include "ops/common.h"
+#include "ops/settings.h"
 
 namespace shardtensor {
 namespace {
@@ -97,12 +98,6 @@ using torch::autograd::variable_list;
 using namespace ops;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-std::string shape_str(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
 
 std::string describe(const at::Tensor& t) {
   if (!t.defined()) return "undefined";
@@ -617,7 +612,9 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     plan->me = me;
     const auto& q_sizes = sq.shard_sizes(plan->ring_dim);
     const auto& kv_sizes = sk.shard_sizes(plan->ring_dim);
-    if (causal && P > 1 && s.Sq == s.Sk && causal_balance() == CausalBalance::ZigZag) {
+    // Note [agreed settings]: read only where every rank would use it.
+    if (causal && P > 1 && s.Sq == s.Sk &&
+        use_setting(mesh, Setting::CausalBalance) == static_cast<int64_t>(CausalBalance::ZigZag)) {
       // Note [causal balance]: 2P chunks; coordinate c computes on chunks c and 2P-1-c.
       const auto chunks = balanced_sizes(s.Sq, 2 * P);
       const auto off = offsets_of(chunks);

@@ -210,6 +210,38 @@ void describe_value(std::ostream& os, const c10::IValue& v) {
 
 }  // namespace
 
+std::vector<c10::IValue> peek_args(const c10::OperatorHandle& op, const Stack& stack) {
+  const size_t n = op.schema().arguments().size();
+  return std::vector<c10::IValue>(stack.end() - n, stack.end());
+}
+
+const ShardSpec& self_spec(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+  const ShardSpec* s = args[0].isTensor() ? spec_of(args[0].toTensor()) : nullptr;
+  if (!s) fail(op, args, "the tensor argument `self` must be the ShardTensor");
+  return *s;
+}
+
+int64_t wrap_dim(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, int64_t ndim,
+                 int64_t dim) {
+  const int64_t nd = std::max<int64_t>(ndim, 1);
+  if (dim < -nd || dim >= nd) {
+    fail(op, args,
+         "dim " + std::to_string(dim) + " is out of range for a tensor of " + std::to_string(ndim) +
+             " dims");
+  }
+  return ndim == 0 ? 0 : (dim < 0 ? dim + nd : dim);
+}
+
+ShardSpec replicated_spec(const DeviceMesh& mesh, c10::IntArrayRef shape) {
+  return ShardSpec(mesh, Placements(mesh.ndim(), Replicate{}), shape.vec());
+}
+
+std::string shape_str(c10::IntArrayRef v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
 std::string describe_call(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
   std::ostringstream os;
   os << op.operator_name() << "(";

@@ -61,6 +61,24 @@ std::string describe_call(const c10::OperatorHandle& op, const std::vector<c10::
 [[noreturn]] void fail(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                        const std::string& why);
 
+/// Local. The op's arguments, copied from the top of `stack` without popping
+/// them (for rule predicates, Note [partial rules]).
+std::vector<c10::IValue> peek_args(const c10::OperatorHandle& op, const Stack& stack);
+
+/// Local. The spec of `self` (args[0]); throws (naming the op) unless it is a ShardTensor.
+const ShardSpec& self_spec(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args);
+
+/// Local. `dim` wrapped against a tensor of `ndim` dims (a 0-d tensor takes 0
+/// and -1, as libtorch's); throws (naming the op) when it is out of range.
+int64_t wrap_dim(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, int64_t ndim,
+                 int64_t dim);
+
+/// Local. The layout of a tensor of `shape` replicated over every dim of `mesh`.
+ShardSpec replicated_spec(const DeviceMesh& mesh, c10::IntArrayRef shape);
+
+/// Local. "[2, 3]": a shape or a list of dims, as libtorch prints it.
+std::string shape_str(c10::IntArrayRef v);
+
 /// Every ShardTensor in `args` (tensor lists included), in order.
 std::vector<at::Tensor> shard_args(const std::vector<c10::IValue>& args);
 

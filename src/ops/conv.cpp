@@ -98,6 +98,7 @@
 
 #include "comm/exchange.h"
 #include "comm/function_output.h"
+#include "ops/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -658,13 +659,10 @@ struct ConvCall {
 // shapes and the spec only, so every rank agrees. SHARDTENSOR_CONV_OVERLAP=0
 // disables it (for comparisons).
 void decide_fast_path(ConvPlan& plan, const ConvCall& c, const std::vector<int64_t>& out_ext,
-                      int64_t first_sp) {
+                      int64_t first_sp, const DeviceMesh& mesh) {
   plan.fast = false;
-  static const bool enabled = [] {
-    const char* e = std::getenv("SHARDTENSOR_CONV_OVERLAP");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  if (!enabled || plan.plans.empty()) return;
+  // Note [agreed settings]: read where every rank takes the same path.
+  if (plan.plans.empty() || !use_setting(mesh, Setting::ConvOverlap)) return;
   for (int64_t e : plan.extra_right) {
     if (e != 0) return;
   }
@@ -860,7 +858,7 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
       fail(op, args, "padding larger on the left than on the right is not supported");
     }
   }
-  decide_fast_path(*plan, c, out_ext, first_sp);
+  decide_fast_path(*plan, c, out_ext, first_sp, mesh);
   SpecPtr out_spec = stencil::output_spec(compute, out_shape, plan->plans);
   plan->out_local_shape = out_spec->local_shape();
   if (!batched) plan->out_local_shape.insert(plan->out_local_shape.begin(), 1);

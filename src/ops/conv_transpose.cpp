@@ -108,6 +108,7 @@
 #include "comm/function_output.h"
 #include "ops/common.h"
 #include "ops/halo_blocks.h"
+#include "ops/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -294,11 +295,8 @@ std::optional<std::vector<SplitTconv>> split_plan(const ShardSpec& spec,
                                                   const std::vector<stencil::DimPlan>& plans,
                                                   const TconvArgs& a, int64_t first_sp,
                                                   bool batched) {
-  static const bool enabled = [] {
-    const char* e = std::getenv("SHARDTENSOR_TCONV_SPLIT");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  if (!enabled || plans.empty()) return std::nullopt;
+  // Note [agreed settings]: read where every rank takes the same path.
+  if (plans.empty() || !use_setting(spec.mesh(), Setting::TconvSplit)) return std::nullopt;
   for (int64_t e : spec.global_shape()) {
     if (e == 0) return std::nullopt;
   }

@@ -26,6 +26,7 @@
 #include <sstream>
 
 #include "ops/common.h"
+#include "ops/settings.h"
 
 namespace shardtensor {
 namespace {
@@ -139,12 +140,6 @@ at::Tensor local_transform(const at::Tensor& x, Kind kind, const std::vector<int
   return at::_fft_c2c(x, dims, norm, flag);
 }
 
-std::string dims_str(const std::vector<int64_t>& v) {
-  std::ostringstream os;
-  os << c10::IntArrayRef(v);
-  return os.str();
-}
-
 // _fft_r2c(self, dim, normalization, onesided)
 // _fft_c2r(self, dim, normalization, last_dim_size)
 // _fft_c2c(self, dim, normalization, forward)
@@ -202,7 +197,7 @@ void fft_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
            "every dim of the tensor is sharded or transformed, so no all-to-all can make dim " +
                std::to_string(d) +
                " local (redistribute first, or add a batch dim); transformed dims " +
-               dims_str(dims));
+               shape_str(dims));
     }
     Step st;
     st.swap = true;
@@ -260,7 +255,9 @@ void fft_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
     if (!q.free(last)) plan_swap(last, -1);
     plan_transform({last}, Kind::C2R);
   }
-  const bool back = fft_layout() == FftLayout::Input;
+  // Note [agreed settings]: every rank has planned alike; nothing sent yet.
+  const bool back =
+      use_setting(p.mesh, Setting::FftLayout) == static_cast<int64_t>(FftLayout::Input);
 
   // ---- run ----
   p.local = local_of(x).resolve_conj();  // hfft passes a conj view

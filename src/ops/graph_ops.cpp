@@ -103,15 +103,13 @@ using torch::autograd::variable_list;
 // rules drops it, or until clear_index_plan_cache() (ops/graph_ops.h).
 //
 // The plan's send lists depend on every rank's ids, so a rank may reuse its
-// plan only if every rank reuses the plan of the *same* build. Each call
-// therefore does one small all-reduce (max) of five integers over the mesh:
-// an error flag (an id outside [0, N): then check_all raises the failing
-// rank's message on every rank), a miss flag, the entry's build stamp and its
-// negation (max and -min: all equal), and the stamp a new build would take.
-// Stamps are per-process counters made equal by that max at each build; a
-// later build of the same mesh gets a larger stamp on every rank, so two
-// different builds never agree. Unless every rank hit an entry with one
-// stamp, every rank rebuilds (collectively) and replaces its entry.
+// plan only if every rank reuses the plan of the *same* build: each call
+// agrees on that with comm::agree_cache_reuse (one all-reduce of five
+// integers, Note [cross-rank cache agreement] in src/comm/agree.h), which
+// also carries this rank's verdict on its ids (an id outside [0, N): then
+// check_all raises the failing rank's message on every rank). Unless every
+// rank hit an entry of one build, every rank rebuilds (collectively) and
+// replaces its entry.
 
 struct Entry {
   using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
@@ -189,13 +187,12 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
             describe_call(op, args);
     }
   }
-  std::vector<int64_t> v = {ok ? 0 : 1, found ? 0 : 1, found ? found_stamp : -1,
-                            found ? -found_stamp : 1, next_stamp};
-  comm::all_reduce_max(mesh, v);
-  if (v[0] != 0) {
+  const comm::CacheAgreement agreed = comm::agree_cache_reuse(
+      mesh, ok, found ? std::optional<int64_t>(found_stamp) : std::nullopt, next_stamp);
+  if (!agreed.all_ok) {
     comm::check_all(mesh, ok, "shardtensor: " + c10::toString(op.operator_name()), msg);
   }
-  if (v[1] == 0 && v[2] == -v[3]) {
+  if (agreed.reuse) {
     std::lock_guard<std::mutex> lock(c.mu);
     ++c.reuses;
     return *found;
@@ -206,7 +203,7 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
   out.rows = out.plan.local_index(ids);
   std::lock_guard<std::mutex> lock(c.mu);
   ++c.builds;
-  c.stamp = v[4];
+  c.stamp = agreed.stamp;
   if (cacheable) {
     c.entries.remove_if(
         [&](const Entry& e) { return same_key(e, key, mesh, m, node_sizes, extra); });
@@ -223,7 +220,7 @@ IndexPlan index_plan(const c10::OperatorHandle& op, const std::vector<c10::IValu
     e.mesh_dim = m;
     e.node_sizes = node_sizes;
     e.extra = extra;
-    e.stamp = v[4];
+    e.stamp = agreed.stamp;
     e.plan = out.plan;
     e.rows = out.rows;
     c.entries.push_front(std::move(e));
@@ -245,17 +242,7 @@ struct CombineArgs {
 };
 
 at::Scalar identity_of(const std::string& reduce, at::ScalarType t) {
-  if (reduce == "prod") return 1;
-  const bool max = reduce == "amax";
-  if (at::isFloatingType(t)) {
-    const double inf = std::numeric_limits<double>::infinity();
-    return max ? -inf : inf;
-  }
-  at::Scalar s;
-  AT_DISPATCH_INTEGRAL_TYPES(t, "scatter_reduce identity", [&] {
-    s = max ? std::numeric_limits<scalar_t>::lowest() : std::numeric_limits<scalar_t>::max();
-  });
-  return s;
+  return reduce == "prod" ? at::Scalar(1) : extreme_identity(t, reduce == "amax");
 }
 
 ReduceOp combine_op(const std::string& reduce) {
@@ -433,11 +420,6 @@ bool writes_self(Kind k) { return has_src(k) || k == Kind::IndexFill || k == Kin
 bool one_d(Kind k) {
   return k == Kind::IndexSelect || k == Kind::IndexAdd || k == Kind::IndexCopy ||
          k == Kind::IndexFill || k == Kind::IndexReduce;
-}
-
-std::vector<c10::IValue> peek_args(const c10::OperatorHandle& op, const Stack& stack) {
-  const size_t n = op.schema().arguments().size();
-  return std::vector<c10::IValue>(stack.end() - n, stack.end());
 }
 
 struct Call {

@@ -87,11 +87,6 @@
 namespace shardtensor::ops {
 namespace {
 
-std::vector<c10::IValue> peek(const c10::OperatorHandle& op, const Stack& stack) {
-  const size_t n = op.schema().arguments().size();
-  return std::vector<c10::IValue>(stack.end() - n, stack.end());
-}
-
 /// This rank's piece of `t` (laid out as `from`, or plain: replicated) in
 /// `to`, which only splits dims that `from` leaves whole; a local slice.
 at::Tensor slice_to(const at::Tensor& local, const ShardSpec& from, const ShardSpec& to) {
@@ -105,14 +100,10 @@ at::Tensor slice_to(const at::Tensor& local, const ShardSpec& from, const ShardS
   return t;
 }
 
-ShardSpec replicated_spec(const DeviceMesh& mesh, std::vector<int64_t> shape) {
-  return ShardSpec(mesh, Placements(mesh.ndim(), Replicate{}), std::move(shape));
-}
-
 // ---- repeat ---------------------------------------------------------------------------
 
 bool repeat_takes(const c10::OperatorHandle& op, const Stack& stack) {
-  const auto a = peek(op, stack);
+  const auto a = peek_args(op, stack);
   const ShardSpec* xs = a[0].isTensor() ? spec_of(a[0].toTensor()) : nullptr;
   return xs != nullptr && !xs->has_partial();
 }
@@ -231,7 +222,7 @@ std::optional<EmbeddingLayout> embedding_layout(const std::vector<c10::IValue>& 
 }
 
 bool embedding_takes(const c10::OperatorHandle& op, const Stack& stack) {
-  return embedding_layout(peek(op, stack)).has_value();
+  return embedding_layout(peek_args(op, stack)).has_value();
 }
 
 void embedding_rule(const c10::OperatorHandle& op, Stack* stack) {
@@ -523,7 +514,7 @@ void multi_index_put_rule(const c10::OperatorHandle& op, std::vector<c10::IValue
 }
 
 bool index_takes(const c10::OperatorHandle& op, const Stack& stack) {
-  const auto a = peek(op, stack);
+  const auto a = peek_args(op, stack);
   if (!a[0].isTensor()) return false;
   const at::Tensor self = a[0].toTensor();
   if (multi_index_or_none(self, a[1])) return true;
@@ -577,7 +568,7 @@ int64_t entries_of(const OneIndex& r) {
 }
 
 bool index_put_takes(const c10::OperatorHandle& op, const Stack& stack) {
-  const auto a = peek(op, stack);
+  const auto a = peek_args(op, stack);
   if (!a[0].isTensor() || !a[2].isTensor()) return false;
   const at::Tensor self = a[0].toTensor();
   if (spec_of(self) == nullptr) return false;

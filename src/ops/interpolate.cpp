@@ -33,6 +33,7 @@
 
 #include "ops/common.h"
 #include "ops/halo_blocks.h"
+#include "ops/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -374,11 +375,8 @@ std::optional<std::vector<SplitDim>> split_plan(
     const InterpOp& p, bool dbl, bool ac, const std::vector<stencil::DimPlan>& plans,
     const std::vector<Taps>& taps, c10::IntArrayRef shape, const std::vector<int64_t>& out_ext,
     const std::vector<std::optional<double>>& scales, const DeviceMesh& mesh) {
-  static const bool enabled = [] {
-    const char* e = std::getenv("SHARDTENSOR_INTERP_SPLIT");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  if (!enabled || ac || plans.empty()) return std::nullopt;
+  // Note [agreed settings]: read where every rank takes the same path.
+  if (ac || plans.empty() || !use_setting(mesh, Setting::InterpSplit)) return std::nullopt;
   for (int64_t e : shape) {
     if (e == 0) return std::nullopt;
   }

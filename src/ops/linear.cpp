@@ -105,16 +105,8 @@
 namespace shardtensor::ops {
 namespace {
 
-int64_t wrap_dim(int64_t d, int64_t nd) { return d < 0 ? d + nd : d; }
-
 bool is_one(const c10::Scalar& s) { return s.equal(1); }
 bool is_zero(const c10::Scalar& s) { return s.equal(0); }
-
-std::string str(c10::IntArrayRef v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
 
 // One operand of the product, as the planner sees it.
 struct Operand {
@@ -127,7 +119,7 @@ struct Operand {
   int64_t nd() const { return static_cast<int64_t>(shape.size()); }
   // The tensor dim sharded on mesh dim m, or -1.
   int64_t dim_at(int64_t m) const {
-    return is_shard(place[m]) ? wrap_dim(shard_dim(place[m]), nd()) : -1;
+    return is_shard(place[m]) ? c10::maybe_wrap_dim(shard_dim(place[m]), nd()) : -1;
   }
   void replicate(int64_t m) {
     place[m] = Replicate{};
@@ -143,7 +135,7 @@ Operand make_operand(const at::Tensor& t, const DeviceMesh& mesh) {
   const ShardSpec* s = spec_of(t);
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     if (s && is_shard(s->placements()[m])) {
-      o.place.push_back(Shard{wrap_dim(shard_dim(s->placements()[m]), o.nd())});
+      o.place.push_back(Shard{c10::maybe_wrap_dim(shard_dim(s->placements()[m]), o.nd())});
       o.sizes.push_back(s->shard_sizes(m));
     } else if (s && is_partial(s->placements()[m])) {
       o.place.push_back(Partial{});
@@ -164,7 +156,7 @@ at::Tensor transposed(const at::Tensor& w) {
   if (!s) return w.t();
   Placements p = s->placements();
   for (auto& pl : p) {
-    if (is_shard(pl)) pl = Shard{1 - wrap_dim(shard_dim(pl), 2)};
+    if (is_shard(pl)) pl = Shard{1 - c10::maybe_wrap_dim(shard_dim(pl), 2)};
   }
   auto spec =
       make_spec(s->mesh(), p, {s->global_shape()[1], s->global_shape()[0]}, s->all_shard_sizes());
@@ -225,7 +217,7 @@ std::pair<int64_t, int64_t> collision(const Placements& p, int64_t nd) {
   std::vector<int64_t> owner(nd, -1);
   for (int64_t m = 0; m < static_cast<int64_t>(p.size()); ++m) {
     if (!is_shard(p[m])) continue;
-    const int64_t d = wrap_dim(shard_dim(p[m]), nd);
+    const int64_t d = c10::maybe_wrap_dim(shard_dim(p[m]), nd);
     if (owner[d] >= 0) return {owner[d], m};
     owner[d] = m;
   }
@@ -245,7 +237,9 @@ Plan plan_product(const c10::OperatorHandle& op, const std::vector<c10::IValue>&
   try {
     batch = at::infer_size(batch_a, batch_b);
   } catch (const c10::Error&) {
-    fail(op, args, "the batch dims " + str(batch_a) + " and " + str(batch_b) + " do not broadcast");
+    fail(op, args,
+         "the batch dims " + shape_str(batch_a) + " and " + shape_str(batch_b) +
+             " do not broadcast");
   }
   const Geometry g{A.nd(), B.nd(), static_cast<int64_t>(batch.size())};
   if (A.shape[g.a_k()] != B.shape[g.b_k()]) {
@@ -651,8 +645,8 @@ void linalg_rule(const c10::OperatorHandle& op, Stack* stack) {
       s = at::infer_size(bias.sizes(), out_shape);
     } catch (const c10::Error&) {
     }
-    need(s == out_shape, "the bias of shape " + str(bias.sizes()) +
-                             " does not broadcast to the result shape " + str(out_shape));
+    need(s == out_shape, "the bias of shape " + shape_str(bias.sizes()) +
+                             " does not broadcast to the result shape " + shape_str(out_shape));
   }
   at::Tensor target;  // in-place self or out=
   if (inplace) target = bias;
@@ -662,8 +656,8 @@ void linalg_rule(const c10::OperatorHandle& op, Stack* stack) {
     need(target_spec != nullptr,
          "the in-place or out= tensor must be a ShardTensor when an operand is one");
     need(target_spec->global_shape() == out_shape, "the in-place or out= tensor has shape " +
-                                                       str(target_spec->global_shape()) +
-                                                       ", the result " + str(out_shape));
+                                                       shape_str(target_spec->global_shape()) +
+                                                       ", the result " + shape_str(out_shape));
     need(!target_spec->has_partial(), "the in-place or out= tensor must not be Partial");
   }
 

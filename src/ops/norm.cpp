@@ -442,10 +442,6 @@ std::pair<at::Tensor, Moments> sharded_norm(const at::Tensor& x, const at::Tenso
 
 // ---------------------------------------------------------------- helpers
 
-ShardSpec replicated_spec(const DeviceMesh& mesh, c10::IntArrayRef shape) {
-  return ShardSpec(mesh, Placements(mesh.ndim(), Replicate{}), shape.vec());
-}
-
 // A per-channel parameter (weight, bias, running stat) of `op`, replicated and
 // marked for use in `compute` (Note [replicated gradients]); undefined stays undefined.
 // With convert = false, only validates (the plain path converts it itself).

@@ -144,12 +144,6 @@ bool adapter_takes(const Target& t, const std::vector<c10::IValue>& args) {
   return t.accepts == nullptr || (*t.accepts)(t.functional, f);
 }
 
-std::string shape_str(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
-
 /// Collective as redistribution is. Writes the functional result `r` into the
 /// out= tensor `out` (Note [out variants]).
 void copy_into(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,

@@ -34,6 +34,7 @@
 
 #include "ops/common.h"
 #include "ops/halo_blocks.h"
+#include "ops/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -426,11 +427,8 @@ bool reads_own_piece(const std::vector<stencil::DimPlan>& plans) {
 // coordinate (Note [split-phase pool]). Global data only.
 std::optional<std::vector<SplitDim>> split_plan(const std::vector<stencil::DimPlan>& plans,
                                                 const Setup& st, const WinArgs& w) {
-  static const bool enabled = [] {
-    const char* e = std::getenv("SHARDTENSOR_POOL_SPLIT");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  if (!enabled) return std::nullopt;
+  // Note [agreed settings]: read where every rank takes the same path.
+  if (!use_setting(st.spec.mesh(), Setting::PoolSplit)) return std::nullopt;
   // Leading dims (and unsharded spatial ones) must be non-empty globally.
   for (int64_t e : st.spec.global_shape()) {
     if (e == 0) return std::nullopt;

@@ -31,18 +31,18 @@ at::Tensor move_runs(const at::Tensor& x, const ShardSpec& s, int64_t d,
   return comm::repartition(x, s.mesh(), m, d, runs, s.shard_sizes(m));
 }
 
-const ShardSpec& self_spec(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
+// The functional overload's `self` spec: out= and other overloads have no rule here.
+const ShardSpec& functional_self_spec(const c10::OperatorHandle& op,
+                                      const std::vector<c10::IValue>& args) {
   if (!op.operator_name().overload_name.empty()) {
     fail(op, args, "no sharding rule for this overload (use the functional form)");
   }
-  const ShardSpec* s = args[0].isTensor() ? spec_of(args[0].toTensor()) : nullptr;
-  if (!s) fail(op, args, "the tensor argument `self` must be the ShardTensor");
-  return *s;
+  return self_spec(op, args);
 }
 
 void flip_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
-  const ShardSpec& s = self_spec(op, args);
+  const ShardSpec& s = functional_self_spec(op, args);
   std::vector<int64_t> dims;
   for (int64_t d : int_list(args[1]))
     dims.push_back(at::maybe_wrap_dim(d, std::max<int64_t>(s.ndim(), 1)));
@@ -67,7 +67,7 @@ void flip_rule(const c10::OperatorHandle& op, Stack* stack) {
 
 void roll_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
-  const ShardSpec& s = self_spec(op, args);
+  const ShardSpec& s = functional_self_spec(op, args);
   const auto shifts = int_list(args[1]);
   const auto dims_in = int_list(args[2]);
   if (dims_in.empty()) {
@@ -104,7 +104,7 @@ void roll_rule(const c10::OperatorHandle& op, Stack* stack) {
 
 void triangular_rule(bool upper, const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
-  const ShardSpec& s = self_spec(op, args);
+  const ShardSpec& s = functional_self_spec(op, args);
   if (s.ndim() < 2) fail(op, args, "the input must have at least 2 dims");
   const int64_t k = args[1].toInt();
   const auto offs = s.local_offsets();

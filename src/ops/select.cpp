@@ -113,24 +113,6 @@ struct Call {
   int64_t n = 1;    // global extent of d
 };
 
-const ShardSpec& self_spec(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
-  const ShardSpec* s = args[0].isTensor() ? spec_of(args[0].toTensor()) : nullptr;
-  if (!s) fail(op, args, "the tensor argument `self` must be the ShardTensor");
-  return *s;
-}
-
-// Wraps `dim` against the input's rank (a 0-d tensor takes 0 and -1) or fails naming the op.
-int64_t wrap_dim(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, int64_t ndim,
-                 int64_t dim) {
-  const int64_t nd = std::max<int64_t>(ndim, 1);
-  if (dim < -nd || dim >= nd) {
-    fail(op, args,
-         "dim " + std::to_string(dim) + " is out of range for a tensor of " + std::to_string(ndim) +
-             " dims");
-  }
-  return ndim == 0 ? 0 : (dim < 0 ? dim + nd : dim);
-}
-
 Call parse(const c10::OperatorHandle& op, std::vector<c10::IValue> args, int64_t dim) {
   const ShardSpec& s = self_spec(op, args);
   Call c{std::move(args), without_partial(s), at::Tensor()};

@@ -28,12 +28,6 @@ std::optional<int64_t> opt_int_arg(const c10::IValue& v) {
   return int_arg(v);
 }
 
-std::string str(c10::IntArrayRef v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
-
 bool has_string_arg(const std::vector<c10::IValue>& args) {
   for (const auto& a : args) {
     if (a.isString()) return true;
@@ -44,12 +38,6 @@ bool has_string_arg(const std::vector<c10::IValue>& args) {
 
 void reject_named(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
   if (has_string_arg(args)) fail(op, args, "named dimensions are not supported on ShardTensors");
-}
-
-const ShardSpec& self_spec(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args) {
-  const ShardSpec* s = args[0].isTensor() ? spec_of(args[0].toTensor()) : nullptr;
-  if (!s) fail(op, args, "the tensor argument `self` must be the ShardTensor");
-  return *s;
 }
 
 std::string mesh_dim_str(const ShardSpec& s, int64_t m) {
@@ -428,7 +416,7 @@ std::pair<SpecPtr, SpecPtr> plan_view(const c10::OperatorHandle& op,
         mid_p[m] = Replicate{};
         mid_sizes[m] = {};
         gather = true;
-        gather_what = std::string(kind_name(kind)) + " merges tensor dims " + str(b.in) +
+        gather_what = std::string(kind_name(kind)) + " merges tensor dims " + shape_str(b.in) +
                       " of which " + std::to_string(outer) + " and " + std::to_string(d) +
                       " are both sharded, so " + mesh_dim_str(s, m) + " is replicated";
       }
@@ -499,8 +487,8 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
       at::detail::computeStride(self.sizes(), self.strides(), c10::IntArrayRef(to)).has_value();
   if (kind == ViewKind::View && !global_view) {
     fail(op, args,
-         "view size " + str(to) + " is not compatible with input tensor's size " +
-             str(self.sizes()) + " and stride " + str(self.strides()) +
+         "view size " + shape_str(to) + " is not compatible with input tensor's size " +
+             shape_str(self.sizes()) + " and stride " + shape_str(self.strides()) +
              " (at least one dimension spans across two contiguous subspaces), as in libtorch. "
              "Use .reshape(...) instead.");
   }

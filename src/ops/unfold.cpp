@@ -57,12 +57,6 @@
 namespace shardtensor::ops {
 namespace {
 
-std::string str(c10::IntArrayRef v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
-
 // Number of mesh dims that shard tensor dim `d`.
 int64_t shard_count(const ShardSpec& s, int64_t d) {
   int64_t n = 0;
@@ -164,7 +158,7 @@ Window2d window_args(const c10::OperatorHandle& op, const std::vector<c10::IValu
       if (i == 2 ? e < 0 : e <= 0) {
         fail(op, args,
              std::string(names[i]) + " must be " + (i == 2 ? "non-negative" : "positive") +
-                 ", got " + str(*v[i]));
+                 ", got " + shape_str(*v[i]));
       }
     }
   }
@@ -195,9 +189,9 @@ void im2col_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t ow = blocks(g[wdim], w.kernel[1], w.dilation[1], w.padding[1], w.stride[1]);
   if (oh < 1 || ow < 1) {
     fail(op, args,
-         "the kernel " + str(w.kernel) + " with dilation " + str(w.dilation) + " and padding " +
-             str(w.padding) + " does not fit the input's spatial size [" + std::to_string(g[hdim]) +
-             ", " + std::to_string(g[wdim]) + "]");
+         "the kernel " + shape_str(w.kernel) + " with dilation " + shape_str(w.dilation) +
+             " and padding " + shape_str(w.padding) + " does not fit the input's spatial size [" +
+             std::to_string(g[hdim]) + ", " + std::to_string(g[wdim]) + "]");
   }
   const int64_t kk = w.kernel[0] * w.kernel[1];
   const DeviceMesh& mesh = s.mesh();
@@ -296,7 +290,7 @@ void col2im_rule(const c10::OperatorHandle& op, Stack* stack) {
     fail(op, args,
          "the input's dim " + std::to_string(ldim) + " (" + std::to_string(g[ldim]) +
              ") must be the number of sliding blocks " + std::to_string(oh) + " * " +
-             std::to_string(ow) + " for output_size " + str(osize));
+             std::to_string(ow) + " for output_size " + shape_str(osize));
   }
   const DeviceMesh& mesh = s.mesh();
   const int64_t C = g[ckdim] / kk;

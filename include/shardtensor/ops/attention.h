@@ -80,7 +80,10 @@ enum class CausalBalance {
 };
 
 /// Local, process-wide. Sets the strategy (default CausalBalance::ZigZag);
-/// returns the previous one. Every rank must use the same setting.
+/// returns the previous one. Every rank must use the same setting; with
+/// SHARDTENSOR_DEBUG=1 each sharded causal self-attention checks it (one
+/// uncounted all-reduce) and, where ranks differ, throws c10::Error on every
+/// rank naming set_causal_balance and each rank's value (Note [agreed settings]).
 CausalBalance set_causal_balance(CausalBalance balance);
 /// Local. The current strategy.
 CausalBalance causal_balance();

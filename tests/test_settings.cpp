@@ -1,0 +1,151 @@
+// Settings that change communication (Note [agreed settings], src/ops/settings.h):
+// under SHARDTENSOR_DEBUG=1, ranks that hold different values of
+// set_fft_layout, set_causal_balance or a SHARDTENSOR_*_SPLIT /
+// SHARDTENSOR_CONV_OVERLAP switch all raise the same clear error, naming the
+// setting and each rank's value, instead of hanging in mismatched
+// collectives or computing a wrong result. The last world rank holds the odd
+// value. Runs at 2 and 3 ranks and on the 2x2 mesh; at 1 rank there is no one
+// to disagree with.
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "testing.h"
+
+namespace st = shardtensor;
+using namespace shardtensor::testing;
+
+namespace {
+
+const st::Placement S1 = st::Shard{1}, S2 = st::Shard{2}, S3 = st::Shard{3};
+const st::Placement R = st::Replicate{};
+
+// Sets an environment variable for its scope (nullptr: unset).
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    set(value);
+  }
+  ~EnvGuard() { set(old_ ? old_->c_str() : nullptr); }
+  void set(const char* value) {
+    if (value) {
+      setenv(name_, value, 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+bool odd_rank() { return st::world_rank() == st::world_size() - 1; }
+
+// `f` throws on every rank a c10::Error that names the setting and both values.
+void expect_all_throw(const std::function<void()>& f, const std::string& name,
+                      const std::string& v1, const std::string& v2) {
+  EXPECT_TRUE(throws_everywhere(
+      f, {"ranks disagree on the setting " + name, v1, v2, "mesh rank 0", "mesh rank 1"}));
+}
+
+class Settings : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (st::world_size() == 1) GTEST_SKIP() << "one rank: nothing to disagree with";
+  }
+  st::DeviceMesh mesh = test_mesh();
+  EnvGuard debug_{"SHARDTENSOR_DEBUG", "1"};
+
+  // Spatial dims 2 and 3 sharded (trimmed on a 1-D mesh).
+  at::Tensor image(int64_t h = 12, int64_t w = 10) {
+    return st::distribute_tensor(rnd({2, 3, h, w}, 7), mesh, fit_placements(mesh, {S2, S3}));
+  }
+
+  // An environment switch: agreeing ranks run `f` without error (both
+  // values), a disagreeing last rank makes every rank throw.
+  void check_switch(const char* name, const std::function<void()>& f) {
+    {
+      EnvGuard all_off(name, "0");
+      EXPECT_NO_THROW(f());
+    }
+    {
+      EnvGuard all_on(name, "1");
+      EXPECT_NO_THROW(f());
+    }
+    EnvGuard odd(name, odd_rank() ? "0" : nullptr);
+    expect_all_throw(f, name, "on", "off");
+  }
+};
+
+TEST_F(Settings, FftLayout) {
+  // Dim 0 stays whole, so that a swap has a free target on the 2x2 mesh too.
+  auto sx = st::distribute_tensor(rnd({4, 6, 10}, 3), mesh, fit_placements(mesh, {S1, S2}));
+  auto f = [&] { (void)torch::fft::fft2(sx); };  // dims 1 and 2
+  EXPECT_NO_THROW(f());
+  st::FftLayoutGuard g(odd_rank() ? st::FftLayout::Input : st::FftLayout::Spectral);
+  expect_all_throw(f, "set_fft_layout", "FftLayout::Input", "FftLayout::Spectral");
+}
+
+TEST_F(Settings, CausalBalance) {
+  const int64_t S = 8 * mesh.size(0);
+  auto pl = fit_placements(mesh, {S2, R});
+  auto q = st::distribute_tensor(rnd({1, 2, S, 4}, 11), mesh, pl);
+  auto f = [&] { (void)st::scaled_dot_product_attention(q, q, q, {}, /*is_causal=*/true); };
+  EXPECT_NO_THROW(f());
+  const auto old = st::set_causal_balance(odd_rank() ? st::CausalBalance::Contiguous
+                                                     : st::CausalBalance::ZigZag);
+  expect_all_throw(f, "set_causal_balance", "CausalBalance::Contiguous", "CausalBalance::ZigZag");
+  st::set_causal_balance(old);
+  // Non-causal attention does not read the setting: no error.
+  st::set_causal_balance(odd_rank() ? st::CausalBalance::Contiguous : old);
+  EXPECT_NO_THROW((void)st::scaled_dot_product_attention(q, q, q, {}, false));
+  st::set_causal_balance(old);
+}
+
+TEST_F(Settings, ConvOverlap) {
+  auto sx = image();
+  auto w = rnd({4, 3, 3, 3}, 8);
+  check_switch("SHARDTENSOR_CONV_OVERLAP", [&] { (void)at::conv2d(sx, w, {}, 1, 1); });
+}
+
+TEST_F(Settings, PoolSplit) {
+  auto sx = image();
+  check_switch("SHARDTENSOR_POOL_SPLIT", [&] { (void)at::max_pool2d(sx, {3, 3}, {2, 2}, {1, 1}); });
+}
+
+TEST_F(Settings, TconvSplit) {
+  auto sx = image();
+  auto w = rnd({3, 4, 3, 3}, 9);
+  check_switch("SHARDTENSOR_TCONV_SPLIT",
+               [&] { (void)at::conv_transpose2d(sx, w, {}, /*stride=*/2, /*padding=*/1); });
+}
+
+TEST_F(Settings, InterpSplit) {
+  auto sx = image();
+  check_switch("SHARDTENSOR_INTERP_SPLIT", [&] {
+    (void)at::upsample_bilinear2d(sx, {24, 20}, /*align_corners=*/false);
+  });
+}
+
+// The check is uncounted: agreeing ranks see the same CommStats with and
+// without SHARDTENSOR_DEBUG.
+TEST_F(Settings, DebugCheckIsUncounted) {
+  auto sx = image();
+  auto w = rnd({4, 3, 3, 3}, 8);
+  st::reset_comm_stats();
+  (void)at::conv2d(sx, w, {}, 1, 1);
+  const auto with_debug = st::comm_stats();
+  EnvGuard off("SHARDTENSOR_DEBUG", "0");
+  st::reset_comm_stats();
+  (void)at::conv2d(sx, w, {}, 1, 1);
+  const auto without = st::comm_stats();
+  EXPECT_EQ(with_debug.bytes_sent, without.bytes_sent);
+  EXPECT_EQ(with_debug.messages, without.messages);
+}
+
+}  // namespace
