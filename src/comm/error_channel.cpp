@@ -545,16 +545,25 @@ WatchMonitor& watch_monitor() {
 void watch_loop() {
   WatchMonitor& m = watch_monitor();
   std::unique_lock<std::mutex> lock(m.mu);
+  const auto period =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kStorePollSeconds));
+  int quiet_periods = 0;
   for (;;) {
     if (m.current == nullptr) {
+      // Between the waits of a busy rank: keep ticking (a wake-up per period)
+      // for a second, so that a new watch needs no notify; then sleep.
+      if (++quiet_periods < 50) {
+        m.cv.wait_for(lock, period);
+        continue;
+      }
       m.idle = true;
       m.cv.wait(lock);
       m.idle = false;
+      quiet_periods = 0;
       continue;
     }
+    quiet_periods = 0;
     const long long id = m.current_id;
-    const auto period = std::chrono::duration_cast<Clock::duration>(
-        std::chrono::duration<double>(kStorePollSeconds));
     if (m.cv.wait_for(lock, period, [&] { return m.current_id != id; })) continue;
     StoreWatch* w = m.current;
     if (w == nullptr || w->interrupted()) continue;

@@ -117,7 +117,7 @@ class StoreWatch {
   long long id_ = -1;
 };
 
-constexpr double kStorePollSeconds = 0.02;
+constexpr double kStorePollSeconds = 0.1;
 
 /// Local. True once the job is poisoned (Note [carried errors]).
 bool poisoned();
