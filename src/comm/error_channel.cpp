@@ -371,6 +371,25 @@ void register_hook() {
     if (channel == MPI_COMM_NULL && !over_c10d()) return;
     resolve(channel);
     auto& st = state();
+    if (st.poisoned && over_c10d()) {
+      // A rank that ends now makes torchrun's agent end the others within
+      // 0.1 s, perhaps before they have read the error: end together, once
+      // every rank got here (bounded by the watchdog, else 10 s).
+      try {
+        ::c10d::Store* store = shardtensor::detail::pg::store();
+        const int64_t n = static_cast<int64_t>(all_world_ranks().size());
+        if (store != nullptr) {
+          store->add("carried/ended", 1);
+          const double limit = shardtensor::timeout() > 0 ? shardtensor::timeout() : 10.0;
+          const auto start = Clock::now();
+          while (store->add("carried/ended", 0) < n &&
+                 std::chrono::duration<double>(Clock::now() - start).count() < limit) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+        }
+      } catch (...) {
+      }
+    }
     if (st.poisoned) {
       std::fprintf(stderr,
                    "shardtensor: world rank %d ends the job with exit code %d: communication "
@@ -604,7 +623,20 @@ StoreWatch::~StoreWatch() {
   }
 }
 
-void StoreWatch::raise(const char* what) const {
+bool poll_store() {
+  if (!over_c10d()) return poisoned();
+  WatchMonitor& m = watch_monitor();
+  std::lock_guard<std::mutex> lock(m.mu);  // not while the monitor reads
+  drain(MPI_COMM_NULL, [&](const Message& msg) {
+    if (settle_verdict(msg)) return;
+    poison(MPI_COMM_NULL, culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
+  });
+  return state().poisoned;
+}
+
+void StoreWatch::raise(const char* what) const { raise_poisoned(what); }
+
+void raise_poisoned(const char* what) {
   auto& s = state();
   const char* op = OpLabel::current();
   TORCH_CHECK(false, "shardtensor: world rank ", world_rank_of_me(), " stopped waiting in ", what,

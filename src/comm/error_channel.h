@@ -51,7 +51,12 @@
 /// So over c10d a failure on one rank only always poisons the job (every rank
 /// raises, the next op raises everywhere, finalize exits with
 /// kCarriedErrorExitCode), and a failure on every rank alike is settled as
-/// under MPI (the job goes on).
+/// under MPI (the job goes on). At finalize the ranks of a poisoned job end
+/// together (a counter in the store, watchdog-bounded): torchrun's agent
+/// ends every rank within 0.1 s of the first one's exit, which could be
+/// before a slower rank has read the error. A wait that fails because a
+/// peer's connection closed reads the store first (poll_store): a peer that
+/// raised a carried error and left is reported by its error, not as dead.
 
 #include <mpi.h>
 
@@ -118,6 +123,16 @@ class StoreWatch {
 };
 
 constexpr double kStorePollSeconds = 0.1;
+
+/// Local, c10d only: reads the store now (as the monitor does) and returns
+/// whether the job is poisoned. For a wait that failed because a peer's
+/// connection closed: a peer that raised a carried error may have left
+/// already, and its error, not its death, is what to report.
+bool poll_store();
+
+/// Throws the c10::Error of a wait abandoned because the job is poisoned
+/// (names the wait `what`, the op and the culprit).
+[[noreturn]] void raise_poisoned(const char* what);
 
 /// Local. True once the job is poisoned (Note [carried errors]).
 bool poisoned();

@@ -167,6 +167,7 @@ void Exchange::finish(const char* what) {
   errors::StoreWatch watch([live] {
     for (auto& w : live->works) w->abort();
   });
+  bool abandoned = false;
   for (size_t i = 0; i < impl->works.size(); ++i) {
     flight::wait_progress(static_cast<int>(i));
     auto& work = impl->works[i];
@@ -180,6 +181,12 @@ void Exchange::finish(const char* what) {
       work->wait(left);
     } catch (const std::exception& e) {
       if (watch.interrupted()) break;
+      // A peer that raised a carried error may have left before this rank's
+      // monitor read the store: report its error, not its death.
+      if (errors::poll_store()) {
+        abandoned = true;
+        break;
+      }
       const double waited = std::chrono::duration<double>(Clock::now() - start).count();
       if (limit > 0 && waited >= limit) {
         // Exactly the peer of the message that timed out (the later works
@@ -195,7 +202,7 @@ void Exchange::finish(const char* what) {
     }
     if (watch.interrupted()) break;
   }
-  if (watch.interrupted()) {
+  if (abandoned || watch.interrupted()) {
     // The messages still posted may land later: their buffers must outlive
     // them, so the abandoned exchange is kept (the job is poisoned and ends
     // at finalize).
@@ -216,7 +223,9 @@ c10::intrusive_ptr<::c10d::Work> post(::c10d::ProcessGroup& pg, bool send,
     return send ? pg.send(bufs, peer, tag) : pg.recv(bufs, peer, tag);
   } catch (const std::exception& e) {
     if (connection_lost(e.what())) {
-      lost(send ? "posting a c10d send" : "posting a c10d receive", comm, peer, e.what());
+      const char* what = send ? "posting a c10d send" : "posting a c10d receive";
+      if (errors::poll_store()) errors::raise_poisoned(what);
+      lost(what, comm, peer, e.what());
     }
     throw;
   }
