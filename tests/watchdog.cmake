@@ -27,6 +27,26 @@ foreach(scenario throw_mid_op skip_collective rank_exits skip_exchange backward_
       TIMEOUT 120 PROCESSORS 2 LABELS "mpi;watchdog")
   endforeach()
 endforeach()
+# The same under torchrun (c10d transport): every wait is point-to-point, so
+# the line names exactly the missing rank (Note [flight recorder]); the culprit
+# is the last rank.
+foreach(scenario throw_mid_op skip_exchange)
+  foreach(np 2 3)
+    math(EXPR _culprit "${np} - 1")
+    if(scenario STREQUAL "throw_mid_op")
+      set(_expect "during op 'aten::sum'.*missing: world ranks .${_culprit}.")
+    else()
+      set(_expect "exchange finish (c10d send/recv).*missing: world ranks .${_culprit}.")
+    endif()
+    add_test(NAME watchdog.${scenario}.torchrun.np${np}
+      COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/watchdog_check.sh 90
+              ${Python3_EXECUTABLE} -m torch.distributed.run --standalone --no-python
+              --nproc-per-node ${np} $<TARGET_FILE:watchdog_scenario> ${scenario})
+    set_tests_properties(watchdog.${scenario}.torchrun.np${np} PROPERTIES
+      ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=3;WATCHDOG_EXPECT=${_expect};WATCHDOG_LAUNCHER=torchrun"
+      TIMEOUT 120 PROCESSORS 2 LABELS "torchrun;watchdog")
+  endforeach()
+endforeach()
 # Carried errors (Note [carried errors]): a check of the local tensor fails on
 # one rank only, without SHARDTENSOR_DEBUG. Every rank raises (naming the
 # primitive and the culprit's error), the next op raises everywhere, and
@@ -43,5 +63,22 @@ foreach(scenario one_rank_bad_piece every_rank_bad_piece)
     set_tests_properties(carried_errors.${scenario}.np${np} PROPERTIES
       ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=20"
       TIMEOUT 90 PROCESSORS 2 LABELS "mpi;watchdog")
+  endforeach()
+endforeach()
+# The same over c10d, launched by torchrun (the store carries the errors, Note
+# [carried errors]). torchrun itself exits with 1 when a worker fails (here:
+# every worker ends with 86 at finalize).
+set(_carried_torchrun_one_rank_bad_piece "1;caught: .*all_gather.*the local tensor has extent 3;raises at the next op: .*inconsistent")
+set(_carried_torchrun_every_rank_bad_piece "${_carried_every_rank_bad_piece}")
+foreach(scenario one_rank_bad_piece every_rank_bad_piece)
+  foreach(np 2 3)
+    add_test(NAME carried_errors.${scenario}.torchrun.np${np}
+      COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/carried_check.sh 60 ${np}
+              "${_carried_torchrun_${scenario}}"
+              ${Python3_EXECUTABLE} -m torch.distributed.run --standalone --no-python
+              --nproc-per-node ${np} $<TARGET_FILE:watchdog_scenario> ${scenario})
+    set_tests_properties(carried_errors.${scenario}.torchrun.np${np} PROPERTIES
+      ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=20"
+      TIMEOUT 90 PROCESSORS 2 LABELS "torchrun;watchdog")
   endforeach()
 endforeach()

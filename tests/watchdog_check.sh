@@ -36,6 +36,11 @@ if [ "$rc" -eq 139 ] && grep -q "MPI_ABORT was invoked on rank" "$log" &&
   echo "watchdog_check: mpirun crashed in PMIx_server_finalize after the watchdog's MPI_Abort(85)"
   rc=85
 fi
+# torchrun returns 1 when a worker fails and reports each worker's exit code.
+if [ "$WATCHDOG_LAUNCHER" = torchrun ] && [ "$rc" -eq 1 ] && grep -q "exitcode *: 85" "$log"; then
+  echo "watchdog_check: torchrun reports a worker's exit code 85"
+  rc=85
+fi
 if [ "$rc" -ne 85 ]; then
   echo "watchdog_check: FAIL: expected exit code 85 (the watchdog's), got $rc"
   fail=1

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/agree.h"
 #include "comm/blocking.h"
 
 namespace st = shardtensor;
@@ -36,7 +37,7 @@ int main(int argc, char** argv) {
   // the warm-up, outside the scenarios' try blocks (one_rank_bad_piece at 3
   // ranks: rank 0 already in the failing all_gather poisons, rank 1 still in
   // the warm-up sum raises there).
-  MPI_Barrier(MPI_COMM_WORLD);
+  st::comm::barrier(mesh);  // over the transport: also under torchrun (c10d)
 
   if (scenario == "throw_mid_op") {
     // The culprit raises (as a rule or user callback would) after the others

@@ -3,6 +3,11 @@
 
 #include <c10/util/Exception.h>
 #include <shardtensor/core/runtime.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
 
 #include <chrono>
 #include <cstdio>
@@ -17,8 +22,10 @@
 #include <utility>
 #include <vector>
 
+#include "comm/flight_recorder.h"
 #include "core/channel.h"
 #include "core/fingerprint.h"
+#include "core/process_groups.h"
 
 namespace shardtensor {
 namespace detail {
@@ -75,6 +82,8 @@ struct State {
   std::multimap<std::pair<uint64_t, uint64_t>, Message> early;
   // Sends in flight, with their buffers (kept until MPI has completed them).
   std::deque<std::pair<MPI_Request, std::vector<char>>> sends;
+  // Under c10d: messages of the store's list already read.
+  int64_t store_seen = 0;
 };
 
 State& state() {
@@ -82,7 +91,10 @@ State& state() {
   return *s;
 }
 
+bool over_c10d() { return shardtensor::detail::pg::active(); }
+
 int world_rank_of_me() {
+  if (over_c10d()) return shardtensor::detail::pg::rank(shardtensor::detail::pg::world());
   int r = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
   return r;
@@ -127,8 +139,73 @@ void reap_sends() {
   }
 }
 
-void post(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
-          const std::vector<int>& targets) {
+// ---- the channel over c10d: a list of messages in the rendezvous store ----------
+// Key "carried/n" counts the messages, "carried/<i>" holds message i: a header
+// line "kind key seq origin ntargets target..." and the text. Every rank reads
+// the whole list in order and keeps the messages addressed to it.
+
+std::string store_key(int64_t i) { return "carried/" + std::to_string(i); }
+
+void post_store(Kind kind, uint64_t key, uint64_t seq, const std::string& text,
+                const std::vector<int>& targets) {
+  ::c10d::Store* store = shardtensor::detail::pg::store();
+  if (store == nullptr) return;
+  std::ostringstream os;
+  os << static_cast<int64_t>(kind) << ' ' << key << ' ' << seq << ' ' << world_rank_of_me() << ' '
+     << targets.size();
+  for (int t : targets) os << ' ' << t;
+  os << '\n' << text;
+  const std::string v = os.str();
+  try {
+    const int64_t i = store->add("carried/n", 1) - 1;
+    store->set(store_key(i), std::vector<uint8_t>(v.begin(), v.end()));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardtensor: world rank %d could not post an error to the store: %s\n",
+                 world_rank_of_me(), e.what());
+  }
+}
+
+void drain_store(const std::function<void(const Message&)>& handle) {
+  ::c10d::Store* store = shardtensor::detail::pg::store();
+  if (store == nullptr) return;
+  auto& s = state();
+  const int me = world_rank_of_me();
+  int64_t n = 0;
+  try {
+    n = store->add("carried/n", 0);
+  } catch (...) {
+    return;
+  }
+  while (s.store_seen < n) {
+    std::vector<uint8_t> raw;
+    try {
+      const std::string key = store_key(s.store_seen);
+      if (!store->check({key})) return;  // posted but not yet written: next poll
+      raw = store->get(key);
+    } catch (...) {
+      return;
+    }
+    ++s.store_seen;
+    const std::string v(raw.begin(), raw.end());
+    const size_t nl = v.find('\n');
+    std::istringstream is(v.substr(0, nl));
+    Message m;
+    size_t ntargets = 0;
+    is >> m.kind >> m.key >> m.seq >> m.origin >> ntargets;
+    bool mine = false;
+    for (size_t k = 0; k < ntargets; ++k) {
+      int t = -1;
+      is >> t;
+      mine = mine || t == me;
+    }
+    if (!mine || m.origin == me) continue;
+    if (nl != std::string::npos) m.text = v.substr(nl + 1);
+    handle(m);
+  }
+}
+
+void post_mpi(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
+              const std::vector<int>& targets) {
   auto& s = state();
   reap_sends();
   const int me = world_rank_of_me();
@@ -145,9 +222,23 @@ void post(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::st
   }
 }
 
+/// Posts on the error channel: the MPI duplicate, or the store under c10d.
+void post(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
+          const std::vector<int>& targets) {
+  if (over_c10d()) {
+    post_store(kind, key, seq, text, targets);
+  } else {
+    post_mpi(channel, kind, key, seq, text, targets);
+  }
+}
+
 std::vector<int> all_world_ranks() {
   int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  if (over_c10d()) {
+    n = shardtensor::detail::pg::size(shardtensor::detail::pg::world());
+  } else {
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+  }
   std::vector<int> r(n);
   for (int i = 0; i < n; ++i) r[i] = i;
   return r;
@@ -155,6 +246,10 @@ std::vector<int> all_world_ranks() {
 
 /// Calls `handle` on every message waiting on the channel.
 void drain(MPI_Comm channel, const std::function<void(const Message&)>& handle) {
+  if (over_c10d()) {
+    drain_store(handle);
+    return;
+  }
   for (;;) {
     int flag = 0;
     MPI_Status status;
@@ -257,7 +352,10 @@ void resolve(MPI_Comm channel) {
                    world_rank_of_me(), waited, limit, kWatchdogExitCode);
       shardtensor::abort(kWatchdogExitCode);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(waited < 1e-2 ? 1 : 100));
+    // Over c10d each read is a store round trip: a modest rate.
+    std::this_thread::sleep_for(std::chrono::microseconds(over_c10d()     ? 1000
+                                                          : waited < 1e-2 ? 1
+                                                                          : 100));
   }
   for (auto it = s.failures.begin(); it != s.failures.end();) {
     it = it->second.waiting.empty() ? s.failures.erase(it) : std::next(it);
@@ -270,9 +368,28 @@ void register_hook() {
   s.hook_registered = true;
   shardtensor::detail::register_finalize_hook([] {
     const MPI_Comm channel = shardtensor::detail::error_channel();
-    if (channel == MPI_COMM_NULL) return;
+    if (channel == MPI_COMM_NULL && !over_c10d()) return;
     resolve(channel);
     auto& st = state();
+    if (st.poisoned && over_c10d()) {
+      // A rank that ends now makes torchrun's agent end the others within
+      // 0.1 s, perhaps before they have read the error: end together, once
+      // every rank got here (bounded by the watchdog, else 10 s).
+      try {
+        ::c10d::Store* store = shardtensor::detail::pg::store();
+        const int64_t n = static_cast<int64_t>(all_world_ranks().size());
+        if (store != nullptr) {
+          store->add("carried/ended", 1);
+          const double limit = shardtensor::timeout() > 0 ? shardtensor::timeout() : 10.0;
+          const auto start = Clock::now();
+          while (store->add("carried/ended", 0) < n &&
+                 std::chrono::duration<double>(Clock::now() - start).count() < limit) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+        }
+      } catch (...) {
+      }
+    }
     if (st.poisoned) {
       std::fprintf(stderr,
                    "shardtensor: world rank %d ends the job with exit code %d: communication "
@@ -287,24 +404,40 @@ void register_hook() {
 
 }  // namespace
 
-CallId enter(MPI_Comm comm) {
+CallId enter(MPI_Comm comm, const char* name) {
   CallId id;
-  const MPI_Comm channel = shardtensor::detail::error_channel();
-  if (channel == MPI_COMM_NULL || comm == MPI_COMM_NULL) return id;
+  if (comm == MPI_COMM_NULL) return id;
+  // Under c10d (Note [c10d handles]) the channel is the store, read at entry
+  // only while this rank awaits verdicts (a store round trip per call would
+  // cost the success path); errors reach the others in their waits.
+  const bool c10d = shardtensor::detail::pg::owns(comm);
+  const MPI_Comm channel = c10d ? MPI_COMM_NULL : shardtensor::detail::error_channel();
+  if (!c10d && channel == MPI_COMM_NULL) return id;
   register_hook();
-  CommInfo& info = info_of(comm);
+  const std::vector<int>* world_ranks = nullptr;
+  if (c10d) {
+    world_ranks = &shardtensor::detail::pg::world_ranks(comm);
+    std::vector<int64_t> as64(world_ranks->begin(), world_ranks->end());
+    id.comm_key = shardtensor::detail::Fingerprint().add(as64).value();
+  } else {
+    CommInfo& info = info_of(comm);
+    world_ranks = &info.world_ranks;
+    id.comm_key = info.key;
+  }
   id.comm = comm;
-  id.comm_key = info.key;
   auto& s = state();
   // Before this call is numbered, so that failures of it by ranks ahead of
   // this one count as early (they are taken below, not as a poison).
-  drain(channel, [&](const Message& m) {
-    if (settle_verdict(m)) return;
-    poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
-  });
+  if (!c10d) {
+    drain(channel, [&](const Message& m) {
+      if (settle_verdict(m)) return;
+      poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
+    });
+  }
   if (!s.poisoned) resolve(channel);
   if (s.poisoned) throw_poisoned("a shardtensor primitive");
-  id.seq = s.next_seq[info.key]++;
+  id.seq = s.next_seq[id.comm_key]++;
+  flight::record(name, id.seq, *world_ranks);
   if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
     std::fprintf(stderr, "[carried errors] world rank %d enters call %llu on %llx\n",
                  world_rank_of_me(), static_cast<unsigned long long>(id.seq),
@@ -320,10 +453,10 @@ CallId enter(MPI_Comm comm) {
       first_carried = it->second;
       carried = &first_carried;
       Failure f;
-      for (int r : info.world_ranks) f.waiting.insert(r);
+      for (int r : *world_ranks) f.waiting.insert(r);
       f.waiting.erase(world_rank_of_me());
       s.failures[{id.comm_key, id.seq}] = std::move(f);
-      post(channel, kFailed, id.comm_key, id.seq, it->second.text, info.world_ranks);
+      post(channel, kFailed, id.comm_key, id.seq, it->second.text, *world_ranks);
     }
     s.failures[{id.comm_key, id.seq}].waiting.erase(it->second.origin);
     it = s.early.erase(it);
@@ -337,21 +470,23 @@ CallId enter(MPI_Comm comm) {
 }
 
 void fail(const CallId& call, const std::string& message) {
-  const MPI_Comm channel = shardtensor::detail::error_channel();
-  if (channel != MPI_COMM_NULL && call.comm != MPI_COMM_NULL) {
-    CommInfo& info = info_of(call.comm);
+  const bool c10d = call.comm != MPI_COMM_NULL && shardtensor::detail::pg::owns(call.comm);
+  const MPI_Comm channel = c10d ? MPI_COMM_NULL : shardtensor::detail::error_channel();
+  if ((c10d || channel != MPI_COMM_NULL) && call.comm != MPI_COMM_NULL) {
+    const std::vector<int>& world_ranks =
+        c10d ? shardtensor::detail::pg::world_ranks(call.comm) : info_of(call.comm).world_ranks;
     if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
       std::fprintf(stderr, "[carried errors] world rank %d fails call %llu on %llx\n",
                    world_rank_of_me(), static_cast<unsigned long long>(call.seq),
                    static_cast<unsigned long long>(call.comm_key));
     }
-    if (info.world_ranks.size() > 1) {
+    if (world_ranks.size() > 1) {
       Failure f;
-      for (int r : info.world_ranks) f.waiting.insert(r);
+      for (int r : world_ranks) f.waiting.insert(r);
       f.waiting.erase(world_rank_of_me());
       auto& s = state();
       s.failures[{call.comm_key, call.seq}] = std::move(f);
-      post(channel, kFailed, call.comm_key, call.seq, message, info.world_ranks);
+      post(channel, kFailed, call.comm_key, call.seq, message, world_ranks);
     }
   }
   TORCH_CHECK(false, message);
@@ -387,6 +522,122 @@ void poll(int n, MPI_Request* requests, bool p2p, const char* what) {
     }
     requests[i] = MPI_REQUEST_NULL;
   }
+  const char* op = OpLabel::current();
+  TORCH_CHECK(false, "shardtensor: world rank ", world_rank_of_me(), " stopped waiting in ", what,
+              " during op '", (*op != '\0' ? op : "<none>"), "' because world rank ",
+              s.poison_origin, " raised: ", s.poison_text,
+              " (Note [carried errors]: communication is now inconsistent; every shardtensor "
+              "call raises from now on; end the job; finalize exits with code ",
+              kCarriedErrorExitCode, ")");
+}
+
+// ---- waits of the c10d transport: a monitor thread reads the store ----------------
+
+struct StoreWatchAccess {
+  static void interrupt(StoreWatch* w) {
+    w->interrupted_.store(true);
+    try {
+      w->interrupt_();
+    } catch (...) {
+    }
+  }
+  static long long& id(StoreWatch* w) { return w->id_; }
+};
+
+namespace {
+
+struct WatchMonitor {
+  std::mutex mu;
+  std::condition_variable cv;
+  StoreWatch* current = nullptr;
+  long long current_id = -1;
+  long long next_id = 0;
+  bool started = false;
+  bool idle = true;  // the thread waits for a watch without a deadline
+};
+
+WatchMonitor& watch_monitor() {
+  static auto* m = new WatchMonitor();  // leaked: the detached thread may outlive statics
+  return *m;
+}
+
+void watch_loop() {
+  WatchMonitor& m = watch_monitor();
+  std::unique_lock<std::mutex> lock(m.mu);
+  const auto period =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kStorePollSeconds));
+  int quiet_periods = 0;
+  for (;;) {
+    if (m.current == nullptr) {
+      // Between the waits of a busy rank: keep ticking (a wake-up per period)
+      // for a second, so that a new watch needs no notify; then sleep.
+      if (++quiet_periods < 50) {
+        m.cv.wait_for(lock, period);
+        continue;
+      }
+      m.idle = true;
+      m.cv.wait(lock);
+      m.idle = false;
+      quiet_periods = 0;
+      continue;
+    }
+    quiet_periods = 0;
+    const long long id = m.current_id;
+    if (m.cv.wait_for(lock, period, [&] { return m.current_id != id; })) continue;
+    StoreWatch* w = m.current;
+    if (w == nullptr || w->interrupted()) continue;
+    // The waiting thread is blocked in Gloo until this poll ends (its
+    // ~StoreWatch takes the lock), so the state is not shared meanwhile.
+    bool abandon = false;
+    drain(MPI_COMM_NULL, [&](const Message& msg) {
+      if (settle_verdict(msg)) return;
+      abandon = true;
+      poison(MPI_COMM_NULL, culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
+    });
+    if (abandon) StoreWatchAccess::interrupt(w);
+  }
+}
+
+}  // namespace
+
+StoreWatch::StoreWatch(std::function<void()> interrupt) : interrupt_(std::move(interrupt)) {
+  WatchMonitor& m = watch_monitor();
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (!m.started) {
+    std::thread(watch_loop).detach();
+    m.started = true;
+  }
+  id_ = m.next_id++;
+  m.current = this;
+  m.current_id = id_;
+  // A busy thread finds the new watch when its period ends (no wake-up per wait).
+  if (m.idle) m.cv.notify_all();
+}
+
+StoreWatch::~StoreWatch() {
+  WatchMonitor& m = watch_monitor();
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (m.current_id == id_) {
+    m.current = nullptr;
+    m.current_id = -1;
+  }
+}
+
+bool poll_store() {
+  if (!over_c10d()) return poisoned();
+  WatchMonitor& m = watch_monitor();
+  std::lock_guard<std::mutex> lock(m.mu);  // not while the monitor reads
+  drain(MPI_COMM_NULL, [&](const Message& msg) {
+    if (settle_verdict(msg)) return;
+    poison(MPI_COMM_NULL, culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
+  });
+  return state().poisoned;
+}
+
+void StoreWatch::raise(const char* what) const { raise_poisoned(what); }
+
+void raise_poisoned(const char* what) {
+  auto& s = state();
   const char* op = OpLabel::current();
   TORCH_CHECK(false, "shardtensor: world rank ", world_rank_of_me(), " stopped waiting in ", what,
               " during op '", (*op != '\0' ? op : "<none>"), "' because world rank ",

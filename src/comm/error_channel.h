@@ -38,10 +38,31 @@
 /// So every rank throws, names the op and the failing rank, and nothing hangs
 /// or computes on with half-finished communication. With SHARDTENSOR_TIMEOUT=0
 /// waits still poll (they only never expire).
+///
+/// Under the c10d transport (Note [c10d handles]) there is no probe or
+/// cancel; the channel is the rendezvous store (a list of messages under
+/// "carried/", every rank reading it in order and keeping what is addressed
+/// to it), which also survives a broken Gloo pair. Calls are numbered alike.
+/// The entry of a primitive reads the store only while this rank awaits
+/// verdicts (a store round trip per call would cost the success path), so a
+/// rank learns of another's failure in its waits: a monitor thread reads the
+/// store every kStorePollSeconds while a wait lasts and, for an error of a
+/// call this rank has entered, poisons and aborts the Gloo waits (StoreWatch).
+/// So over c10d a failure on one rank only always poisons the job (every rank
+/// raises, the next op raises everywhere, finalize exits with
+/// kCarriedErrorExitCode), and a failure on every rank alike is settled as
+/// under MPI (the job goes on). At finalize the ranks of a poisoned job end
+/// together (a counter in the store, watchdog-bounded): torchrun's agent
+/// ends every rank within 0.1 s of the first one's exit, which could be
+/// before a slower rank has read the error. A wait that fails because a
+/// peer's connection closed reads the store first (poll_store): a peer that
+/// raised a carried error and left is reported by its error, not as dead.
 
 #include <mpi.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace shardtensor::comm::errors {
@@ -59,10 +80,12 @@ struct CallId {
 
 /// Local unless an error is pending. The entry of every primitive call on
 /// `comm` (after its local checks, before any communication): numbers the
-/// call, reads the error channel, and throws c10::Error if an error of
-/// another rank reached this call or the job is poisoned. May wait for the
-/// other ranks' verdict on an earlier failure of this rank (see the Note).
-CallId enter(MPI_Comm comm);
+/// call, records it in the flight recorder under `name` (a string that lives
+/// for the whole run; Note [flight recorder]), reads the error channel, and
+/// throws c10::Error if an error of another rank reached this call or the job
+/// is poisoned. May wait for the other ranks' verdict on an earlier failure
+/// of this rank (see the Note).
+CallId enter(MPI_Comm comm, const char* name);
 
 /// Posts `message` to the other ranks of the call's communicator and throws
 /// it here as c10::Error. For a call whose checks failed on this rank.
@@ -74,6 +97,42 @@ CallId enter(MPI_Comm comm);
 /// the requests (they are set to MPI_REQUEST_NULL), when another rank has
 /// carried an error here or poisoned the job.
 void poll(int n, MPI_Request* requests, bool p2p, const char* what);
+
+/// Local. A wait of the c10d transport that carried errors can reach (Note
+/// [carried errors]): while one lives (one at a time), a monitor thread reads
+/// the store every kStorePollSeconds, starting kStorePollSeconds into the
+/// wait. When it finds an error of a call this rank has entered, or a poison,
+/// it poisons the job here and calls `interrupt`, which must make the waits
+/// return (Gloo's Work::abort()); then interrupted() is true and raise()
+/// throws. Short waits cost a registration and no store access.
+class StoreWatch {
+ public:
+  explicit StoreWatch(std::function<void()> interrupt);
+  ~StoreWatch();
+  StoreWatch(const StoreWatch&) = delete;
+  StoreWatch& operator=(const StoreWatch&) = delete;
+  bool interrupted() const { return interrupted_.load(); }
+  /// Throws c10::Error naming the wait `what`, the op and the culprit.
+  [[noreturn]] void raise(const char* what) const;
+
+ private:
+  friend struct StoreWatchAccess;
+  std::function<void()> interrupt_;
+  std::atomic<bool> interrupted_{false};
+  long long id_ = -1;
+};
+
+constexpr double kStorePollSeconds = 0.1;
+
+/// Local, c10d only: reads the store now (as the monitor does) and returns
+/// whether the job is poisoned. For a wait that failed because a peer's
+/// connection closed: a peer that raised a carried error may have left
+/// already, and its error, not its death, is what to report.
+bool poll_store();
+
+/// Throws the c10::Error of a wait abandoned because the job is poisoned
+/// (names the wait `what`, the op and the culprit).
+[[noreturn]] void raise_poisoned(const char* what);
 
 /// Local. True once the job is poisoned (Note [carried errors]).
 bool poisoned();

@@ -6,12 +6,16 @@
 #include <shardtensor/core/runtime.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "comm/error_channel.h"
+#include "comm/flight_recorder.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <deque>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 namespace shardtensor::comm::c10d {
 
@@ -36,17 +40,73 @@ at::Tensor bytes_of(const at::Tensor& t, int64_t offset, int64_t n) {
                          double waited, double limit) {
   std::ostringstream os;
   const char* op = OpLabel::current();
+  const auto& world = detail::pg::world_ranks(comm);
+  std::vector<int> missing;
+  for (int p : peers) missing.push_back(world[p]);
   os << "shardtensor watchdog: world rank " << shardtensor::world_rank() << " waited " << waited
      << " s (SHARDTENSOR_TIMEOUT = " << limit << " s) in " << what << " during op '"
      << (*op != '\0' ? op : "<none>") << "' on c10d group '" << detail::pg::name(comm)
      << "' of size " << detail::pg::size(comm) << " (this process is its rank "
      << detail::pg::rank(comm) << ") for peers [";
   for (size_t i = 0; i < peers.size(); ++i) os << (i ? ", " : "") << peers[i];
-  os << "] (point-to-point); aborting the job with exit code " << kWatchdogExitCode << "\n";
-  const std::string line = os.str();
-  std::fputs(line.c_str(), stderr);
-  std::fflush(stderr);
-  shardtensor::abort(kWatchdogExitCode);
+  os << "] (point-to-point); its last primitive call: " << flight::last_call()
+     << "; missing: world ranks " << flight::rank_list(missing)
+     << " (their messages did not arrive; Note [flight recorder])";
+  // Say whom this rank waited for, so that a rank that then sees this one's
+  // connection close, or whose wait for this one expires too, names that
+  // rank; and name whom the missing rank itself waits for, if it said so.
+  if (!missing.empty()) {
+    flight::post_lost(missing.front());
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    const int root = flight::root_of(missing.front());
+    if (root != missing.front()) {
+      os << "; world rank " << missing.front() << " itself waits for world rank " << root;
+    }
+  }
+  os << "; aborting the job with exit code " << kWatchdogExitCode;
+  flight::fail_job(os.str(), kWatchdogExitCode);
+}
+
+/// Whether a Gloo error says that the connection to the peer is gone (the
+/// peer process died or ended), rather than a failure of this operation.
+bool connection_lost(const std::string& error) {
+  for (const char* needle : {"Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                             "Connection refused", "closed by peer"}) {
+    if (error.find(needle) != std::string::npos) return true;
+  }
+  return false;
+}
+
+/// A peer's connection closed (Note [flight recorder]): names the call and the
+/// missing rank, tells the other survivors through the store why this rank
+/// leaves, and ends this process with kRankLostExitCode.
+[[noreturn]] void lost(const char* what, MPI_Comm comm, int peer, const std::string& error) {
+  const int me = shardtensor::world_rank();
+  const auto& world = detail::pg::world_ranks(comm);
+  const int peer_world = world[peer];
+  // Did the peer end itself because it lost another rank? Then that rank is
+  // the missing one (the peer said so in the store before it left).
+  const int chain = flight::root_of(peer_world);
+  const int missing = chain != me ? chain : peer_world;
+  const char* op = OpLabel::current();
+  std::ostringstream os;
+  os << "shardtensor: world rank " << me << " lost world rank " << missing << " in " << what
+     << " during op '" << (*op != '\0' ? op : "<none>")
+     << "' (its last primitive call: " << flight::last_call() << ", c10d group '"
+     << detail::pg::name(comm) << "'): ";
+  if (missing != peer_world) {
+    os << "world rank " << peer_world << ", whose messages this rank waited for, left (it "
+       << "waited for world rank " << missing << ", directly or through ranks that left), and "
+       << "its connection closed";
+  } else {
+    os << "the connection to world rank " << peer_world
+       << ", whose messages this rank waited for, closed (the process died or ended)";
+  }
+  std::string first_line = error.substr(0, error.find('\n'));
+  os << "; missing: world rank " << missing << "; ending this process with exit code "
+     << flight::kRankLostExitCode << " (Note [flight recorder]) [Gloo: " << first_line << "]";
+  flight::post_lost(missing);
+  flight::fail_job(os.str(), flight::kRankLostExitCode);
 }
 
 }  // namespace
@@ -88,9 +148,28 @@ bool Exchange::arrived() const { return impl_ == nullptr || impl_->works.empty()
 void Exchange::finish(const char* what) {
   if (impl_ == nullptr) return;
   std::unique_ptr<Impl> impl = std::move(impl_);
+  if (impl->works.empty()) return;
   const double limit = shardtensor::timeout();
   const auto start = Clock::now();
+  {
+    const auto& world = detail::pg::world_ranks(impl->comm);
+    std::vector<int> peers;
+    peers.reserve(impl->peers.size());
+    for (int p : impl->peers) peers.push_back(world[p]);
+    flight::begin_wait(what, world, peers);
+  }
+  struct EndWait {
+    ~EndWait() { flight::end_wait(); }
+  } end_wait;
+  // Carried errors reach this wait through the store (Note [carried errors]):
+  // a monitor thread aborts the Gloo waits when it finds one.
+  Impl* live = impl.get();
+  errors::StoreWatch watch([live] {
+    for (auto& w : live->works) w->abort();
+  });
+  bool abandoned = false;
   for (size_t i = 0; i < impl->works.size(); ++i) {
+    flight::wait_progress(static_cast<int>(i));
     auto& work = impl->works[i];
     std::chrono::milliseconds left{0};  // 0: no timeout (c10d::kNoTimeout)
     if (limit > 0) {
@@ -101,22 +180,58 @@ void Exchange::finish(const char* what) {
     try {
       work->wait(left);
     } catch (const std::exception& e) {
+      if (watch.interrupted()) break;
+      // A peer that raised a carried error may have left before this rank's
+      // monitor read the store: report its error, not its death.
+      if (errors::poll_store()) {
+        abandoned = true;
+        break;
+      }
       const double waited = std::chrono::duration<double>(Clock::now() - start).count();
       if (limit > 0 && waited >= limit) {
-        std::vector<int> unfinished(impl->peers.begin() + static_cast<int64_t>(i),
-                                    impl->peers.end());
-        std::sort(unfinished.begin(), unfinished.end());
-        unfinished.erase(std::unique(unfinished.begin(), unfinished.end()), unfinished.end());
-        expire(what, impl->comm, unfinished, waited, limit);
+        // Exactly the peer of the message that timed out (the later works
+        // were never waited for, so nothing is known of them).
+        expire(what, impl->comm, {impl->peers[i]}, waited, limit);
       }
       const int peer = impl->peers[i];
+      if (connection_lost(e.what())) lost(what, impl->comm, peer, e.what());
       const auto& world = detail::pg::world_ranks(impl->comm);
       TORCH_CHECK(false, "shardtensor transport: ", what, " on c10d group '",
                   detail::pg::name(impl->comm), "' failed waiting for rank ", peer, " (world rank ",
-                  world[peer], "), which may have died: ", e.what());
+                  world[peer], "): ", e.what());
     }
+    if (watch.interrupted()) break;
+  }
+  if (abandoned || watch.interrupted()) {
+    // The messages still posted may land later: their buffers must outlive
+    // them, so the abandoned exchange is kept (the job is poisoned and ends
+    // at finalize).
+    static auto* abandoned = new std::vector<std::unique_ptr<Impl>>();
+    abandoned->push_back(std::move(impl));
+    watch.raise(what);
   }
 }
+
+namespace {
+
+// Posts one Gloo send or receive; a connection already gone ends the job like
+// a wait on it would (Note [flight recorder]).
+c10::intrusive_ptr<::c10d::Work> post(::c10d::ProcessGroup& pg, bool send,
+                                      std::vector<at::Tensor>& bufs, int peer, int tag,
+                                      MPI_Comm comm) {
+  try {
+    return send ? pg.send(bufs, peer, tag) : pg.recv(bufs, peer, tag);
+  } catch (const std::exception& e) {
+    if (connection_lost(e.what())) {
+      const char* what = send ? "posting a c10d send" : "posting a c10d receive";
+      if (errors::poll_store()) errors::raise_poisoned(what);
+      lost(what, comm, peer, e.what());
+    }
+    throw;
+  }
+}
+
+}  // namespace
 
 Exchange start(const std::vector<Message>& sends, const std::vector<Message>& recvs, MPI_Comm comm,
                int tag) {
@@ -144,7 +259,7 @@ Exchange start(const std::vector<Message>& sends, const std::vector<Message>& re
       continue;
     }
     std::vector<at::Tensor> bufs{bytes_of(m.buffer, 0, n)};
-    ex.impl_->works.push_back(pg.recv(bufs, m.peer, tag));
+    ex.impl_->works.push_back(post(pg, /*send=*/false, bufs, m.peer, tag, comm));
     ex.impl_->peers.push_back(m.peer);
     ex.impl_->keep.push_back(m.buffer);
   }
@@ -162,7 +277,7 @@ Exchange start(const std::vector<Message>& sends, const std::vector<Message>& re
       continue;
     }
     std::vector<at::Tensor> bufs{bytes_of(m.buffer, 0, n)};
-    ex.impl_->works.push_back(pg.send(bufs, m.peer, tag));
+    ex.impl_->works.push_back(post(pg, /*send=*/true, bufs, m.peer, tag, comm));
     ex.impl_->peers.push_back(m.peer);
     ex.impl_->keep.push_back(m.buffer);
   }

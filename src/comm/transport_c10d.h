@@ -43,10 +43,13 @@
 /// deadline. When the deadline passes the rank prints the watchdog line and
 /// ends the job (kWatchdogExitCode): a Gloo timeout closes the pair, so the
 /// group cannot be used again anyway. A peer that died shows up as a closed
-/// connection; that wait throws a c10::Error naming the peer and the group.
-/// Carried errors (Note [carried errors]) need MPI's probe and cancel and are
-/// not available here: a check that fails on one rank only throws there, and
-/// the others wait until the watchdog (or the dead connection) ends the job.
+/// connection (at a wait or when posting): the rank names the call and the
+/// dead rank and ends itself (Note [flight recorder]). Carried errors (Note
+/// [carried errors]) travel through the rendezvous store: while a wait lasts,
+/// a monitor thread reads the store every kStorePollSeconds and, when it finds
+/// an error of a call this rank has entered, aborts the Gloo waits
+/// (Work::abort) so that the wait raises it; the abandoned exchange's buffers
+/// are kept alive, since its messages may still land.
 
 #include "core/process_groups.h"
 

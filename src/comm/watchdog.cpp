@@ -3,9 +3,11 @@
 
 #include "comm/blocking.h"
 #include "comm/error_channel.h"
+#include "comm/flight_recorder.h"
 
 #include <shardtensor/core/runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -37,6 +39,30 @@ std::string comm_description(MPI_Comm comm) {
   return os.str();
 }
 
+/// World ranks of `ranks` (ranks of `comm`; all of them when `ranks` is null).
+std::vector<int> to_world(MPI_Comm comm, const std::vector<int>* ranks) {
+  std::vector<int> out;
+  if (comm == MPI_COMM_NULL) return out;
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  MPI_Comm_group(comm, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  std::vector<int> in;
+  if (ranks != nullptr) {
+    in = *ranks;
+  } else {
+    int n = 0;
+    MPI_Group_size(group, &n);
+    for (int i = 0; i < n; ++i) in.push_back(i);
+  }
+  out.assign(in.size(), MPI_UNDEFINED);
+  if (!in.empty()) {
+    MPI_Group_translate_ranks(group, static_cast<int>(in.size()), in.data(), world, out.data());
+  }
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  return out;
+}
+
 [[noreturn]] void expire(int n, MPI_Request* requests, const WaitSite& site, double waited,
                          double limit) {
   int world = -1;
@@ -46,9 +72,11 @@ std::string comm_description(MPI_Comm comm) {
   os << "shardtensor watchdog: world rank " << world << " waited " << waited
      << " s (SHARDTENSOR_TIMEOUT = " << limit << " s) in " << site.primitive << " during op '"
      << (*op != '\0' ? op : "<none>") << "' on " << comm_description(site.comm) << " for ";
+  std::string missing;
   if (site.peers != nullptr && static_cast<int>(site.peers->size()) == n) {
     os << "peers [";
     bool first = true;
+    std::vector<int> pending;
     for (int i = 0; i < n; ++i) {
       int done = 1;
       if (requests[i] != MPI_REQUEST_NULL) {
@@ -57,18 +85,22 @@ std::string comm_description(MPI_Comm comm) {
       if (!done) {
         os << (first ? "" : ", ") << (*site.peers)[i];
         first = false;
+        pending.push_back((*site.peers)[i]);
       }
     }
     os << "] (point-to-point)";
+    std::vector<int> world = to_world(site.comm, &pending);
+    std::sort(world.begin(), world.end());
+    world.erase(std::unique(world.begin(), world.end()), world.end());
+    missing = "world ranks " + flight::rank_list(world) + " (their messages did not arrive)";
   } else {
     os << "every rank of the communicator (a collective that some rank has not entered)";
+    missing = "one or more of world ranks " + flight::rank_list(to_world(site.comm, nullptr)) +
+              " (an MPI collective does not tell a rank which ranks have not joined)";
   }
-  os << "; aborting the job with exit code " << kWatchdogExitCode << "\n";
-  const std::string line = os.str();
-  std::fputs(line.c_str(), stderr);
-  std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, kWatchdogExitCode);
-  std::_Exit(kWatchdogExitCode);  // MPI_Abort does not return; be sure
+  os << "; its last primitive call: " << flight::last_call() << "; missing: " << missing
+     << " (Note [flight recorder]); aborting the job with exit code " << kWatchdogExitCode;
+  flight::fail_job(os.str(), kWatchdogExitCode);
 }
 
 }  // namespace
@@ -81,6 +113,13 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
   // ranks reach this wait (Note [carried errors]).
   const double limit = shardtensor::timeout();
   const auto start = Clock::now();
+  bool recorded = false;
+  struct EndWait {
+    bool* recorded;
+    ~EndWait() {
+      if (*recorded) flight::end_wait();
+    }
+  } end_wait{&recorded};
   for (;;) {
     int flag = 0;
     const int rc = MPI_Testall(n, requests, &flag, statuses);
@@ -91,6 +130,23 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
     if (limit > 0 && waited > limit) {
       expire(n, requests, site, waited, limit);
+    }
+    if (waited >= 1e-2 && !recorded) {
+      // A long wait: tell the flight recorder what it waits for (Note
+      // [flight recorder]; not on the fast path, the translation asks MPI).
+      recorded = true;
+      std::vector<int> pending;
+      if (site.peers != nullptr && static_cast<int>(site.peers->size()) == n) {
+        for (int i = 0; i < n; ++i) {
+          int done = 1;
+          if (requests[i] != MPI_REQUEST_NULL) {
+            MPI_Request_get_status(requests[i], &done, MPI_STATUS_IGNORE);
+          }
+          if (!done) pending.push_back((*site.peers)[i]);
+        }
+      }
+      flight::begin_wait(site.primitive, to_world(site.comm, nullptr),
+                         pending.empty() ? pending : to_world(site.comm, &pending));
     }
     // Poll hard at first (short waits are the common case and latency matters),
     // then back off so that a rank waiting long leaves the core to the others.

@@ -162,6 +162,12 @@ MPI_Comm world() {
   return s.active ? handle(s.world) : MPI_COMM_NULL;
 }
 
+::c10d::Store* store() {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.active ? s.store.get() : nullptr;
+}
+
 int size(MPI_Comm comm) { return group(comm, "comm_size")->size; }
 
 int rank(MPI_Comm comm) { return group(comm, "comm_rank")->rank; }

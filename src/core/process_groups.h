@@ -13,7 +13,8 @@
 
 namespace c10d {
 class ProcessGroup;
-}
+class Store;
+}  // namespace c10d
 
 namespace shardtensor::detail::pg {
 
@@ -37,6 +38,12 @@ void stop_world() noexcept;
 
 /// Local. The world group's handle; MPI_COMM_NULL when not active().
 MPI_Comm world();
+
+/// Local. The rendezvous store (under the prefix `shardtensor/`), for the
+/// error channel over c10d (Note [carried errors]) and the flight recorder's
+/// notices (Note [flight recorder]); nullptr when not active(). Valid until
+/// stop_world().
+::c10d::Store* store();
 
 /// Local. Size of and this process's rank in a c10d group. Throw if `comm`
 /// is not one.
