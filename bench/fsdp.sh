@@ -49,18 +49,20 @@ PY
 done
 load_after=$(uptime)
 echo "bench/fsdp.sh: load after: $load_after"
-printf '%s\n' "${records[@]}" | python3 -c '
+printf '%s\n' "${records[@]}" > "$work/records.jsonl"
+python3 - "$load_after" "$out" "$work/records.jsonl" <<'PY'
 import json, sys
-recs = [json.loads(l) for l in sys.stdin if l.strip()]
+recs = [json.loads(l) for l in open(sys.argv[3]) if l.strip()]
 json.dump({"load_after": sys.argv[1], "records": recs}, open(sys.argv[2], "w"), indent=1)
-print("| layout (data x domain) | state bytes/rank, replicated | fully_shard | ratio (goal <= 1/D + 5 %) | step s, replicated | fully_shard | time ratio | check |")
+print("| layout (data x domain) | state bytes/rank, replicated | fully_shard | ratio (goal <= 1/D + 5 %) "
+      "| step s, replicated | fully_shard | time ratio | check |")
 print("|---|---|---|---|---|---|---|---|")
 by = {(r["layout"], r["mode"]): r for r in recs}
 for lay in ("1x4", "2x2", "4x1"):
     a, b = by[(lay, "replicated")], by[(lay, "fully_shard")]
     d = int(lay.split("x")[0])
-    print(f"| {lay} | {a[\"state_bytes_per_rank\"]} | {b[\"state_bytes_per_rank\"]} | {b[\"ratio\"]:.4f} (1/D = {1/d:.4f}) | "
-          f"{a[\"train_step_s_median\"]:.3f} | {b[\"train_step_s_median\"]:.3f} | "
-          f"{b[\"train_step_s_median\"]/a[\"train_step_s_median\"]:.2f}x | {a[\"check\"]}/{b[\"check\"]} |")
-' "$load_after" "$out"
+    ta, tb = a["train_step_s_median"], b["train_step_s_median"]
+    print(f"| {lay} | {a['state_bytes_per_rank']} | {b['state_bytes_per_rank']} | {b['ratio']:.4f} "
+          f"(1/D = {1 / d:.4f}) | {ta:.3f} | {tb:.3f} | {tb / ta:.2f}x | {a['check']}/{b['check']} |")
+PY
 echo "bench/fsdp.sh: results in $out"
