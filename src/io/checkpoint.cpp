@@ -252,13 +252,14 @@ std::vector<std::string> state_names(torch::optim::Optimizer* opt) {
 }
 
 template <typename State>
-at::Tensor* adam_slot(State& s, const std::string& name) {
-  if (name == "exp_avg") return const_cast<at::Tensor*>(&s.exp_avg());
-  if (name == "exp_avg_sq") return const_cast<at::Tensor*>(&s.exp_avg_sq());
-  return const_cast<at::Tensor*>(&s.max_exp_avg_sq());
+at::Tensor& adam_slot(State& s, const std::string& name) {
+  if (name == "exp_avg") return s.exp_avg();
+  if (name == "exp_avg_sq") return s.exp_avg_sq();
+  return s.max_exp_avg_sq();
 }
 
-/// Pointers to the state tensors of `shard` in `opt` (made, zero, when absent).
+/// Pointers to the state tensors `names` of `shard` in `opt` (those absent
+/// are made, zero; nothing else is added to the state).
 std::vector<at::Tensor*> state_slots(torch::optim::Optimizer* opt, const at::Tensor& shard,
                                      const std::vector<std::string>& names, int64_t** step) {
   *step = nullptr;
@@ -266,13 +267,13 @@ std::vector<at::Tensor*> state_slots(torch::optim::Optimizer* opt, const at::Ten
   if (opt == nullptr || names.empty()) return out;
   auto& states = opt->state();
   void* key = shard.unsafeGetTensorImpl();
-  auto zeros = [&] { return at::zeros_like(shard.detach(), at::MemoryFormat::Contiguous); };
+  auto slot = [&](at::Tensor& t) {
+    if (!t.defined()) t = at::zeros_like(shard.detach(), at::MemoryFormat::Contiguous);
+    out.push_back(&t);
+  };
   auto fill = [&](auto& st) {
-    if (!st.exp_avg().defined()) st.exp_avg(zeros());
-    if (!st.exp_avg_sq().defined()) st.exp_avg_sq(zeros());
-    if (!st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zeros());
-    for (const auto& n : names) out.push_back(adam_slot(st, n));
-    *step = const_cast<int64_t*>(&st.step());
+    for (const auto& n : names) slot(adam_slot(st, n));
+    *step = &st.step();
   };
   if (dynamic_cast<torch::optim::Adam*>(opt)) {
     if (!states.count(key)) states[key] = std::make_unique<torch::optim::AdamParamState>();
@@ -282,9 +283,7 @@ std::vector<at::Tensor*> state_slots(torch::optim::Optimizer* opt, const at::Ten
     fill(static_cast<torch::optim::AdamWParamState&>(*states[key]));
   } else {
     if (!states.count(key)) states[key] = std::make_unique<torch::optim::SGDParamState>();
-    auto& st = static_cast<torch::optim::SGDParamState&>(*states[key]);
-    if (!st.momentum_buffer().defined()) st.momentum_buffer(zeros());
-    out.push_back(const_cast<at::Tensor*>(&st.momentum_buffer()));
+    slot(static_cast<torch::optim::SGDParamState&>(*states[key]).momentum_buffer());
   }
   return out;
 }
