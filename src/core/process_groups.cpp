@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,6 +94,17 @@ void start_world(int rank, int size, const std::string& addr, int port, bool age
   {
     std::lock_guard<std::mutex> lock(s.mu);
     TORCH_CHECK(!s.active, "shardtensor::init: the c10d world is already started");
+  }
+  // A write to a peer that died would raise SIGPIPE and end this process
+  // silently before it can name the dead rank (Note [flight recorder]; seen in
+  // dead_rank.sigkill.torchrun.np3). Ignored, the write fails with EPIPE and
+  // Gloo reports the closed connection. Only where SIGPIPE still has its
+  // default action (Python already ignores it; a host's handler is kept).
+  {
+    struct sigaction old {};
+    if (sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
+      std::signal(SIGPIPE, SIG_IGN);
+    }
   }
   // Our watchdog bounds every wait (Note [c10d data movement]); Gloo's own
   // timeout only backs it up, so it is longer.
