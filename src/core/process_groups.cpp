@@ -74,6 +74,22 @@ c10::intrusive_ptr<::c10d::ProcessGroup> make_world(const c10::intrusive_ptr<::c
   return pg;
 }
 
+// Every rank waits here until all have made their Gloo group. Gloo's
+// connectFullMesh returns on a rank once its own pairs are connected; a rank
+// that then left at once (init, finalize, exit) closed a pair a slower peer
+// was still completing, and that peer failed with "Connection closed by peer"
+// (seen in launch.torchrun_cpp.np3). Counted on the store, like torch's own
+// store-based barrier; the key carries the how-manieth world of this process,
+// so a world started again on a long-lived store (torchrun's agent) never
+// reads an old count.
+void join_barrier(::c10d::Store& store, int size) {
+  static int64_t generation = 0;
+  const std::string key = "world" + std::to_string(generation++) + "/joined";
+  const std::string done = key + "/all";
+  if (store.add(key, 1) == size) store.set(done, std::vector<uint8_t>{1});
+  store.wait({done});
+}
+
 }  // namespace
 
 bool active() {
@@ -126,6 +142,7 @@ void start_world(int rank, int size, const std::string& addr, int port, bool age
     // (torch.distributed under torchrun uses the agent's store too).
     store = c10::make_intrusive<::c10d::PrefixStore>("shardtensor", tcp);
     pg = make_world(store, rank, size, timeout);
+    join_barrier(*store, size);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "shardtensor::init: could not start the c10d (Gloo) world of ", size,
                 " processes as rank ", rank, " through the store at ", addr, ":", port,
