@@ -330,7 +330,7 @@ int run(int argc, char** argv) {
       // Per sample: the batch's samples are spread over the "data" mesh dim.
       const double per_sample = static_cast<double>(c.batch) / c.data;
       std::printf(
-          "step %3lld  loss %.6f  %.2f samples/s (train %.2fs, solver+io %.2fs)  peak tensor "
+          "step %3lld  loss %.6f  %.2f samples/s (train %.3fs, solver+io %.3fs)  peak tensor "
           "memory/rank %.1f MB  io read/rank/sample %.0f..%.0f B of a %.0f B sample\n",
           (long long)step, l, c.batch / (solve_s + train_s), train_s, solve_s, peak_mb,
           read_min / per_sample, read_max / per_sample, sample_bytes);

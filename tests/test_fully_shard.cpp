@@ -12,6 +12,7 @@
 #include <shardtensor/io/checkpoint.h>
 #include "models/fsdp.h"
 #include "models/unet.h"
+#include "nn/fully_shard_stats.h"
 #include "testing.h"
 
 namespace st = shardtensor;
@@ -88,6 +89,7 @@ void check_unet_layout(const Layout& l, bool zero3) {
   st::Placements p{st::Shard{0}, st::Shard{2}};
   auto sx = st::distribute_tensor(x, mesh, p);
   auto sy = st::distribute_tensor(y, mesh, p);
+  const auto before = st::detail::fully_shard_overlap_stats();
   for (int step = 0; step < 3; ++step) {
     ref_opt.zero_grad();
     auto ref_loss = (ref->forward(x) - y).pow(2).mean();
@@ -105,6 +107,24 @@ void check_unet_layout(const Layout& l, bool zero3) {
     EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << "loss at step " << step;
     opt.step();
   }
+  // Note [fully_shard prefetch]: from the second step on, every block but
+  // the first is gathered early in forward; with ZeRO-3 every block's
+  // backward starts the gather of the block before it (skip connections
+  // included); each early gather is used, none is stale.
+  const auto after = st::detail::fully_shard_overlap_stats();
+  const int64_t blocks = static_cast<int64_t>(units.size()) - 1;
+  const int64_t fwd = l.data > 1 ? 2 * (blocks - 1) : 0;
+  const int64_t bwd = l.data > 1 && zero3 ? 3 * (blocks - 1) : 0;
+  EXPECT_EQ(after.forward_prefetches - before.forward_prefetches, fwd);
+  EXPECT_EQ(after.backward_prefetches - before.backward_prefetches, bwd);
+  EXPECT_EQ(after.prefetches_used - before.prefetches_used, fwd + bwd);
+  EXPECT_EQ(after.stale_prefetches, before.stale_prefetches);
+  // One gradient reduce-scatter per unit and step, each but the step's last
+  // finished only when the next unit's started.
+  const int64_t reductions = l.data > 1 ? 3 * (blocks + 1) : 0;
+  EXPECT_EQ(after.reductions_started - before.reductions_started, reductions);
+  EXPECT_EQ(after.reductions_finished_late - before.reductions_finished_late,
+            l.data > 1 ? 3 * blocks : 0);
   auto rp = ref->named_parameters();
   for (const auto& u : units) {
     const auto full = u.unit.full_state_dict();
@@ -209,6 +229,107 @@ TEST(FullyShard, SmallUnitsPlainUsesAndClipping) {
     o_root.load_full_state_dict(root_state);
     auto a = net.forward(sx), b = other.forward(sx);
     EXPECT_TRUE(all_close(gathered(a), gathered(b), 0, 0));
+  }
+}
+
+// Note [fully_shard prefetch]: gathers started early are used, gradient
+// reduce-scatters run while the next unit's backward computes, and a shard
+// changed while its early gather was in flight is never used.
+TEST(FullyShard, PrefetchOverlapsAndNeverUsesAStaleShard) {
+  for (const auto& l : layouts()) {
+    SCOPED_TRACE("layout " + name_of(l));
+    auto mesh = st::DeviceMesh::create({l.data, l.domain}, {"data", "domain"});
+    auto x = rnd({2 * l.data + 1, 9, 5}, 43).to(at::kDouble);
+    auto y = rnd({2 * l.data + 1, 9, 3}, 44).to(at::kDouble);
+    torch::manual_seed(4);
+    Net ref;
+    torch::manual_seed(4);
+    Net net;
+    auto u_scale = st::fully_shard(*net.scale, mesh, "data");
+    auto u_fc1 = st::fully_shard(*net.fc1, mesh, "data");
+    auto u_root = st::fully_shard(net, mesh, "data");
+    torch::optim::SGD ref_opt(ref.parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt(st::fully_shard_parameters(net), torch::optim::SGDOptions(0.1));
+    auto sx = st::distribute_tensor(x, mesh, {st::Shard{0}, st::Shard{1}});
+    auto sy = st::distribute_tensor(y, mesh, {st::Shard{0}, st::Shard{1}});
+    // Forward order fc1, scale (the root's fc2 runs between them). Counted
+    // from step 1: step 0 records the order (and its backward may regather a
+    // unit that an earlier forward without backward left in the order).
+    st::detail::FullyShardOverlapStats before;
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1) before = st::detail::fully_shard_overlap_stats();
+      ref_opt.zero_grad();
+      auto ref_loss = (ref.forward(x) - y).pow(2).mean();
+      ref_loss.backward();
+      ref_opt.step();
+      opt.zero_grad();
+      auto loss = (net.forward(sx) - sy).pow(2).mean();
+      loss.backward();
+      EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << "loss at step " << step;
+      opt.step();
+    }
+    const auto mid = st::detail::fully_shard_overlap_stats();
+    const int64_t early = l.data > 1 ? 1 : 0;
+    // Step 1 gathers scale early when fc1 starts; the backward of scale
+    // starts fc1's gather (fc1 was freed when scale started).
+    EXPECT_EQ(mid.forward_prefetches - before.forward_prefetches, early);
+    EXPECT_EQ(mid.backward_prefetches - before.backward_prefetches, early);
+    EXPECT_EQ(mid.prefetches_used - before.prefetches_used, 2 * early);
+    EXPECT_EQ(mid.stale_prefetches, before.stale_prefetches);
+    // One reduce-scatter per unit over the data dim; the first two are
+    // finished when the next one starts.
+    EXPECT_EQ(mid.reductions_started - before.reductions_started, 3 * early);
+    EXPECT_EQ(mid.reductions_finished_late - before.reductions_finished_late, 2 * early);
+    // fc1 alone starts scale's gather (scale came after fc1 last time); the
+    // shard then changes before scale is used: the use must see the change.
+    auto h = net.fc1->forward(sx);
+    {
+      torch::NoGradGuard no_grad;
+      u_scale.shard().add_(0.25);
+      ref.scale->w.add_(0.25);
+    }
+    auto out = net.forward(sx);
+    auto ref_out = ref.forward(x);
+    EXPECT_TRUE(all_close(gathered(out), ref_out, 1e-12, 0)) << "a stale early gather was used";
+    const auto late = st::detail::fully_shard_overlap_stats();
+    EXPECT_EQ(late.forward_prefetches - mid.forward_prefetches, early);
+    EXPECT_EQ(late.stale_prefetches - mid.stale_prefetches, early);
+    // And the step after it is still exact.
+    ref_opt.zero_grad();
+    (ref_out - y).pow(2).mean().backward();
+    ref_opt.step();
+    opt.zero_grad();
+    (out - sy).pow(2).mean().backward();
+    opt.step();
+    // SHARDTENSOR_FSDP_PREFETCH=0: nothing starts early, the result is the same.
+    {
+      setenv("SHARDTENSOR_FSDP_PREFETCH", "0", 1);
+      const auto off = st::detail::fully_shard_overlap_stats();
+      for (int step = 0; step < 2; ++step) {
+        ref_opt.zero_grad();
+        auto ref_loss = (ref.forward(x) - y).pow(2).mean();
+        ref_loss.backward();
+        ref_opt.step();
+        opt.zero_grad();
+        auto loss = (net.forward(sx) - sy).pow(2).mean();
+        loss.backward();
+        EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << "loss without prefetch, step " << step;
+        opt.step();
+      }
+      unsetenv("SHARDTENSOR_FSDP_PREFETCH");
+      const auto on = st::detail::fully_shard_overlap_stats();
+      EXPECT_EQ(on.forward_prefetches, off.forward_prefetches);
+      EXPECT_EQ(on.backward_prefetches, off.backward_prefetches);
+      EXPECT_EQ(on.reductions_finished_late, off.reductions_finished_late);
+    }
+    auto rp = ref.named_parameters();
+    const std::vector<std::string> pre{"scale.", "fc1.", ""};
+    const std::vector<st::FullyShard> units{u_scale, u_fc1, u_root};
+    for (size_t k = 0; k < units.size(); ++k) {
+      for (const auto& [n, v] : units[k].full_state_dict()) {
+        EXPECT_TRUE(all_close(v, rp[pre[k] + n], 1e-10, 1e-14)) << pre[k] + n;
+      }
+    }
   }
 }
 

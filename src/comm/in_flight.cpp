@@ -1,4 +1,4 @@
-// InFlight<Op> (comm/in_flight.h) for the transport's two split-phase
+// InFlight<Op> (comm/in_flight.h) for the transport's split-phase
 // operations, instantiated here where they are complete types.
 #include "comm/in_flight.h"
 
@@ -29,5 +29,6 @@ void InFlight<Op>::finish() {
 
 template class InFlight<transport::PendingExchange>;
 template class InFlight<transport::PendingReduce>;
+template class InFlight<transport::PendingCollective>;
 
 }  // namespace shardtensor::comm

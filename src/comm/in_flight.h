@@ -1,7 +1,8 @@
 #pragma once
 /// \file A transport operation in flight, as a handle the layers above comm/
 /// may hold without seeing the transport (private): the split-phase block
-/// exchange (comm/exchange.h) and the non-blocking sum (comm/async_reduce.h).
+/// exchange (comm/exchange.h), the non-blocking sum and the split-phase
+/// all-gather and reduce-scatter (comm/async_reduce.h).
 
 #include <memory>
 
@@ -10,6 +11,7 @@ namespace shardtensor::comm {
 namespace transport {
 class PendingExchange;
 class PendingReduce;
+class PendingCollective;
 }  // namespace transport
 
 /// Move-only. A default-constructed handle is complete (test() is true,
@@ -41,5 +43,6 @@ class InFlight {
 // Instantiated once, in in_flight.cpp.
 extern template class InFlight<transport::PendingExchange>;
 extern template class InFlight<transport::PendingReduce>;
+extern template class InFlight<transport::PendingCollective>;
 
 }  // namespace shardtensor::comm

@@ -65,6 +65,7 @@
 #include <shardtensor/comm/primitives.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -241,6 +242,62 @@ class PendingReduce {
 /// finish(). Counted like all_reduce_() when started. Same dtypes and errors
 /// as all_reduce_(); tensors above INT_MAX elements are reduced blocking.
 PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+
+/// A non-blocking all-gatherv or reduce-scatter in flight (started by
+/// start_all_gatherv() / start_reduce_scatter()): what fully_shard's prefetch
+/// and its overlapped gradient reduction need (Note [fully_shard prefetch] in
+/// nn/fully_shard.cpp). Holds references to its buffers until it completes.
+/// finish() gives exactly what the blocking call gives: the blocking calls
+/// are start + finish. Move-only.
+class PendingCollective {
+ public:
+  PendingCollective();
+  PendingCollective(PendingCollective&& other) noexcept;
+  PendingCollective& operator=(PendingCollective&& other) noexcept;
+  PendingCollective(const PendingCollective&) = delete;
+  PendingCollective& operator=(const PendingCollective&) = delete;
+  /// If still pending, waits for it (watchdog-bounded; never throws).
+  ~PendingCollective();
+  /// Local. Waits until the operation is complete and its receive buffer
+  /// holds the result. Throws c10::Error if the transport fails. A second
+  /// call does nothing.
+  void finish();
+  /// Local. Drives MPI progress; true once the transfers completed (a c10d
+  /// operation reports "not yet" until finish(), as PendingExchange does).
+  bool test();
+  bool pending() const;
+
+ private:
+  friend PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                                             const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+  friend PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                                                const std::vector<int64_t>& recv_numel, ReduceOp op,
+                                                MPI_Comm comm);
+  void wait() noexcept;
+
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  MPI_Comm comm_ = MPI_COMM_NULL;         // for the watchdog's message
+  const char* what_ = "";                 // the primitive and MPI call, for messages
+  std::vector<at::Tensor> keep_;          // keep-alive of the buffers
+  std::shared_ptr<c10d::Exchange> c10d_;  // the messages, on a c10d group
+  std::function<void()> then_;            // run by finish() after the transfers (a copy, a sum)
+};
+
+/// Collective over `comm`: all_gatherv() split in two. Starts it and returns
+/// at once; finish() completes it. Every rank must start its collectives on
+/// `comm` in the same order (blocking ones included); neither buffer may be
+/// touched until finish(). Counted when started. Same arguments and errors
+/// as all_gatherv(). The paths that move large counts point-to-point
+/// (Note [large counts]) complete before it returns.
+PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                                    const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+
+/// Collective over `comm`: reduce_scatter() split in two, like
+/// start_all_gatherv(). Same arguments, errors and result (bit for bit) as
+/// reduce_scatter().
+PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                                       const std::vector<int64_t>& recv_numel, ReduceOp op,
+                                       MPI_Comm comm);
 
 /// Local, for tests only. Sets the largest count (elements for reductions,
 /// bytes otherwise) that one MPI call may carry (Note [large counts] in

@@ -299,8 +299,8 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
   start(sends, recvs, comm, kCollectiveTag).finish("all_to_allv (c10d send/recv)");
 }
 
-void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+Exchange start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                           const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
   std::vector<Message> sends, recvs;
@@ -316,7 +316,12 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
     }
     offset += recv_bytes[c];
   }
-  start(sends, recvs, comm, kCollectiveTag).finish("all_gatherv (c10d send/recv)");
+  return start(sends, recvs, comm, kCollectiveTag);
+}
+
+void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+  start_all_gatherv(send, recv, recv_bytes, comm).finish("all_gatherv (c10d send/recv)");
 }
 
 void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
@@ -391,14 +396,15 @@ void combine_(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
 
 }  // namespace
 
-void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
-                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+Exchange start_reduce_scatter(const at::Tensor& send, const std::vector<int64_t>& recv_numel,
+                              MPI_Comm comm, at::Tensor& contributions) {
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
   const int64_t elem = send.element_size();
   const int64_t mine = recv_numel[me];
-  // Every rank's contribution to my chunk, in rank order; then sum in that order.
-  at::Tensor contributions = at::empty({size, mine}, send.options());
+  // Every rank's contribution to my chunk, in rank order; summed in that order
+  // by finish_reduce_scatter().
+  contributions = at::empty({size, mine}, send.options());
   std::vector<Message> sends, recvs;
   int64_t offset = 0;
   for (int c = 0; c < size; ++c) {
@@ -411,14 +417,28 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
     }
     offset += n;
   }
-  start(sends, recvs, comm, kCollectiveTag).finish("reduce_scatter (c10d send/recv)");
+  return start(sends, recvs, comm, kCollectiveTag);
+}
+
+void finish_reduce_scatter(const at::Tensor& contributions, const at::Tensor& recv, ReduceOp op) {
+  const int64_t size = contributions.size(0);
+  const int64_t mine = contributions.size(1);
   if (mine == 0) return;
-  const bool wide = send.scalar_type() == at::kHalf || send.scalar_type() == at::kBFloat16;
+  const bool wide =
+      contributions.scalar_type() == at::kHalf || contributions.scalar_type() == at::kBFloat16;
   at::Tensor acc = wide ? contributions[0].to(at::kFloat) : contributions[0].clone();
-  for (int c = 1; c < size; ++c) {
+  for (int64_t c = 1; c < size; ++c) {
     combine_(acc, wide ? contributions[c].to(at::kFloat) : contributions[c], op);
   }
   recv.reshape({-1}).narrow(0, 0, mine).copy_(acc);
+}
+
+void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+  at::Tensor contributions;
+  start_reduce_scatter(send, recv_numel, comm, contributions)
+      .finish("reduce_scatter (c10d send/recv)");
+  finish_reduce_scatter(contributions, recv, op);
 }
 
 void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {

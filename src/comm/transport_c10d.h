@@ -110,6 +110,15 @@ Exchange start(const std::vector<Message>& sends, const std::vector<Message>& re
 /// validated by the transport before it calls these; they only move data.
 void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+/// The two halves of all_gatherv() and reduce_scatter(), for the
+/// transport's split-phase collectives (PendingCollective): start posts the
+/// messages; finish the returned exchange, then (reduce-scatter)
+/// finish_reduce_scatter() sums `contributions` in rank order into `recv`.
+Exchange start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                           const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+Exchange start_reduce_scatter(const at::Tensor& send, const std::vector<int64_t>& recv_numel,
+                              MPI_Comm comm, at::Tensor& contributions);
+void finish_reduce_scatter(const at::Tensor& contributions, const at::Tensor& recv, ReduceOp op);
 void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,

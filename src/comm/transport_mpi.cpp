@@ -291,8 +291,9 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
   record_all_reduce(t.numel(), t.element_size(), size, rank);
 }
 
-void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                                    const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+  PendingCollective pending;
   check_buffer(send, "all_gatherv send buffer");
   check_buffer(recv, "all_gatherv receive buffer");
   const int size = comm_size(comm);
@@ -314,12 +315,14 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
     if (mine > 0) {
       std::memcpy(recv.data_ptr(), send.data_ptr(), mine);
     }
-    return;
+    return pending;
   }
   const bool fits = total <= max_count();  // then every count and displacement fits too
   if (c10d::owns(comm)) {                  // Note [c10d data movement]
     CommTimer timer;
-    c10d::all_gatherv(send, recv, recv_bytes, comm);
+    pending.c10d_ =
+        std::make_shared<c10d::Exchange>(c10d::start_all_gatherv(send, recv, recv_bytes, comm));
+    pending.what_ = "all_gatherv (c10d send/recv)";
   } else if (!fits) {
     // Note [large counts]: point-to-point, decided from recv_bytes (the same everywhere).
     CommTimer timer;
@@ -350,9 +353,18 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
     MPI_Request request = MPI_REQUEST_NULL;
     SHARDTENSOR_MPI_CHECK(MPI_Iallgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv),
                                           counts.data(), displs.data(), MPI_BYTE, comm, &request));
-    wait_collective(&request, "all_gatherv (MPI_Iallgatherv)", comm);
+    pending.request_ = request;
+    pending.what_ = "all_gatherv (MPI_Iallgatherv)";
   }
+  pending.comm_ = comm;
+  pending.keep_ = {send, recv};
   detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
+  return pending;
+}
+
+void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
+                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+  start_all_gatherv(send, recv, recv_bytes, comm).finish();
 }
 
 // Note [strided gather]: gathering a tensor sharded along dim d > 0 means
@@ -586,8 +598,10 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
   }
 }
 
-void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
-                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                                       const std::vector<int64_t>& recv_numel, ReduceOp op,
+                                       MPI_Comm comm) {
+  PendingCollective pending;
   check_buffer(send, "reduce_scatter send buffer");
   check_buffer(recv, "reduce_scatter receive buffer");
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(),
@@ -607,7 +621,7 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
   if (size == 1) {
     (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
     recv.view(-1).copy_(send.view(-1).narrow(0, offset, recv.numel()));
-    return;
+    return pending;
   }
   bool fits = true;
   for (int c = 0; c < size; ++c) {
@@ -618,7 +632,13 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
   CommTimer timer;
   if (c10d::owns(comm)) {  // Note [c10d data movement]
     (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
-    c10d::reduce_scatter(send, recv, recv_numel, op, comm);
+    at::Tensor contributions;
+    pending.c10d_ = std::make_shared<c10d::Exchange>(
+        c10d::start_reduce_scatter(send, recv_numel, comm, contributions));
+    pending.what_ = "reduce_scatter (c10d send/recv)";
+    pending.then_ = [contributions, recv, op] {
+      c10d::finish_reduce_scatter(contributions, recv, op);
+    };
   } else if (!fits) {
     // Note [large counts]: a chunked all-reduce of a copy, keeping this rank's
     // piece (decided from recv_numel, the same on every rank).
@@ -643,16 +663,22 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
     MPI_Request request = MPI_REQUEST_NULL;
     SHARDTENSOR_MPI_CHECK(MPI_Ireduce_scatter(ptr(wide_send), ptr(wide_recv), counts.data(), type,
                                               mpi_op, comm, &request));
-    wait_collective(&request, "reduce_scatter (MPI_Ireduce_scatter)", comm);
-    recv.copy_(wide_recv);
+    pending.request_ = request;
+    pending.what_ = "reduce_scatter (MPI_Ireduce_scatter)";
+    pending.keep_ = {wide_send, wide_recv};
+    pending.then_ = [recv, wide_recv] { recv.copy_(wide_recv); };
   } else {
     auto [type, mpi_op] = reduction_type(send.scalar_type(), op);
     std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
     MPI_Request request = MPI_REQUEST_NULL;
     SHARDTENSOR_MPI_CHECK(
         MPI_Ireduce_scatter(ptr(send), ptr(recv), counts.data(), type, mpi_op, comm, &request));
-    wait_collective(&request, "reduce_scatter (MPI_Ireduce_scatter)", comm);
+    pending.request_ = request;
+    pending.what_ = "reduce_scatter (MPI_Ireduce_scatter)";
   }
+  pending.comm_ = comm;
+  pending.keep_.push_back(send);
+  pending.keep_.push_back(recv);
   const int64_t elem = send.element_size();
   int64_t sent = 0, messages = 0;
   for (int c = 0; c < size; ++c) {
@@ -662,6 +688,12 @@ void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
     }
   }
   detail::record_comm(sent, static_cast<int64_t>(size - 1) * recv_numel[rank] * elem, messages);
+  return pending;
+}
+
+void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+  start_reduce_scatter(send, recv, recv_numel, op, comm).finish();
 }
 
 void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm) {
@@ -974,6 +1006,82 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
                                        type, mpi_op, comm, &pending.request_));
   record_all_reduce(t.numel(), t.element_size(), size, rank);
   return pending;
+}
+
+// ---- split-phase all-gatherv and reduce-scatter -----------------------------
+
+PendingCollective::PendingCollective() = default;
+
+PendingCollective::PendingCollective(PendingCollective&& other) noexcept
+    : request_(other.request_),
+      comm_(other.comm_),
+      what_(other.what_),
+      keep_(std::move(other.keep_)),
+      c10d_(std::move(other.c10d_)),
+      then_(std::move(other.then_)) {
+  other.request_ = MPI_REQUEST_NULL;
+  other.then_ = nullptr;
+}
+
+PendingCollective& PendingCollective::operator=(PendingCollective&& other) noexcept {
+  if (this != &other) {
+    wait();
+    request_ = other.request_;
+    comm_ = other.comm_;
+    what_ = other.what_;
+    keep_ = std::move(other.keep_);
+    c10d_ = std::move(other.c10d_);
+    then_ = std::move(other.then_);
+    other.request_ = MPI_REQUEST_NULL;
+    other.then_ = nullptr;
+  }
+  return *this;
+}
+
+PendingCollective::~PendingCollective() { wait(); }
+
+void PendingCollective::wait() noexcept {
+  // Reached when finish() was skipped (an exception between start and
+  // finish): a collective cannot be cancelled, so wait for it (bounded by the
+  // watchdog); its result is dropped.
+  c10d_.reset();
+  if (request_ != MPI_REQUEST_NULL) {
+    watchdog::WaitSite site;
+    site.primitive = what_;
+    site.comm = comm_;
+    watchdog::wait(&request_, MPI_STATUS_IGNORE, site);
+  }
+  then_ = nullptr;
+  keep_.clear();
+}
+
+bool PendingCollective::pending() const {
+  return request_ != MPI_REQUEST_NULL || c10d_ != nullptr || then_ != nullptr;
+}
+
+bool PendingCollective::test() {
+  if (c10d_ != nullptr) return c10d_->arrived();
+  if (request_ == MPI_REQUEST_NULL) return true;
+  int done = 0;
+  SHARDTENSOR_MPI_CHECK(MPI_Test(&request_, &done, MPI_STATUS_IGNORE));
+  return done != 0;
+}
+
+void PendingCollective::finish() {
+  {
+    CommTimer timer;
+    if (c10d_ != nullptr) {
+      auto x = std::move(c10d_);
+      x->finish(what_);
+    }
+    if (request_ != MPI_REQUEST_NULL) wait_collective(&request_, what_, comm_);
+  }
+  if (then_) {
+    auto then = std::move(then_);
+    then_ = nullptr;
+    then();
+  }
+  keep_.clear();
 }
 
 // ---- appended: test hook for Note [large counts] --------------------------------

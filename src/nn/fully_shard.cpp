@@ -19,8 +19,11 @@
 #include <unordered_set>
 
 #include "comm/agree.h"
+#include "comm/async_reduce.h"
 #include "comm/grad_sink.h"
+#include "nn/fully_shard_stats.h"
 #include "nn/module_support.h"
+#include "ops/settings.h"
 
 // Note [fully_shard]
 // ~~~~~~~~~~~~~~~~~~
@@ -72,6 +75,38 @@
 // autograd, are already whole, and add only their slice. The shard's grad()
 // is then this rank's slice of the single-process gradient, and the
 // parameters' own grad() stays undefined.
+//
+// Note [fully_shard prefetch]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Communication is started early and finished where its result is needed,
+// as FSDP2 does with streams (here the transport's split-phase collectives,
+// comm/async_reduce.h; Gloo moves the bytes in its own threads, MPI inside
+// the MPI calls that the compute in between makes):
+//  - forward: when unit V starts (its gather above), the gather of the unit
+//    that followed V in the last forward that had a backward (`last_order`)
+//    starts too (also without grad mode: evaluation gathers the same way).
+//    An order that changed only wastes the early gather (it is finished and
+//    dropped when its unit is used or freed).
+//  - backward: V's first gradient starts the gather of V's forward
+//    predecessor U instead of waiting for it. It is finished when V has
+//    received all its gradients (every accumulator of V ran): in a chain,
+//    V's nodes all come after U's in forward, so autograd runs them, and
+//    the accumulators (which it runs first of all ready nodes), before any
+//    node of U's backward. A use of U's parameters through before_use()
+//    finishes it too.
+//  - A started gather receives into a buffer of its own, which becomes the
+//    storage's bytes only when it is finished; until then the storage has
+//    none, so a read that comes too early throws libtorch's "not
+//    allocated", never reads stale bytes. It sends a copy of the shard and
+//    notes the shard's version: if an optimizer step changed the shard
+//    before the gather is finished, the result is dropped and the unit is
+//    gathered again (every rank stepped alike, so all decide alike).
+//  - reduce: a unit's gradient reduce-scatter is started as soon as its
+//    last accumulator ran (in the strict order above) and finished when the
+//    next unit's reduction starts, or at the end of backward; the sum over
+//    the domain dims and the plain-use slices are added then, in the same
+//    order as before, so the result is the blocking one bit for bit. At
+//    most one unit's gradient buffer is thus in flight beyond the shards.
 
 namespace shardtensor {
 
@@ -89,6 +124,9 @@ struct Context {
   std::mutex mutex;
   std::vector<std::weak_ptr<FullyShardUnit>> live;           // registration order
   std::vector<std::weak_ptr<FullyShardUnit>> forward_order;  // non-root units, by first use
+  std::vector<std::weak_ptr<FullyShardUnit>> last_order;     // forward_order of the last backward
+  size_t cursor = 0;                                         // where last_order matched last
+  std::shared_ptr<FullyShardUnit> reducing;                  // reduction in flight (prefetch note)
   std::vector<std::shared_ptr<FullyShardUnit>> plan;         // reduction order of this backward
   size_t next = 0;                                           // next unit of `plan` to reduce
   bool in_backward = false;
@@ -96,6 +134,11 @@ struct Context {
 Context& context() {
   static auto* c = new Context();  // never destroyed (hooks may run at exit)
   return *c;
+}
+
+FullyShardOverlapStats& overlap_stats() {
+  static FullyShardOverlapStats s;
+  return s;
 }
 
 std::unordered_map<const at::TensorImpl*, std::weak_ptr<FullyShardUnit>>& param_units() {
@@ -226,12 +269,72 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
       }
     }
     if (prev && prev->reshard_after_forward_) prev->reshard();
+    // Note [fully_shard prefetch]: the unit that came after this one last
+    // time (looked up from where the last lookup matched, then from the
+    // start, so that a forward without backward in between does not shift it).
+    std::shared_ptr<FullyShardUnit> next;
+    if (prefetch_on()) {
+      std::lock_guard<std::mutex> lock(ctx.mutex);
+      const auto& o = ctx.last_order;
+      auto find_from = [&](size_t from) {
+        for (size_t j = from; j < o.size(); ++j)
+          if (o[j].lock().get() == this) return j;
+        return o.size();
+      };
+      size_t j = find_from(ctx.cursor);
+      if (j == o.size()) j = find_from(0);
+      if (j + 1 < o.size()) {
+        next = o[j + 1].lock();
+        ctx.cursor = j + 1;
+      }
+    }
+    if (next && next.get() != this && next->start_unshard()) ++overlap_stats().forward_prefetches;
+  }
+
+  /// Starts gathering the unit without waiting (Note [fully_shard prefetch]);
+  /// collective over the data dim. False when there is nothing to start.
+  bool start_unshard() {
+    if (gathered_ || gathering_ || d_ == 1) return false;
+    const OpLabel label(label_.c_str());
+    torch::NoGradGuard no_grad;
+    outgoing_ = shard_.detach().clone();
+    incoming_ = at::empty({padded_}, opts_);
+    sent_from_ = shard_.unsafeGetTensorImpl();
+    sent_version_ = shard_._version();
+    gather_ = comm::start_all_gather_flat(outgoing_, incoming_, mesh_, dim_);
+    gathering_ = true;
+    return true;
+  }
+
+  /// Finishes a started gather; true when its result became the unit's.
+  bool finish_started_gather() {
+    if (!gathering_) return false;
+    gathering_ = false;
+    gather_.finish();
+    at::Tensor in = std::move(incoming_);
+    outgoing_ = at::Tensor();
+    if (shard_.unsafeGetTensorImpl() != sent_from_ || shard_._version() != sent_version_) {
+      ++overlap_stats().stale_prefetches;
+      return false;
+    }
+    // The receive buffer's bytes become the storage's (no copy).
+    c10::StorageImpl* s = storage();
+    c10::StorageImpl* from = in.storage().unsafeGetStorageImpl();
+    const size_t bytes = static_cast<size_t>(padded_) * full_.element_size();
+    TORCH_INTERNAL_ASSERT(in.storage_offset() == 0 && from->nbytes() == bytes,
+                          "fully_shard: a gather buffer of the wrong size");
+    s->set_data_ptr_noswap(from->set_data_ptr(at::DataPtr(nullptr, full_.device())));
+    s->set_nbytes(bytes);
+    gathered_ = true;
+    ++overlap_stats().prefetches_used;
+    return true;
   }
 
   void unshard() {
     if (gathered_) return;
     const OpLabel label(label_.c_str());
     torch::NoGradGuard no_grad;
+    if (finish_started_gather()) return;
     at::Tensor all = d_ == 1
                          ? shard_.detach()
                          : comm::all_gather(shard_.detach().contiguous(), mesh_, dim_, 0, sizes_);
@@ -241,6 +344,13 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
   }
 
   void reshard() {
+    if (gathering_) {
+      // Started for a use that did not come: finish it (every rank started
+      // it) and drop it.
+      gathering_ = false;
+      gather_.finish();
+      incoming_ = outgoing_ = at::Tensor();
+    }
     if (!gathered_) return;
     release();
   }
@@ -258,52 +368,94 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
       backward_started_ = true;
       gather_predecessor();
     }
-    if (++ready_ == params_.size()) complete_ = true;
+    if (++ready_ == params_.size()) {
+      complete_ = true;
+      // Note [fully_shard prefetch]: U's backward comes next.
+      if (auto u = backward_prev_.lock(); u && !u->complete_) u->unshard();
+      backward_prev_.reset();
+    }
     reduce_ready_units();
   }
 
-  /// Reduces this unit's gradients into shard_.grad() and frees the unit.
-  void reduce() {
+  /// Starts reducing this unit's gradients and frees the unit; finish_reduce()
+  /// adds the result to shard_.grad() (Note [fully_shard prefetch]).
+  void start_reduce() {
     const OpLabel label(label_.c_str());
     torch::NoGradGuard no_grad;
-    at::Tensor g = at::zeros({shard_numel_}, opts_);
-    bool any = false;
+    TORCH_INTERNAL_ASSERT(reducing_.empty(), "fully_shard: a reduction is already in flight");
     for (auto& [dims, buf] : partial_) {
-      std::vector<int64_t> rest;
+      InFlightReduction r;
       for (int64_t m : dims)
-        if (m != dim_) rest.push_back(m);
+        if (m != dim_) r.rest.push_back(m);
       const bool over_data = d_ > 1 && std::find(dims.begin(), dims.end(), dim_) != dims.end();
-      at::Tensor r = over_data ? comm::reduce_scatter(buf, mesh_, dim_, 0, sizes_)
-                               : buf.narrow(0, me_ * shard_numel_, shard_numel_).contiguous();
-      if (!rest.empty()) r = comm::all_reduce_nograd(r, mesh_, rest, ReduceOp::Sum);
-      g.add_(r);
-      any = true;
+      if (over_data) {
+        r.out = at::empty({shard_numel_}, opts_);
+        r.op = comm::start_reduce_scatter_flat(buf, r.out, mesh_, dim_);
+        r.started = true;
+        ++overlap_stats().reductions_started;
+      } else {
+        r.out = buf.narrow(0, me_ * shard_numel_, shard_numel_).contiguous();
+      }
+      reducing_.push_back(std::move(r));
     }
-    partial_.clear();
+    reduce_any_ = !partial_.empty();
+    partial_.clear();  // the buffers in flight are kept by their operations
+    plain_ = at::Tensor();
     const int64_t lo = me_ * shard_numel_, hi = lo + shard_numel_;
     for (auto& p : params_) {
       at::Tensor& pg = p.var.mutable_grad();
       if (pg.defined()) {
         // Plain-compute contributions: whole already, add this rank's slice.
+        if (!plain_.defined()) plain_ = at::zeros({shard_numel_}, opts_);
         const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel);
-        if (a < b) g.narrow(0, a - lo, b - a).add_(pg.reshape({-1}).narrow(0, a - p.offset, b - a));
+        if (a < b) {
+          plain_.narrow(0, a - lo, b - a).add_(pg.reshape({-1}).narrow(0, a - p.offset, b - a));
+        }
         pg = at::Tensor();
-        any = true;
+        reduce_any_ = true;
       }
       p.ready = false;
-    }
-    if (any) {
-      at::Tensor& sg = shard_.mutable_grad();
-      if (sg.defined()) {
-        sg.add_(g);
-      } else {
-        sg = g;
-      }
     }
     ready_ = 0;
     complete_ = false;
     backward_started_ = false;
+    backward_prev_.reset();
     reshard();
+  }
+
+  /// Whether backward gave this unit anything to reduce.
+  bool has_gradients() const {
+    if (!partial_.empty()) return true;
+    for (const auto& p : params_)
+      if (p.var.grad().defined()) return true;
+    return false;
+  }
+
+  /// Finishes the reduction start_reduce() started: shard_.grad() += this
+  /// rank's slice of the gradient. `late`: when the next unit's starts.
+  void finish_reduce(bool late) {
+    const OpLabel label(label_.c_str());
+    torch::NoGradGuard no_grad;
+    at::Tensor g = at::zeros({shard_numel_}, opts_);
+    std::vector<InFlightReduction> rs = std::move(reducing_);
+    reducing_.clear();
+    for (auto& r : rs) {
+      if (late && r.started) ++overlap_stats().reductions_finished_late;
+      r.op.finish();
+      at::Tensor x = r.out;
+      if (!r.rest.empty()) x = comm::all_reduce_nograd(x, mesh_, r.rest, ReduceOp::Sum);
+      g.add_(x);
+    }
+    if (plain_.defined()) g.add_(plain_);
+    plain_ = at::Tensor();
+    if (!reduce_any_) return;
+    reduce_any_ = false;
+    at::Tensor& sg = shard_.mutable_grad();
+    if (sg.defined()) {
+      sg.add_(g);
+    } else {
+      sg = g;
+    }
   }
 
   // --- accessors -------------------------------------------------------------
@@ -379,6 +531,12 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
 
   c10::StorageImpl* storage() const { return full_.storage().unsafeGetStorageImpl(); }
 
+  /// SHARDTENSOR_FSDP_PREFETCH (on unless "0"; Note [agreed settings]):
+  /// off, every gather and reduction completes where it starts.
+  bool prefetch_on() const {
+    return d_ > 1 && ops::use_setting(mesh_, ops::Setting::FsdpPrefetch) != 0;
+  }
+
   void allocate() {
     const size_t bytes = static_cast<size_t>(padded_) * full_.element_size();
     c10::StorageImpl* s = storage();
@@ -415,7 +573,14 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
         break;
       }
     }
-    if (prev && !prev->complete_) prev->unshard();
+    if (prev && !prev->complete_) {
+      if (!prefetch_on()) {
+        prev->unshard();
+        return;
+      }
+      backward_prev_ = prev;
+      if (prev->start_unshard()) ++overlap_stats().backward_prefetches;
+    }
   }
 
   static void begin_backward() {
@@ -447,7 +612,36 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
         if (ctx.next >= ctx.plan.size() || !ctx.plan[ctx.next]->complete_) return;
         u = ctx.plan[ctx.next++];
       }
-      u->reduce();
+      reduce_unit(u);
+    }
+  }
+
+  /// Starts `u`'s reduction after finishing the one in flight (Note
+  /// [fully_shard prefetch]); `u` null: finishes the one in flight.
+  static void reduce_unit(const std::shared_ptr<FullyShardUnit>& u) {
+    if (u && !u->has_gradients()) {
+      // Nothing to send (a unit not used in this forward): only reset and free it.
+      u->start_reduce();
+      u->finish_reduce(/*late=*/false);
+      return;
+    }
+    auto& ctx = context();
+    std::shared_ptr<FullyShardUnit> before;
+    {
+      std::lock_guard<std::mutex> lock(ctx.mutex);
+      before = std::move(ctx.reducing);
+      ctx.reducing = u;
+    }
+    if (before) before->finish_reduce(/*late=*/u != nullptr);
+    if (u) {
+      u->start_reduce();
+      if (!u->prefetch_on()) {
+        {
+          std::lock_guard<std::mutex> lock(ctx.mutex);
+          ctx.reducing.reset();
+        }
+        u->finish_reduce(/*late=*/false);
+      }
     }
   }
 
@@ -459,14 +653,17 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
       rest.assign(ctx.plan.begin() + static_cast<std::ptrdiff_t>(ctx.next), ctx.plan.end());
       ctx.plan.clear();
       ctx.next = 0;
+      ctx.last_order = std::move(ctx.forward_order);
       ctx.forward_order.clear();
+      ctx.cursor = 0;
       ctx.in_backward = false;
       // Sweep units that are gone.
       ctx.live.erase(std::remove_if(ctx.live.begin(), ctx.live.end(),
                                     [](const auto& w) { return w.expired(); }),
                      ctx.live.end());
     }
-    for (auto& u : rest) u->reduce();
+    for (auto& u : rest) reduce_unit(u);
+    reduce_unit(nullptr);
   }
 
   DeviceMesh mesh_;
@@ -488,8 +685,28 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
   size_t ready_ = 0;
   bool complete_ = false;
   bool backward_started_ = false;
+  // Note [fully_shard prefetch]
+  struct InFlightReduction {
+    comm::PendingCollective op;  // the reduce-scatter over the data dim, if any
+    at::Tensor out;              // this rank's slice once op finished
+    std::vector<int64_t> rest;   // domain dims to sum over after it
+    bool started = false;        // op is a reduce-scatter in flight
+  };
+  comm::PendingCollective gather_;  // a started gather
+  bool gathering_ = false;
+  at::Tensor incoming_, outgoing_;  // its receive buffer and the copy of the shard it sends
+  const at::TensorImpl* sent_from_ = nullptr;
+  int64_t sent_version_ = 0;
+  std::weak_ptr<FullyShardUnit> backward_prev_;  // whose gather this unit's backward started
+  std::vector<InFlightReduction> reducing_;
+  at::Tensor plain_;  // plain-use gradient slices of the reduction in flight
+  bool reduce_any_ = false;
 };
 
+}  // namespace detail
+
+namespace detail {
+FullyShardOverlapStats fully_shard_overlap_stats() { return overlap_stats(); }
 }  // namespace detail
 
 // --- FullyShard --------------------------------------------------------------

@@ -30,6 +30,8 @@ const char* env_name(Setting s) {
       return "SHARDTENSOR_TCONV_SPLIT";
     case Setting::InterpSplit:
       return "SHARDTENSOR_INTERP_SPLIT";
+    case Setting::FsdpPrefetch:
+      return "SHARDTENSOR_FSDP_PREFETCH";
     default:
       return nullptr;
   }

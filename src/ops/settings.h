@@ -10,7 +10,8 @@
 /// balance of ring attention (set_causal_balance: ZigZag moves q/k/v/out
 /// there and back), and the environment switches of the split-phase paths
 /// (SHARDTENSOR_CONV_OVERLAP, SHARDTENSOR_POOL_SPLIT, SHARDTENSOR_TCONV_SPLIT,
-/// SHARDTENSOR_INTERP_SPLIT). Ranks that disagree on one of them make
+/// SHARDTENSOR_INTERP_SPLIT), and fully_shard's early gathers and
+/// reductions (SHARDTENSOR_FSDP_PREFETCH). Ranks that disagree on one of them make
 /// different collectives: a hang until the watchdog, or a wrong result when
 /// the byte counts happen to match. Every rule reads such a setting through
 /// use_setting() at its point of use, after the metadata-only decisions that
@@ -43,6 +44,7 @@ enum class Setting : int {
   PoolSplit,      ///< SHARDTENSOR_POOL_SPLIT
   TconvSplit,     ///< SHARDTENSOR_TCONV_SPLIT
   InterpSplit,    ///< SHARDTENSOR_INTERP_SPLIT
+  FsdpPrefetch,   ///< SHARDTENSOR_FSDP_PREFETCH (Note [fully_shard prefetch])
 };
 
 /// Local. The name of `s` as a user sets it ("set_fft_layout",
