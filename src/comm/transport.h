@@ -88,8 +88,10 @@ int comm_rank(MPI_Comm comm);
 /// CPU) over all ranks. Supports float, double, int8/16/32/64, uint8 and bool
 /// (Sum/Max are logical or, Min/Product logical and); half and bfloat16 are
 /// reduced in float and rounded back; complex64/complex128 support Sum and
-/// Product only. Throws c10::Error for other dtypes, non-contiguous or non-CPU tensors, and MPI
-/// failures.
+/// Product only. Floating and complex values are combined in rank order on
+/// the owner of each chunk (Note [ordered sums] in transport_mpi.cpp): the
+/// same bits on every rank and under either transport. Throws c10::Error for
+/// other dtypes, non-contiguous or non-CPU tensors, and MPI failures.
 void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
 
 /// Collective over `comm`. All-gatherv of bytes: rank c contributes `send`
@@ -224,23 +226,40 @@ class PendingReduce {
   /// Local. Waits until the reduction is complete and `t` holds the sum.
   /// Throws c10::Error if MPI fails. A second call does nothing.
   void finish();
-  /// Local. Drives MPI progress; true once the reduction is complete.
+  /// Local. Drives MPI progress; true once the reduction is complete. An
+  /// ordered sum (Note [ordered sums]) only progresses its reduce-scatter
+  /// here and stays false until finish(), which starts its all-gather.
   bool test();
-  bool pending() const { return request_ != MPI_REQUEST_NULL || wide_.defined(); }
+  bool pending() const {
+    return request_ != MPI_REQUEST_NULL || wide_.defined() || phase_ != nullptr;
+  }
 
  private:
   friend PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+  /// Ordered sums (Note [ordered sums]): the reduce-scatter finished, start
+  /// the all-gather of the chunks back into buffer_.
+  void start_gather_phase();
+
   MPI_Request request_ = MPI_REQUEST_NULL;
   MPI_Comm comm_ = MPI_COMM_NULL;  // for the watchdog's message
   at::Tensor buffer_;              // keep-alive (the caller's tensor)
   at::Tensor wide_;  // float staging buffer for half/bfloat16, copied back by finish()
+  // Ordered sums: a reduce-scatter into chunk_, then an all-gather of the chunks.
+  std::shared_ptr<class PendingCollective> phase_;
+  at::Tensor chunk_;
+  std::vector<int64_t> chunk_bytes_;
+  bool gathering_ = false;
 };
 
-/// Collective over `comm`: starts all_reduce_() of `t` without waiting
-/// (MPI_Iallreduce, in place). Every rank must start its non-blocking
+/// Collective over `comm`: starts all_reduce_() of `t` without waiting, in
+/// place, with all_reduce_()'s arithmetic: floating and complex values (and
+/// every dtype on a c10d group) as a reduce-scatter whose all-gather
+/// finish() starts (Note [ordered sums]); integer and
+/// bool values by MPI_Iallreduce. Every rank must start its non-blocking
 /// reductions on `comm` in the same order. `t` must not be touched until
 /// finish(). Counted like all_reduce_() when started. Same dtypes and errors
-/// as all_reduce_(); tensors above INT_MAX elements are reduced blocking.
+/// as all_reduce_(); integer tensors above INT_MAX elements are reduced
+/// blocking.
 PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
 
 /// A non-blocking all-gatherv or reduce-scatter in flight (started by
@@ -274,8 +293,10 @@ class PendingCollective {
                                                 const std::vector<int64_t>& recv_numel, ReduceOp op,
                                                 MPI_Comm comm);
   void wait() noexcept;
+  int wait_requests() noexcept;  // watchdog-bounded; MPI's return code
 
-  MPI_Request request_ = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> requests_;     // one collective, or point-to-point messages
+  std::vector<int> peers_;                // per point-to-point request, for the watchdog
   MPI_Comm comm_ = MPI_COMM_NULL;         // for the watchdog's message
   const char* what_ = "";                 // the primitive and MPI call, for messages
   std::vector<at::Tensor> keep_;          // keep-alive of the buffers

@@ -3,7 +3,9 @@
 #include "comm/transport_c10d.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <shardtensor/core/runtime.h>
+#include <shardtensor/spec/shard_spec.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "comm/error_channel.h"
@@ -398,6 +400,7 @@ void combine_(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
 
 Exchange start_reduce_scatter(const at::Tensor& send, const std::vector<int64_t>& recv_numel,
                               MPI_Comm comm, at::Tensor& contributions) {
+  at::NoGradGuard no_grad;
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
   const int64_t elem = send.element_size();
@@ -420,7 +423,10 @@ Exchange start_reduce_scatter(const at::Tensor& send, const std::vector<int64_t>
   return start(sends, recvs, comm, kCollectiveTag);
 }
 
+// Also the MPI transport's reduce-scatter of floating values (Note [ordered
+// sums] in transport_mpi.cpp): one home for the order of every float sum.
 void finish_reduce_scatter(const at::Tensor& contributions, const at::Tensor& recv, ReduceOp op) {
+  at::NoGradGuard no_grad;  // moving data: the buffers may be tensors that require grad
   const int64_t size = contributions.size(0);
   const int64_t mine = contributions.size(1);
   if (mine == 0) return;
@@ -446,12 +452,10 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
   const int me = detail::pg::rank(comm);
   const int64_t numel = t.numel();
   if (size == 1 || numel == 0) return;
-  std::vector<int64_t> chunks(size);
-  std::vector<int64_t> chunk_bytes(size);
-  for (int c = 0; c < size; ++c) {
-    chunks[c] = numel / size + (c < numel % size ? 1 : 0);
-    chunk_bytes[c] = chunks[c] * t.element_size();
-  }
+  // The chunks of the MPI path's ordered all-reduce (Note [ordered sums]).
+  const std::vector<int64_t> chunks = balanced_sizes(numel, size);
+  std::vector<int64_t> chunk_bytes(chunks.size());
+  for (size_t c = 0; c < chunks.size(); ++c) chunk_bytes[c] = chunks[c] * t.element_size();
   at::Tensor mine = at::empty({chunks[me]}, t.options());
   reduce_scatter(t, mine, chunks, op, comm);
   all_gatherv(mine, t, chunk_bytes, comm);

@@ -6,8 +6,10 @@
 #include "comm/watchdog.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/stats.h>
+#include <shardtensor/spec/shard_spec.h>
 
 #include <atomic>
 #include <chrono>
@@ -170,6 +172,24 @@ int64_t max_count() { return g_max_count.load(std::memory_order_relaxed); }
 constexpr int kAllGathervTag = 7301;
 constexpr int kAllToAllvTag = 7302;
 constexpr int kScattervTag = 7303;
+constexpr int kReduceScatterTag = 7304;
+
+// Note [ordered sums]
+// ~~~~~~~~~~~~~~~~~~~
+// A floating-point sum depends on its order, and MPI_Allreduce /
+// MPI_Reduce_scatter choose theirs by algorithm (message size, rank count,
+// Open MPI version: 4.1 on Debian 12 and 5.0 on Debian 13 differ), and
+// MPI_MAX / MPI_MIN drop a NaN that torch's maximum keeps. So reductions of
+// floating and complex values never use them: the reduce-scatter sends each
+// owner its chunk of every rank's summand (point-to-point) and the owner
+// combines the contributions in rank order 0..P-1 with torch's ops, the same
+// function the c10d transport uses (c10d::finish_reduce_scatter, Note [c10d
+// data movement]); an all-reduce is that reduce-scatter over balanced chunks
+// followed by an all-gather. Both transports therefore give bit-identical
+// results at the same layout, independent of the MPI library. The traffic is
+// the direct volume of Note [traffic accounting], as before. Integer and bool
+// reductions are order-free and keep MPI's own.
+bool ordered_sum(at::ScalarType t) { return at::isFloatingType(t) || at::isComplexType(t); }
 
 /// Point-to-point requests of one transport call, with their peers for the
 /// watchdog's message.
@@ -255,22 +275,18 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
     record_all_reduce(t.numel(), t.element_size(), size, rank);
     return;
   }
-  if (needs_upcast(t.scalar_type())) {
-    at::Tensor wide = t.to(at::kFloat).contiguous();
+  if (ordered_sum(t.scalar_type())) {  // Note [ordered sums]
+    (void)reduction_type(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
     if (size > 1 && t.numel() > 0) {
-      auto [type, mpi_op] = reduction_type(at::kFloat, op);
-      auto* data = static_cast<float*>(ptr(wide));
-      CommTimer timer;
-      for (int64_t done = 0; done < wide.numel(); done += max_count()) {
-        const int n = static_cast<int>(std::min<int64_t>(max_count(), wide.numel() - done));
-        MPI_Request request = MPI_REQUEST_NULL;
-        SHARDTENSOR_MPI_CHECK(
-            MPI_Iallreduce(MPI_IN_PLACE, data + done, n, type, mpi_op, comm, &request));
-        wait_collective(&request, "all_reduce_ (MPI_Iallreduce)", comm);
-      }
-      t.copy_(wide);
+      // Counted by the two calls: the same bytes and messages as
+      // record_all_reduce() counts.
+      const std::vector<int64_t> chunks = balanced_sizes(t.numel(), size);
+      std::vector<int64_t> chunk_bytes(chunks.size());
+      for (size_t c = 0; c < chunks.size(); ++c) chunk_bytes[c] = chunks[c] * t.element_size();
+      at::Tensor mine = at::empty({chunks[static_cast<size_t>(rank)]}, t.options());
+      start_reduce_scatter(t, mine, chunks, op, comm).finish();
+      all_gatherv(mine, t, chunk_bytes, comm);
     }
-    record_all_reduce(t.numel(), t.element_size(), size, rank);
     return;
   }
   auto [type, mpi_op] = reduction_type(t.scalar_type(), op);
@@ -353,7 +369,7 @@ PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& re
     MPI_Request request = MPI_REQUEST_NULL;
     SHARDTENSOR_MPI_CHECK(MPI_Iallgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv),
                                           counts.data(), displs.data(), MPI_BYTE, comm, &request));
-    pending.request_ = request;
+    pending.requests_ = {request};
     pending.what_ = "all_gatherv (MPI_Iallgatherv)";
   }
   pending.comm_ = comm;
@@ -639,6 +655,35 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
     pending.then_ = [contributions, recv, op] {
       c10d::finish_reduce_scatter(contributions, recv, op);
     };
+  } else if (ordered_sum(send.scalar_type())) {  // Note [ordered sums]
+    at::NoGradGuard no_grad;                     // moving data: `send` may require grad
+    (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
+    const int64_t elem = send.element_size();
+    const int64_t mine = recv_numel[rank];
+    at::Tensor contributions = at::empty({size, mine}, send.options());
+    std::vector<int64_t> offsets(static_cast<size_t>(size), 0);
+    for (int c = 1; c < size; ++c) offsets[c] = offsets[c - 1] + recv_numel[c - 1];
+    const auto* base = static_cast<const char*>(send.numel() == 0 ? nullptr : send.data_ptr());
+    PeerRequests p2p;
+    for (int c = 0; c < size; ++c) {
+      if (c != rank && mine > 0) {
+        p2p.recv(contributions[c].data_ptr(), mine * elem, c, kReduceScatterTag, comm);
+      }
+    }
+    for (int k = 1; k < size; ++k) {
+      const int c = (rank + k) % size;  // staggered, as all_to_allv
+      if (recv_numel[c] > 0) {
+        p2p.send(base + offsets[c] * elem, recv_numel[c] * elem, c, kReduceScatterTag, comm);
+      }
+    }
+    if (mine > 0) contributions[rank].copy_(send.view(-1).narrow(0, offsets[rank], mine));
+    pending.requests_ = std::move(p2p.requests);
+    pending.peers_ = std::move(p2p.peers);
+    pending.what_ = "reduce_scatter (MPI_Irecv/MPI_Isend, summed in rank order)";
+    pending.keep_.push_back(contributions);
+    pending.then_ = [contributions, recv, op] {
+      c10d::finish_reduce_scatter(contributions, recv, op);
+    };
   } else if (!fits) {
     // Note [large counts]: a chunked all-reduce of a copy, keeping this rank's
     // piece (decided from recv_numel, the same on every rank).
@@ -655,25 +700,13 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
       wait_collective(&request, "reduce_scatter (chunked MPI_Iallreduce)", comm);
     }
     recv.view(-1).copy_(work.view(-1).narrow(0, offset, recv.numel()));
-  } else if (needs_upcast(send.scalar_type())) {
-    at::Tensor wide_send = send.to(at::kFloat).contiguous();
-    at::Tensor wide_recv = at::empty(recv.sizes(), recv.options().dtype(at::kFloat));
-    auto [type, mpi_op] = reduction_type(at::kFloat, op);
-    std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
-    MPI_Request request = MPI_REQUEST_NULL;
-    SHARDTENSOR_MPI_CHECK(MPI_Ireduce_scatter(ptr(wide_send), ptr(wide_recv), counts.data(), type,
-                                              mpi_op, comm, &request));
-    pending.request_ = request;
-    pending.what_ = "reduce_scatter (MPI_Ireduce_scatter)";
-    pending.keep_ = {wide_send, wide_recv};
-    pending.then_ = [recv, wide_recv] { recv.copy_(wide_recv); };
   } else {
     auto [type, mpi_op] = reduction_type(send.scalar_type(), op);
     std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
     MPI_Request request = MPI_REQUEST_NULL;
     SHARDTENSOR_MPI_CHECK(
         MPI_Ireduce_scatter(ptr(send), ptr(recv), counts.data(), type, mpi_op, comm, &request));
-    pending.request_ = request;
+    pending.requests_ = {request};
     pending.what_ = "reduce_scatter (MPI_Ireduce_scatter)";
   }
   pending.comm_ = comm;
@@ -941,20 +974,33 @@ PendingReduce::PendingReduce(PendingReduce&& other) noexcept
     : request_(other.request_),
       comm_(other.comm_),
       buffer_(std::move(other.buffer_)),
-      wide_(std::move(other.wide_)) {
+      wide_(std::move(other.wide_)),
+      phase_(std::move(other.phase_)),
+      chunk_(std::move(other.chunk_)),
+      chunk_bytes_(std::move(other.chunk_bytes_)),
+      gathering_(other.gathering_) {
   other.request_ = MPI_REQUEST_NULL;
   other.wide_ = at::Tensor();
+  other.phase_.reset();
+  other.gathering_ = false;
 }
 
 PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
   if (this != &other) {
     if (request_ != MPI_REQUEST_NULL) wait_reduce(&request_, comm_);
+    phase_.reset();  // waits
     request_ = other.request_;
     comm_ = other.comm_;
     buffer_ = std::move(other.buffer_);
     wide_ = std::move(other.wide_);
+    phase_ = std::move(other.phase_);
+    chunk_ = std::move(other.chunk_);
+    chunk_bytes_ = std::move(other.chunk_bytes_);
+    gathering_ = other.gathering_;
     other.request_ = MPI_REQUEST_NULL;
     other.wide_ = at::Tensor();
+    other.phase_.reset();
+    other.gathering_ = false;
   }
   return *this;
 }
@@ -963,7 +1009,22 @@ PendingReduce::~PendingReduce() {
   if (request_ != MPI_REQUEST_NULL) wait_reduce(&request_, comm_);
 }
 
+void PendingReduce::start_gather_phase() {
+  phase_->finish();
+  *phase_ = start_all_gatherv(chunk_, buffer_, chunk_bytes_, comm_);
+  gathering_ = true;
+}
+
 bool PendingReduce::test() {
+  if (phase_ != nullptr) {
+    // Only the reduce-scatter progresses here. The all-gather is a collective
+    // (on MPI) or matched by posting order (on c10d), so it starts in
+    // finish(), which every rank calls in the order the reductions started;
+    // starting it here, when this rank's reduce-scatter happened to complete,
+    // could order two reductions' all-gathers differently on two ranks.
+    (void)phase_->test();
+    return false;
+  }
   if (request_ == MPI_REQUEST_NULL) return true;
   int done = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Test(&request_, &done, MPI_STATUS_IGNORE));
@@ -971,6 +1032,15 @@ bool PendingReduce::test() {
 }
 
 void PendingReduce::finish() {
+  if (phase_ != nullptr) {
+    if (!gathering_) start_gather_phase();
+    phase_->finish();
+    phase_.reset();
+    chunk_ = at::Tensor();
+    gathering_ = false;
+    buffer_ = at::Tensor();
+    return;
+  }
   if (request_ != MPI_REQUEST_NULL) {
     SHARDTENSOR_MPI_CHECK(wait_reduce(&request_, comm_));
   }
@@ -988,17 +1058,30 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
   if (size <= 1 || t.numel() == 0) {
     return pending;
   }
-  if (t.numel() > max_count() || c10d::owns(comm)) {  // Note [large counts]
-    // (c10d: blocking; Note [c10d data movement] has no non-blocking all-reduce yet)
+  if (c10d::owns(comm) || ordered_sum(t.scalar_type())) {
+    // Note [ordered sums] (and every c10d reduction): a reduce-scatter in rank
+    // order, then, once it completed (test() or finish()), an all-gather of
+    // the chunks back into `t`: the same arithmetic as all_reduce_().
+    (void)reduction_type(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
+    const std::vector<int64_t> chunks = balanced_sizes(t.numel(), size);
+    pending.chunk_bytes_.resize(chunks.size());
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      pending.chunk_bytes_[c] = chunks[c] * t.element_size();
+    }
+    pending.chunk_ = at::empty({chunks[static_cast<size_t>(comm_rank(comm))]}, t.options());
+    pending.buffer_ = t;
+    pending.comm_ = comm;
+    pending.phase_ = std::make_shared<PendingCollective>(
+        start_reduce_scatter(t, pending.chunk_, chunks, op, comm));
+    return pending;
+  }
+  if (t.numel() > max_count()) {  // Note [large counts]
     all_reduce_(t, op, comm);
     return pending;
   }
+  // Integer and bool values (order-free): MPI's own non-blocking all-reduce.
   const int rank = comm_rank(comm);
-  at::Tensor data = t;
-  if (needs_upcast(t.scalar_type())) {
-    pending.wide_ = t.to(at::kFloat).contiguous();
-    data = pending.wide_;
-  }
+  const at::Tensor& data = t;
   auto [type, mpi_op] = reduction_type(data.scalar_type(), op);
   pending.buffer_ = t;
   pending.comm_ = comm;
@@ -1013,26 +1096,30 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
 PendingCollective::PendingCollective() = default;
 
 PendingCollective::PendingCollective(PendingCollective&& other) noexcept
-    : request_(other.request_),
+    : requests_(std::move(other.requests_)),
+      peers_(std::move(other.peers_)),
       comm_(other.comm_),
       what_(other.what_),
       keep_(std::move(other.keep_)),
       c10d_(std::move(other.c10d_)),
       then_(std::move(other.then_)) {
-  other.request_ = MPI_REQUEST_NULL;
+  other.requests_.clear();
+  other.peers_.clear();
   other.then_ = nullptr;
 }
 
 PendingCollective& PendingCollective::operator=(PendingCollective&& other) noexcept {
   if (this != &other) {
     wait();
-    request_ = other.request_;
+    requests_ = std::move(other.requests_);
+    peers_ = std::move(other.peers_);
     comm_ = other.comm_;
     what_ = other.what_;
     keep_ = std::move(other.keep_);
     c10d_ = std::move(other.c10d_);
     then_ = std::move(other.then_);
-    other.request_ = MPI_REQUEST_NULL;
+    other.requests_.clear();
+    other.peers_.clear();
     other.then_ = nullptr;
   }
   return *this;
@@ -1045,25 +1132,34 @@ void PendingCollective::wait() noexcept {
   // finish): a collective cannot be cancelled, so wait for it (bounded by the
   // watchdog); its result is dropped.
   c10d_.reset();
-  if (request_ != MPI_REQUEST_NULL) {
-    watchdog::WaitSite site;
-    site.primitive = what_;
-    site.comm = comm_;
-    watchdog::wait(&request_, MPI_STATUS_IGNORE, site);
-  }
+  wait_requests();
   then_ = nullptr;
   keep_.clear();
 }
 
+int PendingCollective::wait_requests() noexcept {
+  if (requests_.empty()) return MPI_SUCCESS;
+  watchdog::WaitSite site;
+  site.primitive = what_;
+  site.comm = comm_;
+  site.peers = peers_.empty() ? nullptr : &peers_;
+  const int rc = watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(),
+                                    MPI_STATUSES_IGNORE, site);
+  requests_.clear();
+  peers_.clear();
+  return rc;
+}
+
 bool PendingCollective::pending() const {
-  return request_ != MPI_REQUEST_NULL || c10d_ != nullptr || then_ != nullptr;
+  return !requests_.empty() || c10d_ != nullptr || then_ != nullptr;
 }
 
 bool PendingCollective::test() {
   if (c10d_ != nullptr) return c10d_->arrived();
-  if (request_ == MPI_REQUEST_NULL) return true;
+  if (requests_.empty()) return true;
   int done = 0;
-  SHARDTENSOR_MPI_CHECK(MPI_Test(&request_, &done, MPI_STATUS_IGNORE));
+  SHARDTENSOR_MPI_CHECK(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done,
+                                    MPI_STATUSES_IGNORE));
   return done != 0;
 }
 
@@ -1074,7 +1170,7 @@ void PendingCollective::finish() {
       auto x = std::move(c10d_);
       x->finish(what_);
     }
-    if (request_ != MPI_REQUEST_NULL) wait_collective(&request_, what_, comm_);
+    SHARDTENSOR_MPI_CHECK(wait_requests());
   }
   if (then_) {
     auto then = std::move(then_);
