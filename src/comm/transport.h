@@ -293,7 +293,7 @@ class PendingCollective {
                                                 const std::vector<int64_t>& recv_numel, ReduceOp op,
                                                 MPI_Comm comm);
   void wait() noexcept;
-  int wait_requests() noexcept;  // watchdog-bounded; MPI's return code
+  int wait_requests();  // watchdog-bounded; MPI's return code; throws carried errors
 
   std::vector<MPI_Request> requests_;     // one collective, or point-to-point messages
   std::vector<int> peers_;                // per point-to-point request, for the watchdog

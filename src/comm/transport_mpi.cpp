@@ -1132,22 +1132,29 @@ void PendingCollective::wait() noexcept {
   // finish): a collective cannot be cancelled, so wait for it (bounded by the
   // watchdog); its result is dropped.
   c10d_.reset();
-  wait_requests();
+  try {
+    wait_requests();
+  } catch (...) {  // a carried error or a failure: the result is dropped anyway
+  }
   then_ = nullptr;
   keep_.clear();
 }
 
-int PendingCollective::wait_requests() noexcept {
+int PendingCollective::wait_requests() {
   if (requests_.empty()) return MPI_SUCCESS;
+  // Taken out first: if the wait raises (a carried error, Note [carried
+  // errors]), the requests are abandoned, as a blocking call's would be,
+  // and nothing waits on them again.
+  std::vector<MPI_Request> requests = std::move(requests_);
+  std::vector<int> peers = std::move(peers_);
+  requests_.clear();
+  peers_.clear();
   watchdog::WaitSite site;
   site.primitive = what_;
   site.comm = comm_;
-  site.peers = peers_.empty() ? nullptr : &peers_;
-  const int rc = watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(),
-                                    MPI_STATUSES_IGNORE, site);
-  requests_.clear();
-  peers_.clear();
-  return rc;
+  site.peers = peers.empty() ? nullptr : &peers;
+  return watchdog::wait_all(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE,
+                            site);
 }
 
 bool PendingCollective::pending() const {
