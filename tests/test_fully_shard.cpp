@@ -255,9 +255,8 @@ TEST(FullyShard, PrefetchOverlapsAndNeverUsesAStaleShard) {
     // Forward order fc1, scale (the root's fc2 runs between them). Counted
     // from step 1: step 0 records the order (and its backward may regather a
     // unit that an earlier forward without backward left in the order).
-    st::detail::FullyShardOverlapStats before;
-    for (int step = 0; step < 2; ++step) {
-      if (step == 1) before = st::detail::fully_shard_overlap_stats();
+    // One SGD step of both models; the losses must agree.
+    auto step_both = [&](const std::string& what) {
       ref_opt.zero_grad();
       auto ref_loss = (ref.forward(x) - y).pow(2).mean();
       ref_loss.backward();
@@ -265,8 +264,13 @@ TEST(FullyShard, PrefetchOverlapsAndNeverUsesAStaleShard) {
       opt.zero_grad();
       auto loss = (net.forward(sx) - sy).pow(2).mean();
       loss.backward();
-      EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << "loss at step " << step;
+      EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << what;
       opt.step();
+    };
+    st::detail::FullyShardOverlapStats before;
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1) before = st::detail::fully_shard_overlap_stats();
+      step_both("loss at step " + std::to_string(step));
     }
     const auto mid = st::detail::fully_shard_overlap_stats();
     const int64_t early = l.data > 1 ? 1 : 0;
@@ -306,15 +310,7 @@ TEST(FullyShard, PrefetchOverlapsAndNeverUsesAStaleShard) {
       setenv("SHARDTENSOR_FSDP_PREFETCH", "0", 1);
       const auto off = st::detail::fully_shard_overlap_stats();
       for (int step = 0; step < 2; ++step) {
-        ref_opt.zero_grad();
-        auto ref_loss = (ref.forward(x) - y).pow(2).mean();
-        ref_loss.backward();
-        ref_opt.step();
-        opt.zero_grad();
-        auto loss = (net.forward(sx) - sy).pow(2).mean();
-        loss.backward();
-        EXPECT_TRUE(all_close(loss, ref_loss, 1e-10, 0)) << "loss without prefetch, step " << step;
-        opt.step();
+        step_both("loss without prefetch, step " + std::to_string(step));
       }
       unsetenv("SHARDTENSOR_FSDP_PREFETCH");
       const auto on = st::detail::fully_shard_overlap_stats();

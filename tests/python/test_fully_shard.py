@@ -34,6 +34,21 @@ class Net(torch.nn.Module):
         return self.head(self.tiny(self.b2(self.b1(x))))
 
 
+def _step_both(net, o, sx, sy, ref, ro, x, y, where):
+    """One MSE training step of the sharded model and of the single-process reference; the
+    losses must agree to 1e-10 relative. Returns the sharded loss."""
+    ro.zero_grad()
+    rl = torch.nn.functional.mse_loss(ref(x), y)
+    rl.backward()
+    ro.step()
+    o.zero_grad()
+    loss = torch.nn.functional.mse_loss(net(sx), sy)
+    loss.backward()
+    assert abs(loss.item() - rl.item()) <= 1e-10 * abs(rl.item()), where
+    o.step()
+    return loss
+
+
 def layouts():
     p = st.world_size()
     return [(d, p // d) for d in range(1, p + 1) if p % d == 0]
@@ -67,16 +82,8 @@ def test_fully_shard_matches_single_process(reshard, opt):
         sx = st.distribute_tensor(x, mesh, pl)
         sy = st.distribute_tensor(y, mesh, pl)
         for step in range(3):
-            ro.zero_grad()
-            rl = torch.nn.functional.mse_loss(ref(x), y)
-            rl.backward()
-            ro.step()
-            o.zero_grad()
-            loss = torch.nn.functional.mse_loss(net(sx), sy)
-            loss.backward()
+            loss = _step_both(net, o, sx, sy, ref, ro, x, y, (d, dom, step))
             assert not isinstance(loss, st.ShardTensor)
-            assert abs(loss.item() - rl.item()) <= 1e-10 * abs(rl.item()), (d, dom, step)
-            o.step()
         full = st.full_state_dict(net)
         for name, rp in ref.named_parameters():
             assert torch.allclose(full[name], rp, rtol=1e-10, atol=1e-14), (d, dom, name)
@@ -161,15 +168,7 @@ def test_unet_main_job_adam_steps_match_single_process(reshard):
         pl = (st.Shard(0), st.Shard(2))
         sx, sy = st.distribute_tensor(x, mesh, pl), st.distribute_tensor(y, mesh, pl)
         for step in range(3):
-            ro.zero_grad()
-            rl = torch.nn.functional.mse_loss(ref(x), y)
-            rl.backward()
-            ro.step()
-            o.zero_grad()
-            loss = torch.nn.functional.mse_loss(net(sx), sy)
-            loss.backward()
-            assert abs(loss.item() - rl.item()) <= 1e-10 * abs(rl.item()), (d, dom, step)
-            o.step()
+            _step_both(net, o, sx, sy, ref, ro, x, y, (d, dom, step))
         full = st.full_state_dict(net)
         for name, rp in ref.named_parameters():
             assert torch.allclose(full[name], rp, rtol=1e-10, atol=1e-14), (d, dom, name)
