@@ -3,7 +3,10 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <shardtensor/config.h>
+#if SHARDTENSOR_WITH_MPI
 #include <mpi.h>
+#endif
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 #include <algorithm>

@@ -5,7 +5,7 @@
 // SHARDTENSOR_DEBUG agreement check. Every mesh dim of the test mesh is
 // exercised, with uneven partitions and empty shards.
 #include <ATen/CPUGeneratorImpl.h>
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -43,7 +43,7 @@ struct Axis {
   int64_t mesh_dim;
   int64_t P;
   int64_t me;
-  MPI_Comm comm;
+  st::Comm comm;
 };
 
 std::vector<Axis> axes(const st::DeviceMesh& mesh) {
@@ -116,7 +116,7 @@ double local_dot(const at::Tensor& a, const at::Tensor& b) {
 
 // The harness's sums and comparisons go through the transport (either
 // transport), uncounted so that byte assertions see only the library's traffic.
-double sum_over(double v, MPI_Comm comm) {
+double sum_over(double v, st::Comm comm) {
   st::detail::UncountedComm uncounted;
   at::Tensor t = at::full({1}, v, at::kDouble);
   comm::transport::all_reduce_(t, st::ReduceOp::Sum, comm);
@@ -124,7 +124,7 @@ double sum_over(double v, MPI_Comm comm) {
 }
 
 /// Collective over `comm`: true iff `t` equals (to 1e-12) rank 0's `t` on every rank.
-bool same_on(const at::Tensor& t, MPI_Comm comm) {
+bool same_on(const at::Tensor& t, st::Comm comm) {
   st::detail::UncountedComm uncounted;
   at::Tensor mine = t.detach().to(at::kDouble).contiguous();
   at::Tensor root = mine.clone();
@@ -140,7 +140,7 @@ enum class Pairing {
   SumOverRanks,  ///< sharded, partial or per-rank-used: sum of local dots
 };
 
-double pair(const at::Tensor& v, const at::Tensor& g, Pairing p, MPI_Comm comm) {
+double pair(const at::Tensor& v, const at::Tensor& g, Pairing p, st::Comm comm) {
   const double local = local_dot(v, g);
   return p == Pairing::Once ? local : sum_over(local, comm);
 }
@@ -150,7 +150,7 @@ double pair(const at::Tensor& v, const at::Tensor& g, Pairing p, MPI_Comm comm) 
 /// x must also be identical on every rank of `comm`.
 ::testing::AssertionResult adjoint(const std::function<at::Tensor(const at::Tensor&)>& op,
                                    const at::Tensor& x0, const at::Tensor& y, Pairing xp,
-                                   Pairing yp, MPI_Comm comm, bool x_grad_replicated = false) {
+                                   Pairing yp, st::Comm comm, bool x_grad_replicated = false) {
   at::Tensor x = x0.detach().clone().requires_grad_(true);
   at::Tensor out = op(x);
   bool ok = true;
@@ -885,7 +885,7 @@ TEST(CommBoxExchange, AllMeshDimsSlabsAndGridsWithEmptyBlocks) {
   auto mesh = test_mesh();
   const int64_t P = mesh.size(), me = all_dims_coordinate(mesh);
   const auto dims = all_mesh_dims(mesh);
-  MPI_Comm world = mesh.comm();
+  st::Comm world = mesh.comm();
   // A grid of q0 x q1 blocks with q0 * q1 = P.
   const int64_t q0 = P % 2 == 0 ? 2 : 1, q1 = P / q0;
   std::vector<int64_t> s0 = q0 == 2 ? std::vector<int64_t>{0, 3} : std::vector<int64_t>{3};

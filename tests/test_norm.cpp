@@ -14,7 +14,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <sstream>
 

@@ -1,6 +1,6 @@
 #include "testing.h"
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 #include <shardtensor/core/stats.h>
 #include <torch/torch.h>
 
@@ -208,7 +208,7 @@ bool all_ranks(bool ok) { return max_over_ranks(ok ? 0 : 1) == 0; }
   out.rank = static_cast<int>(-max_over_ranks(bits == worst_bits ? -me : INT64_MIN));
   {
     detail::UncountedComm uncounted;
-    const MPI_Comm world = detail::world_comm();
+    const Comm world = detail::world_comm();
     at::Tensor len = at::full({1}, static_cast<int64_t>(why.size()), at::kLong);
     comm::transport::broadcast_(len, out.rank, world);
     at::Tensor text = at::zeros({len.item<int64_t>()}, at::kByte);

@@ -6,6 +6,7 @@
 
 #include <shardtensor/comm/ghost.h>
 #include <shardtensor/comm/primitives.h>
+#include <shardtensor/core/comm.h>
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/policy.h>
 #include <shardtensor/core/runtime.h>

@@ -48,7 +48,7 @@ __all__ = [
     "scaled_dot_product_attention", "halo_exchange", "halo_exchange_begin", "halo_exchange_end",
     "DistributedManager", "comm_stats", "reset_comm_stats",
     "memory_stats", "reset_peak_memory_stats", "io", "set_timeout", "timeout", "set_strict",
-    "strict", "world_rank", "world_size", "abort",
+    "strict", "init", "world_rank", "world_size", "abort",
     # irregular data (docs/irregular.md)
     "knn", "radius_search", "neighborhood_attention", "GhostPlan", "ghost_plan", "ghost_exchange",
     "ghost_accumulate", "ghost_accumulate_nograd", "extend_rows", "gather_rows", "scatter_rows",
@@ -57,6 +57,20 @@ __all__ = [
 ]
 
 world_rank = _runtime.world_rank
+
+
+def init(process_group=None):
+    """Collective. Starts shardtensor now instead of at the first call that needs it.
+    ``process_group``: a torch.distributed process group (the default group, or one from
+    ``torch.distributed.new_group``) that shardtensor then runs on, its ranks becoming
+    shardtensor's world (shardtensor's traffic runs on its own Gloo group over the same
+    members, made through the group's store). Without one, shardtensor adopts
+    torch.distributed's default group if it is initialized, else starts MPI (mpirun,
+    srun) or its own Gloo group (torchrun). Note [adopted process group]. Idempotent;
+    raises if shardtensor already runs on another group."""
+    _runtime.ensure_init(process_group)
+
+
 world_size = _runtime.world_size
 abort = _runtime.abort
 

@@ -10,10 +10,11 @@ __all__ = ["DistributedManager"]
 
 
 def check_torch_distributed(rank, world_size):
-    """Local. If torch.distributed is already initialized, its rank and world size
-    must be shardtensor's: shardtensor runs its own process group beside torch's
-    (MPI under mpirun/srun, its own Gloo group under torchrun; adopting torch's
-    default group is not supported yet). Raises RuntimeError if they differ."""
+    """Local. If torch.distributed is initialized, its rank and world size must be
+    shardtensor's. They are when shardtensor adopted torch's default group (Note
+    [adopted process group]: torch.distributed initialized first); they may differ
+    when shardtensor started first and torch.distributed later from another launch.
+    Raises RuntimeError if they differ."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -23,18 +24,18 @@ def check_torch_distributed(rank, world_size):
         raise RuntimeError(
             f"shardtensor.DistributedManager.initialize: torch.distributed is initialized "
             f"with rank {t_rank} of {t_size}, but shardtensor's world has rank {rank} of "
-            f"{world_size}. shardtensor runs its own process group from the same launch "
-            f"(adopting torch.distributed's group is not supported yet); launch both from "
-            f"one torchrun/mpirun/srun so that they agree.")
+            f"{world_size}. Initialize torch.distributed first (shardtensor then adopts its "
+            f"default group), or launch both from one torchrun/mpirun/srun.")
 
 
 class DistributedManager:
     """``DistributedManager.initialize()`` then ``DistributedManager()`` (shared state)
     with ``.rank``, ``.world_size``, ``.local_rank``, ``.device`` and
     ``.initialize_mesh(mesh_shape=(-1,), mesh_dim_names=("domain_parallel",))``.
-    Initializing is collective over the whole job: MPI (shardtensor's own MPI init,
-    or adoption of mpi4py's) under mpirun/srun, shardtensor's own Gloo process group
-    under torchrun. The launcher is detected as PhysicsNeMo's manager does
+    Initializing is collective over the whole job: torch.distributed's default group
+    when it is initialized (adopted, Note [adopted process group]), else MPI
+    (shardtensor's own MPI init, or adoption of mpi4py's) under mpirun/srun, and
+    shardtensor's own Gloo process group under torchrun. The launcher is detected as PhysicsNeMo's manager does
     (torchrun, Slurm, Open MPI, PMI: Note [launcher detection]) and checked against
     MPI under an MPI launcher: a launch that says N > 1 processes but gets an MPI
     world of one (srun without PMI) raises on every process. ``local_rank`` is the

@@ -23,15 +23,39 @@ _lock = threading.Lock()
 _started = False
 
 
-def ensure_init():
-    """Collective over MPI_COMM_WORLD on first call. Idempotent."""
+def _group_to_adopt(process_group):
+    """Note [adopted process group]: the c10d group shardtensor runs on, or None for
+    its own start (MPI, or its own Gloo rendezvous). An explicit ``process_group``
+    wins; else torch.distributed's default group when it is initialized, unless
+    SHARDTENSOR_BACKEND asks for mpi."""
+    if process_group is not None:
+        return process_group
+    if os.environ.get("SHARDTENSOR_BACKEND", "").strip() == "mpi":
+        return None
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
+def ensure_init(process_group=None):
+    """Collective on first call: over every process of the job (MPI_COMM_WORLD, or
+    the launch's c10d world), or over ``process_group`` / torch.distributed's
+    initialized default group, which shardtensor then adopts (Note [adopted process
+    group]). Idempotent: a later call with another group raises."""
     global _started
     if _started:
+        if process_group is not None:
+            _C.init_with_group(process_group.boxed())  # raises unless it is the same group
         return
     with _lock:
         if _started:
             return
-        _C.init()
+        group = _group_to_adopt(process_group)
+        if group is not None:
+            _C.init_with_group(group.boxed())
+        else:
+            _C.init()
         atexit.register(_finalize_at_exit)
         # Note [launcher detection]: init() exported torch's RANK, WORLD_SIZE, ... where
         # unset (C environ); os.environ is Python's copy, which torch.distributed reads.

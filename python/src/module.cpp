@@ -21,11 +21,15 @@
 // Placements cross as (kind, dim) pairs: kind 0 = Shard(dim), 1 = Replicate,
 // 2 = Partial. Communicators cross as the integer handle mpi4py gives
 // (MPI._handleof(comm)); 0 means MPI_COMM_WORLD.
+#include <ATen/core/custom_class.h>
 #include <shardtensor/core/launch.h>
+#include <shardtensor/core/process_group.h>
 #include <shardtensor/shardtensor.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/nn/module.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
 #include <map>
@@ -80,20 +84,27 @@ std::vector<PlacementCode> from_placements(const st::Placements& placements) {
   return out;
 }
 
-// An mpi4py handle (MPI._handleof) as an MPI_Comm, without calling MPI:
+// An mpi4py handle (MPI._handleof) as a communicator, without calling MPI:
 // OpenMPI's MPI_Comm is a pointer, MPICH's an int.
-template <typename Comm>
-Comm comm_cast(std::uintptr_t handle) {
-  if constexpr (std::is_pointer_v<Comm>) {
-    return reinterpret_cast<Comm>(handle);
+template <typename C>
+C comm_cast(std::uintptr_t handle) {
+  if constexpr (std::is_pointer_v<C>) {
+    return reinterpret_cast<C>(handle);
   } else {
-    return static_cast<Comm>(handle);
+    return static_cast<C>(handle);
   }
 }
 
-MPI_Comm comm_from_handle(std::uintptr_t handle) {
-  if (handle == 0) return MPI_COMM_WORLD;
-  return comm_cast<MPI_Comm>(handle);
+st::Comm comm_from_handle(std::uintptr_t handle) {
+  if (handle == 0) return st::comm_world();
+#if SHARDTENSOR_WITH_MPI
+  return comm_cast<st::Comm>(handle);
+#else
+  TORCH_CHECK_VALUE(false,
+                    "shardtensor.DeviceMesh: this shardtensor was built without MPI "
+                    "(SHARDTENSOR_WITH_MPI=OFF), so it takes no MPI communicator; leave comm "
+                    "unset (every process of the job)");
+#endif
 }
 
 st::ShardTensor view(const at::Tensor& t, const char* what) {
@@ -106,6 +117,8 @@ st::ShardTensor view(const at::Tensor& t, const char* what) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shardtensor's C++ core (private; use the shardtensor package)";
+  // Note [c10d-only build]: False for a build without MPI (torchrun launches only, no HDF5 I/O).
+  m.attr("with_mpi") = static_cast<bool>(SHARDTENSOR_WITH_MPI);
 
   // c10 errors carry the op, shapes and placements: keep the message, drop the
   // C++ backtrace, and map the c10 error kinds to the Python ones torch uses.
@@ -128,6 +141,20 @@ PYBIND11_MODULE(_C, m) {
       "init", [] { st::init(); }, Release(),
       "Collective over MPI_COMM_WORLD on first call: initializes MPI or adopts an MPI "
       "already initialized (e.g. by mpi4py). Idempotent.");
+  // Note [adopted process group]: the group crosses as its boxed form
+  // (ProcessGroup.boxed(), a ScriptObject), which torch's own converter
+  // unpacks, so no pybind11 type needs to be shared with torch's module.
+  m.def(
+      "init_with_group",
+      [](const py::object& boxed) {
+        const auto type = c10::getCustomClassType<c10::intrusive_ptr<::c10d::ProcessGroup>>();
+        auto group = torch::jit::toIValue(boxed, type).toCustomClass<::c10d::ProcessGroup>();
+        py::gil_scoped_release release;
+        st::init(group);
+      },
+      py::arg("boxed_group"),
+      "Collective over the group's ranks: runs shardtensor on a torch.distributed process group "
+      "(ProcessGroup.boxed()). Idempotent for the same group.");
   m.def("finalize", &st::finalize, Release(),
         "Collective. Frees the library's communicators; finalizes MPI only if init() started it.");
   m.def("set_timeout", &st::set_timeout, py::arg("seconds"));

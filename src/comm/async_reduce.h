@@ -34,7 +34,7 @@ class ReduceChannel {
   PendingSum start_sum_(const at::Tensor& t);
 
  private:
-  MPI_Comm comm_;
+  Comm comm_;
 };
 
 /// A split-phase all-gather or reduce-scatter in flight (test(), finish();

@@ -2,7 +2,7 @@
 /// \file The watchdog for blocking calls that cannot be polled (private to
 /// comm/ and io/; Note [watchdog] in shardtensor/core/runtime.h).
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 namespace shardtensor::comm::watchdog {
 
@@ -18,7 +18,7 @@ namespace shardtensor::comm::watchdog {
 /// outlive the scope (a string literal).
 class BlockingScope {
  public:
-  BlockingScope(const char* what, MPI_Comm comm);
+  BlockingScope(const char* what, Comm comm);
   ~BlockingScope();
   BlockingScope(const BlockingScope&) = delete;
   BlockingScope& operator=(const BlockingScope&) = delete;

@@ -31,7 +31,7 @@ at::Tensor from_rows(const at::Tensor& rows, int64_t dim) {
   return function_output(rows.movedim(0, dim).contiguous());
 }
 
-at::Tensor gather_along(const at::Tensor& local, MPI_Comm comm, int64_t dim,
+at::Tensor gather_along(const at::Tensor& local, Comm comm, int64_t dim,
                         const std::vector<int64_t>& sizes) {
   at::Tensor send = local.movedim(dim, 0).contiguous();  // piece-sized
   int64_t outer = 1;
@@ -53,7 +53,7 @@ at::Tensor gather_along(const at::Tensor& local, MPI_Comm comm, int64_t dim,
   return from_rows(recv, dim);  // leading extents are 1: no copy
 }
 
-at::Tensor reduce_scatter_along(const at::Tensor& t, MPI_Comm comm, int64_t dim,
+at::Tensor reduce_scatter_along(const at::Tensor& t, Comm comm, int64_t dim,
                                 const std::vector<int64_t>& sizes, int64_t me) {
   at::Tensor send = t.movedim(dim, 0).contiguous();
   const int64_t row = row_numel(t.sizes(), dim);
@@ -66,9 +66,9 @@ at::Tensor reduce_scatter_along(const at::Tensor& t, MPI_Comm comm, int64_t dim,
   return from_rows(recv, dim);
 }
 
-at::Tensor reduce_over(const at::Tensor& t, MPI_Comm comm, ReduceOp op) {
+at::Tensor reduce_over(const at::Tensor& t, Comm comm, ReduceOp op) {
   at::Tensor out = t.clone(at::MemoryFormat::Contiguous);
-  if (comm != MPI_COMM_NULL) {
+  if (comm != comm_null()) {
     transport::all_reduce_(out, op, comm);
   }
   return out;
@@ -77,7 +77,7 @@ at::Tensor reduce_over(const at::Tensor& t, MPI_Comm comm, ReduceOp op) {
 // ---- autograd functions -----------------------------------------------------------
 
 struct GroupArgs {
-  MPI_Comm comm = MPI_COMM_NULL;
+  Comm comm = comm_null();
 };
 
 struct AxisArgs {
@@ -137,8 +137,8 @@ variable_list UseReplicatedFn::backward(AutogradContext* ctx, variable_list grad
 struct SinkArgs {
   std::shared_ptr<detail::ReplicatedGradSink> sink;
   const at::TensorImpl* leaf = nullptr;
-  MPI_Comm comm = MPI_COMM_NULL;  // for the fallback under create_graph
-  std::vector<int64_t> dims;      // the mesh dims the use is over
+  Comm comm = comm_null();    // for the fallback under create_graph
+  std::vector<int64_t> dims;  // the mesh dims the use is over
 };
 
 struct UseReplicatedSinkFn : torch::autograd::Function<UseReplicatedSinkFn> {
@@ -291,7 +291,7 @@ at::Tensor all_reduce(const at::Tensor& t, const DeviceMesh& mesh,
   const Prim p = Prim::AllReduce;
   const Group g = group(p, mesh, mesh_dims);
   TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
-  if (g.comm == MPI_COMM_NULL) {
+  if (g.comm == comm_null()) {
     return AllReduceFn::apply(t, GroupArgs{});
   }
   Checks checks(p);
@@ -307,7 +307,7 @@ at::Tensor all_reduce_nograd(const at::Tensor& t, const DeviceMesh& mesh,
   const Group g = group(p, mesh, mesh_dims);
   TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
   at::Tensor in = t.detach();
-  if (g.comm == MPI_COMM_NULL) {
+  if (g.comm == comm_null()) {
     return in.clone(at::MemoryFormat::Contiguous);
   }
   Checks checks(p);
@@ -345,7 +345,7 @@ at::Tensor use_replicated(const at::Tensor& t, const DeviceMesh& mesh,
   const Group g = group(p, mesh, mesh_dims);
   TORCH_CHECK(t.defined(), prefix(p), "the tensor is undefined");
   detail::before_replicated_use(t);  // fully_shard gathers here (Note [fully_shard])
-  if (g.comm != MPI_COMM_NULL) {
+  if (g.comm != comm_null()) {
     Checks checks(p);
     Fingerprint fp;
     fp.add(g.dims).add_shape(t, {});

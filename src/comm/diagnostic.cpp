@@ -9,7 +9,7 @@
 
 namespace shardtensor::comm {
 
-Agreement diagnostic_agree(MPI_Comm comm, uint64_t fingerprint, bool ok) {
+Agreement diagnostic_agree(Comm comm, uint64_t fingerprint, bool ok) {
   Agreement a;
   a.all_ok = ok;
   if (transport::comm_size(comm) == 1) return a;

@@ -24,6 +24,6 @@ Agreement diagnostic_agree(const DeviceMesh& mesh, uint64_t fingerprint, bool ok
 
 /// The same over an explicit communicator of the mesh (mesh.comm(dim) or a
 /// sub-communicator of several dims); for comm/ itself.
-Agreement diagnostic_agree(MPI_Comm comm, uint64_t fingerprint, bool ok = true);
+Agreement diagnostic_agree(Comm comm, uint64_t fingerprint, bool ok = true);
 
 }  // namespace shardtensor::comm

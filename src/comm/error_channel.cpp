@@ -48,10 +48,12 @@ struct CommInfo {
   std::vector<int> world_ranks;  // of the communicator's ranks, in its order
 };
 
-int delete_info(MPI_Comm, int, void* value, void*) {
+#if SHARDTENSOR_WITH_MPI
+int delete_info(Comm, int, void* value, void*) {
   delete static_cast<CommInfo*>(value);
   return MPI_SUCCESS;
 }
+#endif
 
 struct Message {
   int64_t kind = 0;
@@ -68,20 +70,24 @@ struct Failure {
 };
 
 struct State {
+#if SHARDTENSOR_WITH_MPI
   int keyval = MPI_KEYVAL_INVALID;
+#endif
   bool hook_registered = false;
   bool poisoned = false;
   int poison_origin = -1;
   std::string poison_text;
   std::map<std::pair<uint64_t, uint64_t>, Failure> failures;
-  // Calls are numbered per set of ranks (the key), not per MPI_Comm handle:
+  // Calls are numbered per set of ranks (the key), not per Comm handle:
   // two handles over the same ranks (a mesh dim and a one-dim group) share
   // the numbering, which every rank advances in the same order.
   std::map<uint64_t, uint64_t> next_seq;
   // Failures of calls this rank has not entered yet (ranks ahead of it).
   std::multimap<std::pair<uint64_t, uint64_t>, Message> early;
   // Sends in flight, with their buffers (kept until MPI has completed them).
+#if SHARDTENSOR_WITH_MPI
   std::deque<std::pair<MPI_Request, std::vector<char>>> sends;
+#endif
   // Under c10d: messages of the store's list already read.
   int64_t store_seen = 0;
 };
@@ -96,11 +102,14 @@ bool over_c10d() { return shardtensor::detail::pg::active(); }
 int world_rank_of_me() {
   if (over_c10d()) return shardtensor::detail::pg::rank(shardtensor::detail::pg::world());
   int r = -1;
+#if SHARDTENSOR_WITH_MPI
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
+#endif
   return r;
 }
 
-CommInfo& info_of(MPI_Comm comm) {
+#if SHARDTENSOR_WITH_MPI
+CommInfo& info_of(Comm comm) {
   auto& s = state();
   if (s.keyval == MPI_KEYVAL_INVALID) {
     MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, delete_info, &s.keyval, nullptr);
@@ -138,6 +147,13 @@ void reap_sends() {
     s.sends.pop_front();
   }
 }
+#else
+// A c10d-only build has no MPI communicators (Note [c10d-only build]): every
+// group is a c10d one, whose channel is the store.
+CommInfo& info_of(Comm) {
+  TORCH_INTERNAL_ASSERT(false, "an MPI communicator in a c10d-only build");
+}
+#endif
 
 // ---- the channel over c10d: a list of messages in the rendezvous store ----------
 // Key "carried/n" counts the messages, "carried/<i>" holds message i: a header
@@ -204,7 +220,8 @@ void drain_store(const std::function<void(const Message&)>& handle) {
   }
 }
 
-void post_mpi(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
+#if SHARDTENSOR_WITH_MPI
+void post_mpi(Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
               const std::vector<int>& targets) {
   auto& s = state();
   reap_sends();
@@ -221,14 +238,17 @@ void post_mpi(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std
               channel, &back.first);
   }
 }
+#endif
 
 /// Posts on the error channel: the MPI duplicate, or the store under c10d.
-void post(MPI_Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
+void post(Comm channel, Kind kind, uint64_t key, uint64_t seq, const std::string& text,
           const std::vector<int>& targets) {
   if (over_c10d()) {
     post_store(kind, key, seq, text, targets);
   } else {
+#if SHARDTENSOR_WITH_MPI
     post_mpi(channel, kind, key, seq, text, targets);
+#endif
   }
 }
 
@@ -237,7 +257,9 @@ std::vector<int> all_world_ranks() {
   if (over_c10d()) {
     n = shardtensor::detail::pg::size(shardtensor::detail::pg::world());
   } else {
+#if SHARDTENSOR_WITH_MPI
     MPI_Comm_size(MPI_COMM_WORLD, &n);
+#endif
   }
   std::vector<int> r(n);
   for (int i = 0; i < n; ++i) r[i] = i;
@@ -245,11 +267,12 @@ std::vector<int> all_world_ranks() {
 }
 
 /// Calls `handle` on every message waiting on the channel.
-void drain(MPI_Comm channel, const std::function<void(const Message&)>& handle) {
+void drain(Comm channel, const std::function<void(const Message&)>& handle) {
   if (over_c10d()) {
     drain_store(handle);
     return;
   }
+#if SHARDTENSOR_WITH_MPI
   for (;;) {
     int flag = 0;
     MPI_Status status;
@@ -271,12 +294,13 @@ void drain(MPI_Comm channel, const std::function<void(const Message&)>& handle) 
     }
     handle(m);
   }
+#endif
 }
 
 /// The world rank whose error a message is about.
 int culprit(const Message& m) { return m.kind == kPoison ? static_cast<int>(m.seq) : m.origin; }
 
-void poison(MPI_Comm channel, int origin, const std::string& text, bool tell_everyone) {
+void poison(Comm channel, int origin, const std::string& text, bool tell_everyone) {
   auto& s = state();
   if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
     std::fprintf(stderr, "[carried errors] world rank %d poisoned by %d: %s\n", world_rank_of_me(),
@@ -333,7 +357,7 @@ bool unresolved() {
 
 /// Waits until every earlier failure of this rank has a verdict from all the
 /// other ranks of its communicator (watchdog-bounded); drops the settled ones.
-void resolve(MPI_Comm channel) {
+void resolve(Comm channel) {
   auto& s = state();
   const auto start = Clock::now();
   const double limit = shardtensor::timeout();
@@ -367,8 +391,8 @@ void register_hook() {
   if (s.hook_registered) return;
   s.hook_registered = true;
   shardtensor::detail::register_finalize_hook([] {
-    const MPI_Comm channel = shardtensor::detail::error_channel();
-    if (channel == MPI_COMM_NULL && !over_c10d()) return;
+    const Comm channel = shardtensor::detail::error_channel();
+    if (channel == comm_null() && !over_c10d()) return;
     resolve(channel);
     auto& st = state();
     if (st.poisoned && over_c10d()) {
@@ -404,15 +428,15 @@ void register_hook() {
 
 }  // namespace
 
-CallId enter(MPI_Comm comm, const char* name) {
+CallId enter(Comm comm, const char* name) {
   CallId id;
-  if (comm == MPI_COMM_NULL) return id;
+  if (comm == comm_null()) return id;
   // Under c10d (Note [c10d handles]) the channel is the store, read at entry
   // only while this rank awaits verdicts (a store round trip per call would
   // cost the success path); errors reach the others in their waits.
   const bool c10d = shardtensor::detail::pg::owns(comm);
-  const MPI_Comm channel = c10d ? MPI_COMM_NULL : shardtensor::detail::error_channel();
-  if (!c10d && channel == MPI_COMM_NULL) return id;
+  const Comm channel = c10d ? comm_null() : shardtensor::detail::error_channel();
+  if (!c10d && channel == comm_null()) return id;
   register_hook();
   const std::vector<int>* world_ranks = nullptr;
   if (c10d) {
@@ -470,9 +494,9 @@ CallId enter(MPI_Comm comm, const char* name) {
 }
 
 void fail(const CallId& call, const std::string& message) {
-  const bool c10d = call.comm != MPI_COMM_NULL && shardtensor::detail::pg::owns(call.comm);
-  const MPI_Comm channel = c10d ? MPI_COMM_NULL : shardtensor::detail::error_channel();
-  if ((c10d || channel != MPI_COMM_NULL) && call.comm != MPI_COMM_NULL) {
+  const bool c10d = call.comm != comm_null() && shardtensor::detail::pg::owns(call.comm);
+  const Comm channel = c10d ? comm_null() : shardtensor::detail::error_channel();
+  if ((c10d || channel != comm_null()) && call.comm != comm_null()) {
     const std::vector<int>& world_ranks =
         c10d ? shardtensor::detail::pg::world_ranks(call.comm) : info_of(call.comm).world_ranks;
     if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
@@ -492,9 +516,10 @@ void fail(const CallId& call, const std::string& message) {
   TORCH_CHECK(false, message);
 }
 
+#if SHARDTENSOR_WITH_MPI
 void poll(int n, MPI_Request* requests, bool p2p, const char* what) {
-  const MPI_Comm channel = shardtensor::detail::error_channel();
-  if (channel == MPI_COMM_NULL) return;
+  const Comm channel = shardtensor::detail::error_channel();
+  if (channel == comm_null()) return;
   auto& s = state();
   bool abandon = false;
   Message why;
@@ -530,6 +555,7 @@ void poll(int n, MPI_Request* requests, bool p2p, const char* what) {
               "call raises from now on; end the job; finalize exits with code ",
               kCarriedErrorExitCode, ")");
 }
+#endif
 
 // ---- waits of the c10d transport: a monitor thread reads the store ----------------
 
@@ -589,10 +615,10 @@ void watch_loop() {
     // The waiting thread is blocked in Gloo until this poll ends (its
     // ~StoreWatch takes the lock), so the state is not shared meanwhile.
     bool abandon = false;
-    drain(MPI_COMM_NULL, [&](const Message& msg) {
+    drain(comm_null(), [&](const Message& msg) {
       if (settle_verdict(msg)) return;
       abandon = true;
-      poison(MPI_COMM_NULL, culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
+      poison(comm_null(), culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
     });
     if (abandon) StoreWatchAccess::interrupt(w);
   }
@@ -627,9 +653,9 @@ bool poll_store() {
   if (!over_c10d()) return poisoned();
   WatchMonitor& m = watch_monitor();
   std::lock_guard<std::mutex> lock(m.mu);  // not while the monitor reads
-  drain(MPI_COMM_NULL, [&](const Message& msg) {
+  drain(comm_null(), [&](const Message& msg) {
     if (settle_verdict(msg)) return;
-    poison(MPI_COMM_NULL, culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
+    poison(comm_null(), culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
   });
   return state().poisoned;
 }
@@ -650,9 +676,13 @@ void raise_poisoned(const char* what) {
 bool poisoned() { return state().poisoned; }
 
 size_t tracked_entries() {
-  reap_sends();
   auto& s = state();
-  return s.next_seq.size() + s.failures.size() + s.early.size() + s.sends.size();
+  size_t sends = 0;
+#if SHARDTENSOR_WITH_MPI
+  reap_sends();
+  sends = s.sends.size();
+#endif
+  return s.next_seq.size() + s.failures.size() + s.early.size() + sends;
 }
 
 }  // namespace comm::errors

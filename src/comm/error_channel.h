@@ -58,7 +58,7 @@
 /// peer's connection closed reads the store first (poll_store): a peer that
 /// raised a carried error and left is reported by its error, not as dead.
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <atomic>
 #include <cstdint>
@@ -75,7 +75,7 @@ constexpr int kCarriedErrorExitCode = 86;
 struct CallId {
   uint64_t comm_key = 0;  // a fingerprint of the communicator's world ranks
   uint64_t seq = 0;       // the how-manieth primitive call on this communicator
-  MPI_Comm comm = MPI_COMM_NULL;
+  Comm comm = comm_null();
 };
 
 /// Local unless an error is pending. The entry of every primitive call on
@@ -85,18 +85,20 @@ struct CallId {
 /// throws c10::Error if an error of another rank reached this call or the job
 /// is poisoned. May wait for the other ranks' verdict on an earlier failure
 /// of this rank (see the Note).
-CallId enter(MPI_Comm comm, const char* name);
+CallId enter(Comm comm, const char* name);
 
 /// Posts `message` to the other ranks of the call's communicator and throws
 /// it here as c10::Error. For a call whose checks failed on this rank.
 [[noreturn]] void fail(const CallId& call, const std::string& message);
 
+#if SHARDTENSOR_WITH_MPI
 /// Local. Called between polls of a blocking wait on `n` requests (for the
 /// transport primitive `what`, during op `op`; `p2p`: point-to-point requests
 /// that can be cancelled). Throws c10::Error, after cancelling or abandoning
 /// the requests (they are set to MPI_REQUEST_NULL), when another rank has
 /// carried an error here or poisoned the job.
 void poll(int n, MPI_Request* requests, bool p2p, const char* what);
+#endif
 
 /// Local. A wait of the c10d transport that carried errors can reach (Note
 /// [carried errors]): while one lives (one at a time), a monitor thread reads

@@ -36,7 +36,7 @@
 /// survivors (Open MPI's mpirun ends the job at once); docs/reliability.md says
 /// what each launcher does.
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <cstdint>
 #include <string>

@@ -3,8 +3,8 @@
 // shardtensor/comm/ghost.h), shared with the ops/ layer's message-passing
 // helpers and neighbour search.
 #include <ATen/core/Tensor.h>
-#include <mpi.h>
 #include <shardtensor/comm/ghost.h>
+#include <shardtensor/core/comm.h>
 #include <shardtensor/mesh/device_mesh.h>
 
 #include <cstdint>
@@ -15,7 +15,7 @@ namespace shardtensor::detail {
 struct GhostPlanData {
   DeviceMesh mesh;
   int64_t mesh_dim = 0;
-  MPI_Comm comm = MPI_COMM_NULL;
+  Comm comm = comm_null();
   int64_t me = 0;                       // this rank's coordinate along mesh_dim
   int64_t P = 1;                        // coordinates along mesh_dim
   std::vector<int64_t> sizes, offsets;  // offsets: exclusive prefix sums of sizes

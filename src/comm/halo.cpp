@@ -286,8 +286,8 @@ PendingHalo HaloPlan::start(const at::Tensor& local, double value) const {
     std::vector<int> sources, destinations;
     for (const auto& peer_runs : recv) sources.push_back(peer_runs.first);
     for (const auto& peer_runs : send) destinations.push_back(peer_runs.first);
-    const MPI_Comm graph = transport::neighbor_graph(comm, layout_key, sources, destinations);
-    if (graph != MPI_COMM_NULL) return start_neighbor(local, value, graph);
+    const Comm graph = transport::neighbor_graph(comm, layout_key, sources, destinations);
+    if (graph != comm_null()) return start_neighbor(local, value, graph);
   }
   const HaloPlan& plan = *this;
   PendingHalo h;
@@ -352,7 +352,7 @@ std::shared_ptr<const transport::NeighborExchange> HaloPlan::neighbor_exchange(
   return x;
 }
 
-PendingHalo HaloPlan::start_neighbor(const at::Tensor& piece, double value, MPI_Comm graph) const {
+PendingHalo HaloPlan::start_neighbor(const at::Tensor& piece, double value, Comm graph) const {
   PendingHalo h;
   h.plan_ = this;
   h.neighbor_ = true;
@@ -586,7 +586,7 @@ variable_list GatherRangeFn::backward(AutogradContext* ctx, variable_list grads)
 // steady state (the same layer on the same layout every step) a call finds
 // its plan and does no O(P) work beyond hashing the key. The cache holds at
 // most 512 plans and is cleared when full (a model has a bounded number
-// of distinct layouts). Keys include the MPI_Comm handle, so a plan is never
+// of distinct layouts). Keys include the Comm handle, so a plan is never
 // reused on another communicator (comm/plan_cache.h).
 PlanCache<HaloPlan>& halo_plans() {
   static auto* c = new PlanCache<HaloPlan>();  // never destroyed (plans may be used at exit)

@@ -104,14 +104,14 @@ class HaloPlan {
   std::vector<Run> local;          // runs of my range that I own
   // Runs of my range owned by `peer`, and runs of `peer`'s range owned by me.
   std::vector<std::pair<int, std::vector<Run>>> recv, send;
-  MPI_Comm comm = MPI_COMM_NULL;  // the mesh dim's communicator
+  Comm comm = comm_null();  // the mesh dim's communicator
   // (mode, sizes, ranges): what every coordinate's peers follow from; the same
   // on every rank for one call (the key of the neighbourhood graph).
   std::vector<int64_t> layout_key;
   int64_t max_range_rows = 0;  // the longest range of any coordinate (global)
 
  private:
-  PendingHalo start_neighbor(const at::Tensor& piece, double value, MPI_Comm graph) const;
+  PendingHalo start_neighbor(const at::Tensor& piece, double value, Comm graph) const;
   mutable std::mutex mu_;  // guards exchanges_
   mutable std::vector<std::pair<int64_t, std::shared_ptr<const transport::NeighborExchange>>>
       exchanges_;  // per element size

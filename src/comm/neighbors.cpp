@@ -95,7 +95,7 @@ NeighborResult ring_neighbors(const at::Tensor& queries, const at::Tensor& point
   const bool distributed = mesh.defined();
   const int64_t P = distributed ? mesh.size(mesh_dim) : 1;
   const int64_t me = distributed ? mesh.coordinate()[mesh_dim] : 0;
-  MPI_Comm comm = distributed ? mesh.comm(mesh_dim) : MPI_COMM_NULL;
+  Comm comm = distributed ? mesh.comm(mesh_dim) : comm_null();
   std::vector<int64_t> off(P + 1, 0);
   for (int64_t c = 0; c < P; ++c) off[c + 1] = off[c] + point_sizes[c];
 

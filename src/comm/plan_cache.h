@@ -9,7 +9,7 @@
 /// the same layout. At most `Capacity` plans; the cache is cleared when full
 /// (a model has a bounded number of distinct layouts).
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -21,11 +21,11 @@
 
 namespace shardtensor::comm {
 
-/// The bits of an MPI_Comm handle (a pointer in Open MPI, an int in MPICH), as
+/// The bits of an Comm handle (a pointer in Open MPI, an int in MPICH), as
 /// the first entry of a plan key: a plan is never reused on another
 /// communicator. A handle reused after MPI_Comm_free gives the same plan
 /// contents for the same key, so a stale entry is still right.
-inline int64_t comm_key_bits(MPI_Comm comm) {
+inline int64_t comm_key_bits(Comm comm) {
   int64_t bits = 0;
   std::memcpy(&bits, &comm, std::min(sizeof(comm), sizeof(bits)));
   return bits;

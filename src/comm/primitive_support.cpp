@@ -9,7 +9,7 @@
 
 namespace shardtensor::comm::internal {
 
-void agree_or_throw(Prim p, MPI_Comm comm, Fingerprint fp, const Checks& checks) {
+void agree_or_throw(Prim p, Comm comm, Fingerprint fp, const Checks& checks) {
   // Numbers the call and reads the error channel on every rank, in both modes
   // (Note [carried errors]).
   const errors::CallId call = errors::enter(comm, prim_name(p));

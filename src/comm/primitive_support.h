@@ -161,7 +161,7 @@ class Checks {
 /// Collective over `comm` when SHARDTENSOR_DEBUG is set, local otherwise.
 /// Throws c10::Error (on every rank in debug mode) if a check failed here or,
 /// in debug mode, on another rank, or if the fingerprints differ.
-void agree_or_throw(Prim p, MPI_Comm comm, Fingerprint fp, const Checks& checks);
+void agree_or_throw(Prim p, Comm comm, Fingerprint fp, const Checks& checks);
 
 // ---- the communicator of a call -----------------------------------------------
 
@@ -169,7 +169,7 @@ void agree_or_throw(Prim p, MPI_Comm comm, Fingerprint fp, const Checks& checks)
 struct Axis {
   DeviceMesh mesh;
   int64_t mesh_dim = 0;
-  MPI_Comm comm = MPI_COMM_NULL;
+  Comm comm = comm_null();
   int64_t size = 1;  // number of coordinates along the mesh dim
   int64_t me = 0;    // this rank's coordinate
 };
@@ -183,7 +183,7 @@ Axis axis(Prim p, const DeviceMesh& mesh, int64_t mesh_dim);
 
 /// The communicator over several mesh dims (sorted, deduplicated, wrapped).
 struct Group {
-  MPI_Comm comm = MPI_COMM_NULL;  // MPI_COMM_NULL: no dims, nothing to do
+  Comm comm = comm_null();  // comm_null(): no dims, nothing to do
   std::vector<int64_t> dims;
 };
 

@@ -60,7 +60,7 @@ int64_t layout_extent(const std::vector<Segment>& runs) {
 void all_to_all_units(const at::Tensor& send, const std::vector<int64_t>& send_n,
                       const std::vector<int64_t>& send_displ, const at::Tensor& recv,
                       const std::vector<int64_t>& recv_n, const std::vector<int64_t>& recv_displ,
-                      int64_t unit, MPI_Comm comm) {
+                      int64_t unit, Comm comm) {
   auto bytes = [unit](const std::vector<int64_t>& v) {
     std::vector<int64_t> out(v.size());
     for (size_t c = 0; c < v.size(); ++c) out[c] = v[c] * unit;
@@ -213,7 +213,7 @@ at::Tensor AllToAllPlan::run(const at::Tensor& input) const {
 // coordinate's runs with every other coordinate's (O(P) or more), so they are
 // cached by that key like halo and box plans (Notes [halo plan cache], [box
 // exchange plan cache]; comm/plan_cache.h: at most 512 plans each, cleared
-// when full). The key starts with the MPI_Comm handle's bits, so a plan is
+// when full). The key starts with the Comm handle's bits, so a plan is
 // never reused on another communicator. The element type and the extents of
 // the other tensor dims are not in the key: run() derives the row and element
 // sizes from the tensor it is given. The adjoint's plan (inverse(): the same
@@ -435,7 +435,7 @@ at::Tensor BoxExchangePlan::run(const at::Tensor& local) const {
 // finds its plan skips the box validation (it passed when the plan was made,
 // for the same boxes) and checks only the local tensor. At most
 // 512 plans (comm/plan_cache.h); the cache is cleared when full. The key holds the
-// MPI_Comm handle's bits, so a plan is never reused on another communicator.
+// Comm handle's bits, so a plan is never reused on another communicator.
 namespace {
 
 PlanCache<BoxExchangePlan>& box_plans() {

@@ -11,7 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <shardtensor/comm/primitives.h>
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -76,9 +76,9 @@ class AllToAllPlan {
 
 /// The mesh dims of a box exchange as seen from this rank.
 struct BoxGroup {
-  MPI_Comm comm = MPI_COMM_NULL;  // the sub-communicator of the involved mesh dims
-  int64_t size = 1;               // coordinates of the involved mesh dims together
-  int64_t me = 0;                 // this rank's row-major coordinate among them (its rank in comm)
+  Comm comm = comm_null();  // the sub-communicator of the involved mesh dims
+  int64_t size = 1;         // coordinates of the involved mesh dims together
+  int64_t me = 0;           // this rank's row-major coordinate among them (its rank in comm)
 };
 
 /// N-d boxes to N-d boxes over the ranks of a BoxGroup (Note [box exchange]):

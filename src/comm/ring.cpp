@@ -13,7 +13,7 @@ RingShift RingShift::start(const at::Tensor& send, c10::IntArrayRef recv_shape,
     r.recv_ = send;
     return r;
   }
-  MPI_Comm comm = mesh.comm(mesh_dim);
+  Comm comm = mesh.comm(mesh_dim);
   const int me = transport::comm_rank(comm);
   const int next = static_cast<int>((me + 1) % p);
   const int prev = static_cast<int>((me + p - 1) % p);

@@ -2,7 +2,7 @@
 /// \file The transport: the one seam between shardtensor and MPI.
 ///
 /// Non-differentiable data movement on **contiguous CPU tensors** over an
-/// MPI_Comm. Everything above comm/ reaches the network only through the
+/// Comm. Everything above comm/ reaches the network only through the
 /// differentiable primitives (shardtensor/comm/primitives.h), and those reach
 /// it only through the functions declared here.
 ///
@@ -18,7 +18,7 @@
 ///    ncclSend/ncclRecv (the PendingExchange then holds a CUDA event);
 ///  - device tensors with a host-only transport: stage through pinned host
 ///    buffers inside these functions.
-/// MPI_Comm is the only MPI type in the interface: it names the group and is
+/// Comm is the only MPI type in the interface: it names the group and is
 /// what a backend would key its own communicator cache on. Data always moves
 /// as MPI_BYTE; only the reductions need the element type.
 ///
@@ -61,8 +61,8 @@
 ///    and is meant for benchmarks (bench/), never for test assertions.
 
 #include <ATen/core/Tensor.h>
-#include <mpi.h>
 #include <shardtensor/comm/primitives.h>
+#include "comm/mpi_types.h"
 
 #include <cstdint>
 #include <functional>
@@ -81,8 +81,8 @@ namespace shardtensor::comm::transport {
 constexpr int kExchangeTag = 7031;
 
 /// Local. Size of and this process's rank in `comm`. Throw c10::Error on MPI failure.
-int comm_size(MPI_Comm comm);
-int comm_rank(MPI_Comm comm);
+int comm_size(Comm comm);
+int comm_rank(Comm comm);
 
 /// Collective over `comm`. In-place element-wise reduction of `t` (contiguous,
 /// CPU) over all ranks. Supports float, double, int8/16/32/64, uint8 and bool
@@ -92,7 +92,7 @@ int comm_rank(MPI_Comm comm);
 /// the owner of each chunk (Note [ordered sums] in transport_mpi.cpp): the
 /// same bits on every rank and under either transport. Throws c10::Error for
 /// other dtypes, non-contiguous or non-CPU tensors, and MPI failures.
-void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm);
 
 /// Collective over `comm`. All-gatherv of bytes: rank c contributes `send`
 /// (recv_bytes[c] bytes); `recv` (contiguous, at least sum(recv_bytes) bytes)
@@ -100,7 +100,7 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
 /// row-major buffer. Throws if send.nbytes() != recv_bytes[me], a count
 /// exceeds INT_MAX bytes, or MPI fails.
 void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+                 const std::vector<int64_t>& recv_bytes, Comm comm);
 
 /// Collective over `comm`. All-gatherv of rows into a strided layout, for a
 /// gather along a dim that is not the outermost: `recv` (contiguous) is read
@@ -114,7 +114,7 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
 /// recv.nbytes() < R * outer * row_bytes.
 void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
                       const std::vector<int64_t>& rows, int64_t outer, int64_t row_bytes,
-                      MPI_Comm comm);
+                      Comm comm);
 
 /// Collective over `comm`. All-to-allv of bytes: send_bytes[c] bytes at byte
 /// offset send_displs[c] of `send` go to rank c, which stores them at
@@ -124,28 +124,28 @@ void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
 void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
-                 MPI_Comm comm);
+                 Comm comm);
 
 /// Collective over `comm`. Overwrites `t` (contiguous, same nbytes on every
 /// rank) with the root's bytes.
-void broadcast_(const at::Tensor& t, int root, MPI_Comm comm);
+void broadcast_(const at::Tensor& t, int root, Comm comm);
 
 /// Collective over `comm`. The root sends send_bytes[c] bytes of `send`
 /// (consecutive, in rank order) to rank c, which receives them into `recv`
 /// (recv.nbytes() bytes). `send` and `send_bytes` are read on the root only.
 void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
-              const at::Tensor& recv, int root, MPI_Comm comm);
+              const at::Tensor& recv, int root, Comm comm);
 
 /// Collective over `comm`. Element-wise reduction of `send` over all ranks,
 /// rank c keeping elements [sum(recv_numel[:c]), +recv_numel[c]) in `recv`
 /// (a reduce-scatter along dim 0 of a row-major buffer). Same dtypes as
 /// all_reduce_(); `send` and `recv` share a dtype.
 void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
-                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm);
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, Comm comm);
 
 /// Collective over `comm`, uncounted: in-place max of a few int64 values. For
 /// diagnostics only (the SHARDTENSOR_DEBUG fingerprint check).
-void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm);
+void diagnostic_max_(std::vector<int64_t>& values, Comm comm);
 
 /// One side of a point-to-point transfer: the whole of `buffer` (contiguous,
 /// CPU) goes to / comes from rank `peer` of the communicator.
@@ -183,19 +183,18 @@ class PendingExchange {
 
  private:
   friend PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
-                                        const std::vector<PeerBuffer>& recvs, MPI_Comm comm,
-                                        int tag);
+                                        const std::vector<PeerBuffer>& recvs, Comm comm, int tag);
   friend PendingExchange start_neighbor_exchange(const class NeighborExchange& x,
                                                  const at::Tensor& send, const at::Tensor& recv,
-                                                 MPI_Comm graph);
+                                                 Comm graph);
   void abandon() noexcept;
 
-  std::vector<MPI_Request> requests_;    // receives first, then sends
+  std::vector<MpiRequest> requests_;     // receives first, then sends
   std::vector<int64_t> expected_bytes_;  // per receive
   std::vector<at::Tensor> buffers_;      // keep-alive
-  std::vector<MPI_Status> statuses_;     // kept by a test() that saw completion
+  std::vector<MpiStatus> statuses_;      // kept by a test() that saw completion
   std::vector<int> peers_;               // per request, for the watchdog's message
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  Comm comm_ = comm_null();
   bool completed_ = false;
   bool collective_ = false;               // one neighbourhood-collective request (not cancellable)
   std::shared_ptr<c10d::Exchange> c10d_;  // the messages, on a c10d group (Note [c10d handles])
@@ -209,7 +208,7 @@ class PendingExchange {
 /// c10::Error on invalid peers, non-contiguous or non-CPU buffers, messages
 /// above INT_MAX bytes, or MPI failure.
 PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
-                               const std::vector<PeerBuffer>& recvs, MPI_Comm comm,
+                               const std::vector<PeerBuffer>& recvs, Comm comm,
                                int tag = kExchangeTag);
 
 /// A non-blocking in-place all-reduce in flight (MPI_Iallreduce). Holds a
@@ -231,19 +230,19 @@ class PendingReduce {
   /// here and stays false until finish(), which starts its all-gather.
   bool test();
   bool pending() const {
-    return request_ != MPI_REQUEST_NULL || wide_.defined() || phase_ != nullptr;
+    return request_ != null_request() || wide_.defined() || phase_ != nullptr;
   }
 
  private:
-  friend PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+  friend PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm);
   /// Ordered sums (Note [ordered sums]): the reduce-scatter finished, start
   /// the all-gather of the chunks back into buffer_.
   void start_gather_phase();
 
-  MPI_Request request_ = MPI_REQUEST_NULL;
-  MPI_Comm comm_ = MPI_COMM_NULL;  // for the watchdog's message
-  at::Tensor buffer_;              // keep-alive (the caller's tensor)
-  at::Tensor wide_;  // float staging buffer for half/bfloat16, copied back by finish()
+  MpiRequest request_ = null_request();
+  Comm comm_ = comm_null();  // for the watchdog's message
+  at::Tensor buffer_;        // keep-alive (the caller's tensor)
+  at::Tensor wide_;          // float staging buffer for half/bfloat16, copied back by finish()
   // Ordered sums: a reduce-scatter into chunk_, then an all-gather of the chunks.
   std::shared_ptr<class PendingCollective> phase_;
   at::Tensor chunk_;
@@ -260,7 +259,7 @@ class PendingReduce {
 /// finish(). Counted like all_reduce_() when started. Same dtypes and errors
 /// as all_reduce_(); integer tensors above INT_MAX elements are reduced
 /// blocking.
-PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
+PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm);
 
 /// A non-blocking all-gatherv or reduce-scatter in flight (started by
 /// start_all_gatherv() / start_reduce_scatter()): what fully_shard's prefetch
@@ -288,16 +287,16 @@ class PendingCollective {
 
  private:
   friend PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                                             const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+                                             const std::vector<int64_t>& recv_bytes, Comm comm);
   friend PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
                                                 const std::vector<int64_t>& recv_numel, ReduceOp op,
-                                                MPI_Comm comm);
+                                                Comm comm);
   void wait() noexcept;
   int wait_requests();  // watchdog-bounded; MPI's return code; throws carried errors
 
-  std::vector<MPI_Request> requests_;     // one collective, or point-to-point messages
+  std::vector<MpiRequest> requests_;      // one collective, or point-to-point messages
   std::vector<int> peers_;                // per point-to-point request, for the watchdog
-  MPI_Comm comm_ = MPI_COMM_NULL;         // for the watchdog's message
+  Comm comm_ = comm_null();               // for the watchdog's message
   const char* what_ = "";                 // the primitive and MPI call, for messages
   std::vector<at::Tensor> keep_;          // keep-alive of the buffers
   std::shared_ptr<c10d::Exchange> c10d_;  // the messages, on a c10d group
@@ -311,14 +310,14 @@ class PendingCollective {
 /// as all_gatherv(). The paths that move large counts point-to-point
 /// (Note [large counts]) complete before it returns.
 PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                                    const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+                                    const std::vector<int64_t>& recv_bytes, Comm comm);
 
 /// Collective over `comm`: reduce_scatter() split in two, like
 /// start_all_gatherv(). Same arguments, errors and result (bit for bit) as
 /// reduce_scatter().
 PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
                                        const std::vector<int64_t>& recv_numel, ReduceOp op,
-                                       MPI_Comm comm);
+                                       Comm comm);
 
 /// Local, for tests only. Sets the largest count (elements for reductions,
 /// bytes otherwise) that one MPI call may carry (Note [large counts] in
@@ -334,12 +333,12 @@ int64_t set_max_count_for_testing(int64_t max_count);
 /// of operations that must not match anyone else's (e.g. the gradient buckets'
 /// non-blocking reductions). Free it with free_duplicate(). Throws c10::Error
 /// on MPI failure.
-MPI_Comm duplicate(MPI_Comm comm);
+Comm duplicate(Comm comm);
 
 /// Local (MPI_Comm_free is collective in name only). Frees a communicator
-/// made by duplicate() and sets it to MPI_COMM_NULL; does nothing for
-/// MPI_COMM_NULL or once MPI is finalized. Never throws.
-void free_duplicate(MPI_Comm& comm) noexcept;
+/// made by duplicate() and sets it to comm_null(); does nothing for
+/// comm_null() or once MPI is finalized. Never throws.
+void free_duplicate(Comm& comm) noexcept;
 
 /// Local. Communicators made by duplicate() and not yet freed.
 int64_t live_duplicates();
@@ -355,11 +354,11 @@ int64_t live_duplicates();
 /// rank's neighbours: a communicator's cache then holds the same keys on every
 /// rank, so a miss (the collective creation) happens on all of them together.
 /// At most kMaxNeighborGraphs graphs per communicator: beyond that, returns
-/// MPI_COMM_NULL (on every rank alike) and the caller falls back to
+/// comm_null() (on every rank alike) and the caller falls back to
 /// start_exchange(). The handle stays valid while `comm` lives. Throws
 /// c10::Error on MPI failure.
-MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
-                        const std::vector<int>& sources, const std::vector<int>& destinations);
+Comm neighbor_graph(Comm comm, const std::vector<int64_t>& key, const std::vector<int>& sources,
+                    const std::vector<int>& destinations);
 
 constexpr int kMaxNeighborGraphs = 64;
 
@@ -370,7 +369,7 @@ constexpr int kMaxNeighborGraphs = 64;
 int64_t max_message_bytes();
 
 /// Local. Graphs cached on `comm` by neighbor_graph() (tests).
-int64_t neighbor_graph_count(MPI_Comm comm);
+int64_t neighbor_graph_count(Comm comm);
 
 /// Local, callable before MPI_Init. False where the MPI library is known to
 /// reject the derived datatypes of start_neighbor_exchange() (Open MPI 5.0:
@@ -406,12 +405,12 @@ class NeighborExchange {
 
  private:
   friend PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
-                                                 const at::Tensor& recv, MPI_Comm graph);
+                                                 const at::Tensor& recv, Comm graph);
   int64_t send_bytes_ = 0, recv_bytes_ = 0;  // the tensors' sizes
-  std::vector<MPI_Datatype> send_types_, recv_types_;
-  std::vector<int> send_counts_, recv_counts_;       // 1, or 0 for nothing
-  std::vector<MPI_Aint> send_displs_, recv_displs_;  // 0: the types hold the offsets
-  std::vector<int64_t> sent_, received_;             // payload bytes per neighbour
+  std::vector<MpiDatatype> send_types_, recv_types_;
+  std::vector<int> send_counts_, recv_counts_;      // 1, or 0 for nothing
+  std::vector<MpiAint> send_displs_, recv_displs_;  // 0: the types hold the offsets
+  std::vector<int64_t> sent_, received_;            // payload bytes per neighbour
 };
 
 /// Collective over `graph` (from neighbor_graph(), whose sources and
@@ -423,6 +422,6 @@ class NeighborExchange {
 /// waits for it (under the watchdog, Note [abandoned exchange]). Throws
 /// c10::Error on wrong buffers or MPI failure.
 PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
-                                        const at::Tensor& recv, MPI_Comm graph);
+                                        const at::Tensor& recv, Comm graph);
 
 }  // namespace shardtensor::comm::transport

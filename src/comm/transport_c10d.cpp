@@ -38,8 +38,8 @@ at::Tensor bytes_of(const at::Tensor& t, int64_t offset, int64_t n) {
   return flat;
 }
 
-[[noreturn]] void expire(const char* what, MPI_Comm comm, const std::vector<int>& peers,
-                         double waited, double limit) {
+[[noreturn]] void expire(const char* what, Comm comm, const std::vector<int>& peers, double waited,
+                         double limit) {
   std::ostringstream os;
   const char* op = OpLabel::current();
   const auto& world = detail::pg::world_ranks(comm);
@@ -82,7 +82,7 @@ bool connection_lost(const std::string& error) {
 /// A peer's connection closed (Note [flight recorder]): names the call and the
 /// missing rank, tells the other survivors through the store why this rank
 /// leaves, and ends this process with kRankLostExitCode.
-[[noreturn]] void lost(const char* what, MPI_Comm comm, int peer, const std::string& error) {
+[[noreturn]] void lost(const char* what, Comm comm, int peer, const std::string& error) {
   const int me = shardtensor::world_rank();
   const auto& world = detail::pg::world_ranks(comm);
   const int peer_world = world[peer];
@@ -114,7 +114,7 @@ bool connection_lost(const std::string& error) {
 }  // namespace
 
 struct Exchange::Impl {
-  MPI_Comm comm = MPI_COMM_NULL;
+  Comm comm = comm_null();
   std::vector<c10::intrusive_ptr<::c10d::Work>> works;  // receives first, then sends
   std::vector<int> peers;                               // per work
   std::vector<at::Tensor> keep;                         // keep-alive of the buffers
@@ -219,8 +219,7 @@ namespace {
 // Posts one Gloo send or receive; a connection already gone ends the job like
 // a wait on it would (Note [flight recorder]).
 c10::intrusive_ptr<::c10d::Work> post(::c10d::ProcessGroup& pg, bool send,
-                                      std::vector<at::Tensor>& bufs, int peer, int tag,
-                                      MPI_Comm comm) {
+                                      std::vector<at::Tensor>& bufs, int peer, int tag, Comm comm) {
   try {
     return send ? pg.send(bufs, peer, tag) : pg.recv(bufs, peer, tag);
   } catch (const std::exception& e) {
@@ -235,7 +234,7 @@ c10::intrusive_ptr<::c10d::Work> post(::c10d::ProcessGroup& pg, bool send,
 
 }  // namespace
 
-Exchange start(const std::vector<Message>& sends, const std::vector<Message>& recvs, MPI_Comm comm,
+Exchange start(const std::vector<Message>& sends, const std::vector<Message>& recvs, Comm comm,
                int tag) {
   auto& pg = detail::pg::process_group(comm);
   const int me = detail::pg::rank(comm);
@@ -291,7 +290,7 @@ Exchange start(const std::vector<Message>& sends, const std::vector<Message>& re
 void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
-                 MPI_Comm comm) {
+                 Comm comm) {
   const int size = detail::pg::size(comm);
   std::vector<Message> sends, recvs;
   for (int c = 0; c < size; ++c) {
@@ -302,7 +301,7 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
 }
 
 Exchange start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                           const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+                           const std::vector<int64_t>& recv_bytes, Comm comm) {
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
   std::vector<Message> sends, recvs;
@@ -322,11 +321,11 @@ Exchange start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
 }
 
 void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+                 const std::vector<int64_t>& recv_bytes, Comm comm) {
   start_all_gatherv(send, recv, recv_bytes, comm).finish("all_gatherv (c10d send/recv)");
 }
 
-void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
+void broadcast_(const at::Tensor& t, int root, Comm comm) {
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
   const int64_t n = nbytes(t);
@@ -343,7 +342,7 @@ void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
 }
 
 void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
-              const at::Tensor& recv, int root, MPI_Comm comm) {
+              const at::Tensor& recv, int root, Comm comm) {
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
   std::vector<Message> sends, recvs;
@@ -399,7 +398,7 @@ void combine_(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
 }  // namespace
 
 Exchange start_reduce_scatter(const at::Tensor& send, const std::vector<int64_t>& recv_numel,
-                              MPI_Comm comm, at::Tensor& contributions) {
+                              Comm comm, at::Tensor& contributions) {
   at::NoGradGuard no_grad;
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
@@ -440,14 +439,14 @@ void finish_reduce_scatter(const at::Tensor& contributions, const at::Tensor& re
 }
 
 void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
-                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, Comm comm) {
   at::Tensor contributions;
   start_reduce_scatter(send, recv_numel, comm, contributions)
       .finish("reduce_scatter (c10d send/recv)");
   finish_reduce_scatter(contributions, recv, op);
 }
 
-void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
+void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
   const int size = detail::pg::size(comm);
   const int me = detail::pg::rank(comm);
   const int64_t numel = t.numel();
@@ -461,7 +460,7 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
   all_gatherv(mine, t, chunk_bytes, comm);
 }
 
-void barrier(MPI_Comm comm) {
+void barrier(Comm comm) {
   const int size = detail::pg::size(comm);
   if (size == 1) return;
   at::Tensor one = at::zeros({1}, at::kByte);

@@ -5,17 +5,17 @@
 ///
 /// Note [c10d handles]
 /// ~~~~~~~~~~~~~~~~~~~
-/// The transport seam names a group of ranks with an `MPI_Comm`. Under the
+/// The transport seam names a group of ranks with an `Comm`. Under the
 /// c10d transport there is no MPI: MPI is never initialized, and a group is a
 /// c10d::ProcessGroup owned by this file. So that the code above the seam
 /// (meshes, plans, caches keyed on the handle's bits) needs no change, a c10d
-/// group is named by an `MPI_Comm`-typed handle that is the address of its
+/// group is named by an `Comm`-typed handle that is the address of its
 /// record here. Such a handle is never given to MPI: every MPI call on a
 /// mesh's communicators sits behind the seam, and each function of the seam
 /// asks owns() first and takes the c10d path. `MPI_COMM_WORLD` passed to
 /// DeviceMesh::create() means the c10d world under this transport. This is a
 /// transitional naming: the plan in docs/transport_c10d.md replaces
-/// `MPI_Comm` in the seam with an opaque communicator type (its step 1), which
+/// `Comm` in the seam with an opaque communicator type (its step 1), which
 /// `SHARDTENSOR_WITH_MPI=OFF` needs.
 ///
 /// Note [c10d data movement]
@@ -54,8 +54,8 @@
 #include "core/process_groups.h"
 
 #include <ATen/core/Tensor.h>
-#include <mpi.h>
 #include <shardtensor/comm/primitives.h>
+#include <shardtensor/core/comm.h>
 
 #include <cstdint>
 #include <memory>
@@ -94,7 +94,7 @@ class Exchange {
  private:
   struct Impl;
   friend Exchange start(const std::vector<Message>& sends, const std::vector<Message>& recvs,
-                        MPI_Comm comm, int tag);
+                        Comm comm, int tag);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -102,36 +102,36 @@ class Exchange {
 /// and returns. Empty buffers are skipped; messages to this rank itself are
 /// copied locally, matched in order with the receives from itself. Throws
 /// c10::Error on a bad peer or buffer.
-Exchange start(const std::vector<Message>& sends, const std::vector<Message>& recvs, MPI_Comm comm,
+Exchange start(const std::vector<Message>& sends, const std::vector<Message>& recvs, Comm comm,
                int tag);
 
 /// Collective, blocking. The operations of comm/transport.h on c10d groups,
 /// built on start()/finish() (Note [c10d data movement]). Arguments are
 /// validated by the transport before it calls these; they only move data.
 void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+                 const std::vector<int64_t>& recv_bytes, Comm comm);
 /// The two halves of all_gatherv() and reduce_scatter(), for the
 /// transport's split-phase collectives (PendingCollective): start posts the
 /// messages; finish the returned exchange, then (reduce-scatter)
 /// finish_reduce_scatter() sums `contributions` in rank order into `recv`.
 Exchange start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                           const std::vector<int64_t>& recv_bytes, MPI_Comm comm);
+                           const std::vector<int64_t>& recv_bytes, Comm comm);
 Exchange start_reduce_scatter(const at::Tensor& send, const std::vector<int64_t>& recv_numel,
-                              MPI_Comm comm, at::Tensor& contributions);
+                              Comm comm, at::Tensor& contributions);
 void finish_reduce_scatter(const at::Tensor& contributions, const at::Tensor& recv, ReduceOp op);
 void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
-                 MPI_Comm comm);
-void broadcast_(const at::Tensor& t, int root, MPI_Comm comm);
+                 Comm comm);
+void broadcast_(const at::Tensor& t, int root, Comm comm);
 void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
-              const at::Tensor& recv, int root, MPI_Comm comm);
+              const at::Tensor& recv, int root, Comm comm);
 /// `send` and `recv` are contiguous CPU tensors of one dtype; rank c keeps
 /// elements [sum(recv_numel[:c]), +recv_numel[c]) reduced in rank order.
 void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
-                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm);
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, Comm comm);
 /// In place, over balanced chunks (reduce_scatter then all_gatherv).
-void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm);
-void barrier(MPI_Comm comm);
+void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm);
+void barrier(Comm comm);
 
 }  // namespace shardtensor::comm::c10d

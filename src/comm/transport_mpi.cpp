@@ -86,8 +86,33 @@ int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t
 
 void* ptr(const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr(); }
 
+/// Throws unless values of `dtype` (after any upcast) can be reduced with `op`.
+void check_reduction(at::ScalarType dtype, ReduceOp op) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kInt:
+    case at::kLong:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kBool:
+      return;
+    case at::kComplexFloat:
+    case at::kComplexDouble:
+      // Sum (and product) of complex numbers; there is no order for max/min.
+      TORCH_CHECK(op == ReduceOp::Sum || op == ReduceOp::Product,
+                  "shardtensor transport: max/min reductions are not defined for dtype ", dtype);
+      return;
+    default:
+      TORCH_CHECK(false, "shardtensor transport: reductions do not support dtype ", dtype);
+  }
+}
+
+#if SHARDTENSOR_WITH_MPI
 /// Element type and operation for a reduction on `dtype` (after any upcast).
 std::pair<MPI_Datatype, MPI_Op> reduction_type(at::ScalarType dtype, ReduceOp op) {
+  check_reduction(dtype, op);
   MPI_Op mpi_op = MPI_SUM;
   switch (op) {
     case ReduceOp::Sum:
@@ -120,26 +145,31 @@ std::pair<MPI_Datatype, MPI_Op> reduction_type(at::ScalarType dtype, ReduceOp op
       return {MPI_INT16_T, mpi_op};
     case at::kComplexFloat:
     case at::kComplexDouble:
-      // Sum (and product) of complex numbers; there is no order for max/min.
-      TORCH_CHECK(op == ReduceOp::Sum || op == ReduceOp::Product,
-                  "shardtensor transport: max/min reductions are not defined for dtype ", dtype);
       return {dtype == at::kComplexFloat ? MPI_C_FLOAT_COMPLEX : MPI_C_DOUBLE_COMPLEX, mpi_op};
     case at::kBool:
       // Stored as one byte holding 0 or 1: or = max, and = min.
       return {MPI_UINT8_T, (op == ReduceOp::Sum || op == ReduceOp::Max) ? MPI_MAX : MPI_MIN};
     default:
-      TORCH_CHECK(false, "shardtensor transport: reductions do not support dtype ", dtype);
+      break;
   }
-  return {MPI_BYTE, mpi_op};  // unreachable
+  return {MPI_BYTE, mpi_op};  // unreachable: check_reduction() threw
 }
 
 /// Waits for a non-blocking collective under the watchdog (Note [watchdog]).
-void wait_collective(MPI_Request* request, const char* primitive, MPI_Comm comm) {
+void wait_collective(MPI_Request* request, const char* primitive, Comm comm) {
   watchdog::WaitSite site;
   site.primitive = primitive;
   site.comm = comm;
   SHARDTENSOR_MPI_CHECK(watchdog::wait(request, MPI_STATUS_IGNORE, site));
 }
+#else
+/// A c10d-only build (Note [c10d-only build]) has no MPI communicators, so
+/// the MPI halves of the seam's functions cannot be reached.
+[[noreturn]] void no_mpi(const char* fn) {
+  TORCH_INTERNAL_ASSERT(false, "shardtensor transport: ", fn,
+                        ": an MPI communicator in a c10d-only build");
+}
+#endif  // SHARDTENSOR_WITH_MPI
 
 // Note [large counts]
 // ~~~~~~~~~~~~~~~~~~~
@@ -191,31 +221,32 @@ constexpr int kReduceScatterTag = 7304;
 // reductions are order-free and keep MPI's own.
 bool ordered_sum(at::ScalarType t) { return at::isFloatingType(t) || at::isComplexType(t); }
 
+#if SHARDTENSOR_WITH_MPI
 /// Point-to-point requests of one transport call, with their peers for the
 /// watchdog's message.
 struct PeerRequests {
   std::vector<MPI_Request> requests;
   std::vector<int> peers;
 
-  void recv(void* data, int64_t n, int peer, int tag, MPI_Comm comm) {
+  void recv(void* data, int64_t n, int peer, int tag, Comm comm) {
     auto* p = static_cast<char*>(data);
     for (int64_t done = 0; done < n; done += max_count()) {
       const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
-      requests.push_back(MPI_REQUEST_NULL);
+      requests.push_back(null_request());
       peers.push_back(peer);
       SHARDTENSOR_MPI_CHECK(MPI_Irecv(p + done, k, MPI_BYTE, peer, tag, comm, &requests.back()));
     }
   }
-  void send(const void* data, int64_t n, int peer, int tag, MPI_Comm comm) {
+  void send(const void* data, int64_t n, int peer, int tag, Comm comm) {
     const auto* p = static_cast<const char*>(data);
     for (int64_t done = 0; done < n; done += max_count()) {
       const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
-      requests.push_back(MPI_REQUEST_NULL);
+      requests.push_back(null_request());
       peers.push_back(peer);
       SHARDTENSOR_MPI_CHECK(MPI_Isend(p + done, k, MPI_BYTE, peer, tag, comm, &requests.back()));
     }
   }
-  void wait(const char* primitive, MPI_Comm comm) {
+  void wait(const char* primitive, Comm comm) {
     watchdog::WaitSite site;
     site.primitive = primitive;
     site.comm = comm;
@@ -226,6 +257,7 @@ struct PeerRequests {
     peers.clear();
   }
 };
+#endif
 
 bool needs_upcast(at::ScalarType dtype) { return dtype == at::kHalf || dtype == at::kBFloat16; }
 
@@ -248,26 +280,34 @@ void record_all_reduce(int64_t numel, int64_t elem, int size, int rank) {
 
 }  // namespace
 
-int comm_size(MPI_Comm comm) {
+int comm_size(Comm comm) {
   if (c10d::owns(comm)) return detail::pg::size(comm);
+#if SHARDTENSOR_WITH_MPI
   int size = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Comm_size(comm, &size));
   return size;
+#else
+  no_mpi("comm_size");
+#endif
 }
 
-int comm_rank(MPI_Comm comm) {
+int comm_rank(Comm comm) {
   if (c10d::owns(comm)) return detail::pg::rank(comm);
+#if SHARDTENSOR_WITH_MPI
   int rank = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   return rank;
+#else
+  no_mpi("comm_rank");
+#endif
 }
 
-void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
+void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
   check_buffer(t, "all_reduce_ buffer");
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   if (c10d::owns(comm)) {  // Note [c10d data movement]
-    (void)reduction_type(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
+    check_reduction(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
     if (size > 1 && t.numel() > 0) {
       CommTimer timer;
       c10d::all_reduce_(t, op, comm);
@@ -276,7 +316,7 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
     return;
   }
   if (ordered_sum(t.scalar_type())) {  // Note [ordered sums]
-    (void)reduction_type(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
+    check_reduction(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
     if (size > 1 && t.numel() > 0) {
       // Counted by the two calls: the same bytes and messages as
       // record_all_reduce() counts.
@@ -289,6 +329,7 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
     }
     return;
   }
+#if SHARDTENSOR_WITH_MPI
   auto [type, mpi_op] = reduction_type(t.scalar_type(), op);
   if (size > 1 && t.numel() > 0) {
     // Counts are elements: chunk so that no single call exceeds the limit
@@ -298,17 +339,20 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
     CommTimer timer;
     for (int64_t done = 0; done < t.numel(); done += max_count()) {
       const int n = static_cast<int>(std::min<int64_t>(max_count(), t.numel() - done));
-      MPI_Request request = MPI_REQUEST_NULL;
+      MPI_Request request = null_request();
       SHARDTENSOR_MPI_CHECK(
           MPI_Iallreduce(MPI_IN_PLACE, data + done * elem, n, type, mpi_op, comm, &request));
       wait_collective(&request, "all_reduce_ (MPI_Iallreduce)", comm);
     }
   }
   record_all_reduce(t.numel(), t.element_size(), size, rank);
+#else
+  no_mpi("all_reduce_");
+#endif
 }
 
 PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                                    const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+                                    const std::vector<int64_t>& recv_bytes, Comm comm) {
   PendingCollective pending;
   check_buffer(send, "all_gatherv send buffer");
   check_buffer(recv, "all_gatherv receive buffer");
@@ -339,7 +383,14 @@ PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& re
     pending.c10d_ =
         std::make_shared<c10d::Exchange>(c10d::start_all_gatherv(send, recv, recv_bytes, comm));
     pending.what_ = "all_gatherv (c10d send/recv)";
-  } else if (!fits) {
+  }
+#if !SHARDTENSOR_WITH_MPI
+  else {
+    (void)fits;
+    no_mpi("start_all_gatherv");
+  }
+#else
+  else if (!fits) {
     // Note [large counts]: point-to-point, decided from recv_bytes (the same everywhere).
     CommTimer timer;
     PeerRequests p2p;
@@ -366,12 +417,13 @@ PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& re
     std::vector<int> counts = to_counts(recv_bytes, "all_gatherv piece");
     std::vector<int> displs = prefix_displs(recv_bytes, "all_gatherv displacement");
     CommTimer timer;
-    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Request request = null_request();
     SHARDTENSOR_MPI_CHECK(MPI_Iallgatherv(ptr(send), counts[rank], MPI_BYTE, ptr(recv),
                                           counts.data(), displs.data(), MPI_BYTE, comm, &request));
     pending.requests_ = {request};
     pending.what_ = "all_gatherv (MPI_Iallgatherv)";
   }
+#endif
   pending.comm_ = comm;
   pending.keep_ = {send, recv};
   detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
@@ -379,7 +431,7 @@ PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& re
 }
 
 void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
-                 const std::vector<int64_t>& recv_bytes, MPI_Comm comm) {
+                 const std::vector<int64_t>& recv_bytes, Comm comm) {
   start_all_gatherv(send, recv, recv_bytes, comm).finish();
 }
 
@@ -395,7 +447,7 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
 // limit (Note [large counts]) the contiguous path plus a copy runs instead.
 void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
                       const std::vector<int64_t>& rows, int64_t outer, int64_t row_bytes,
-                      MPI_Comm comm) {
+                      Comm comm) {
   check_buffer(send, "all_gatherv_rows send buffer");
   check_buffer(recv, "all_gatherv_rows receive buffer");
   const int size = comm_size(comm);
@@ -435,6 +487,9 @@ void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
     }
     return;
   }
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("all_gatherv_rows");
+#else
   MPI_Datatype vec = MPI_DATATYPE_NULL, row = MPI_DATATYPE_NULL;
   SHARDTENSOR_MPI_CHECK(MPI_Type_vector(
       to_count(outer, "all_gatherv_rows outer"), to_count(row_bytes, "all_gatherv_rows row"),
@@ -446,7 +501,7 @@ void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
   const int64_t mine = nbytes(send);
   {
     CommTimer timer;
-    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Request request = null_request();
     const int rc =
         MPI_Iallgatherv(ptr(send), to_count(mine, "all_gatherv_rows send"), MPI_BYTE,
                         recv.data_ptr(), counts.data(), displs.data(), row, comm, &request);
@@ -456,12 +511,13 @@ void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
     wait_collective(&request, "all_gatherv_rows (MPI_Iallgatherv)", comm);
   }
   detail::record_comm(static_cast<int64_t>(size - 1) * mine, total - mine, mine > 0 ? size - 1 : 0);
+#endif
 }
 
 void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
-                 MPI_Comm comm) {
+                 Comm comm) {
   check_buffer(send, "all_to_allv send buffer");
   check_buffer(recv, "all_to_allv receive buffer");
   const int size = comm_size(comm);
@@ -496,6 +552,9 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     CommTimer timer;
     c10d::all_to_allv(send, send_bytes, send_displs, recv, recv_bytes, recv_displs, comm);
   } else {
+#if !SHARDTENSOR_WITH_MPI
+    no_mpi("all_to_allv");
+#else
     // Note [large counts]: point-to-point, so that no rank needs the others' counts.
     CommTimer timer;
     PeerRequests p2p;
@@ -516,6 +575,7 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     if (size > 1) {
       p2p.wait("all_to_allv (point-to-point MPI_Irecv/MPI_Isend)", comm);
     }
+#endif
   }
   if (size == 1) {
     return;
@@ -523,7 +583,7 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
   detail::record_comm(sent, received, messages);
 }
 
-void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
+void broadcast_(const at::Tensor& t, int root, Comm comm) {
   check_buffer(t, "broadcast_ buffer");
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
@@ -537,14 +597,18 @@ void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
     CommTimer timer;
     c10d::broadcast_(t, root, comm);
   } else {
+#if !SHARDTENSOR_WITH_MPI
+    no_mpi("broadcast_");
+#else
     CommTimer timer;
     auto* data = static_cast<char*>(ptr(t));
     for (int64_t done = 0; done < n; done += max_count()) {
       const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
-      MPI_Request request = MPI_REQUEST_NULL;
+      MPI_Request request = null_request();
       SHARDTENSOR_MPI_CHECK(MPI_Ibcast(data + done, k, MPI_BYTE, root, comm, &request));
       wait_collective(&request, "broadcast_ (MPI_Ibcast)", comm);
     }
+#endif
   }
   if (rank == root) {
     detail::record_comm(static_cast<int64_t>(size - 1) * n, 0, size - 1);
@@ -554,7 +618,7 @@ void broadcast_(const at::Tensor& t, int root, MPI_Comm comm) {
 }
 
 void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
-              const at::Tensor& recv, int root, MPI_Comm comm) {
+              const at::Tensor& recv, int root, Comm comm) {
   check_buffer(recv, "scatterv receive buffer");
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
@@ -588,6 +652,9 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     CommTimer timer;
     c10d::scatterv(send, send_bytes, recv, root, comm);
   } else {
+#if !SHARDTENSOR_WITH_MPI
+    no_mpi("scatterv");
+#else
     // Note [large counts]: point-to-point; a non-root rank knows only its own count.
     CommTimer timer;
     PeerRequests p2p;
@@ -606,6 +673,7 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
       p2p.recv(recv.data_ptr(), mine, root, kScattervTag, comm);
     }
     p2p.wait("scatterv (point-to-point MPI_Irecv/MPI_Isend)", comm);
+#endif
   }
   if (rank == root) {
     detail::record_comm(sent, 0, messages);
@@ -616,7 +684,7 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
 
 PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
                                        const std::vector<int64_t>& recv_numel, ReduceOp op,
-                                       MPI_Comm comm) {
+                                       Comm comm) {
   PendingCollective pending;
   check_buffer(send, "reduce_scatter send buffer");
   check_buffer(recv, "reduce_scatter receive buffer");
@@ -635,7 +703,7 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
               " receives into ", recv.numel(), " elements, expected ", recv_numel[rank]);
   const int64_t offset = std::accumulate(recv_numel.begin(), recv_numel.begin() + rank, int64_t{0});
   if (size == 1) {
-    (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
+    check_reduction(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
     recv.view(-1).copy_(send.view(-1).narrow(0, offset, recv.numel()));
     return pending;
   }
@@ -647,7 +715,7 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
   }
   CommTimer timer;
   if (c10d::owns(comm)) {  // Note [c10d data movement]
-    (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
+    check_reduction(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
     at::Tensor contributions;
     pending.c10d_ = std::make_shared<c10d::Exchange>(
         c10d::start_reduce_scatter(send, recv_numel, comm, contributions));
@@ -655,9 +723,16 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
     pending.then_ = [contributions, recv, op] {
       c10d::finish_reduce_scatter(contributions, recv, op);
     };
-  } else if (ordered_sum(send.scalar_type())) {  // Note [ordered sums]
-    at::NoGradGuard no_grad;                     // moving data: `send` may require grad
-    (void)reduction_type(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
+  }
+#if !SHARDTENSOR_WITH_MPI
+  else {
+    (void)fits;
+    no_mpi("start_reduce_scatter");
+  }
+#else
+  else if (ordered_sum(send.scalar_type())) {  // Note [ordered sums]
+    at::NoGradGuard no_grad;                   // moving data: `send` may require grad
+    check_reduction(needs_upcast(send.scalar_type()) ? at::kFloat : send.scalar_type(), op);
     const int64_t elem = send.element_size();
     const int64_t mine = recv_numel[rank];
     at::Tensor contributions = at::empty({size, mine}, send.options());
@@ -694,7 +769,7 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
     const int64_t welem = work.element_size();
     for (int64_t done = 0; done < work.numel(); done += max_count()) {
       const int n = static_cast<int>(std::min<int64_t>(max_count(), work.numel() - done));
-      MPI_Request request = MPI_REQUEST_NULL;
+      MPI_Request request = null_request();
       SHARDTENSOR_MPI_CHECK(
           MPI_Iallreduce(MPI_IN_PLACE, data + done * welem, n, type, mpi_op, comm, &request));
       wait_collective(&request, "reduce_scatter (chunked MPI_Iallreduce)", comm);
@@ -703,12 +778,13 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
   } else {
     auto [type, mpi_op] = reduction_type(send.scalar_type(), op);
     std::vector<int> counts = to_counts(recv_numel, "reduce_scatter piece (elements)");
-    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Request request = null_request();
     SHARDTENSOR_MPI_CHECK(
         MPI_Ireduce_scatter(ptr(send), ptr(recv), counts.data(), type, mpi_op, comm, &request));
     pending.requests_ = {request};
     pending.what_ = "reduce_scatter (MPI_Ireduce_scatter)";
   }
+#endif
   pending.comm_ = comm;
   pending.keep_.push_back(send);
   pending.keep_.push_back(recv);
@@ -725,11 +801,11 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
 }
 
 void reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
-                    const std::vector<int64_t>& recv_numel, ReduceOp op, MPI_Comm comm) {
+                    const std::vector<int64_t>& recv_numel, ReduceOp op, Comm comm) {
   start_reduce_scatter(send, recv, recv_numel, op, comm).finish();
 }
 
-void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm) {
+void diagnostic_max_(std::vector<int64_t>& values, Comm comm) {
   if (values.empty() || comm_size(comm) == 1) {
     return;
   }
@@ -738,11 +814,15 @@ void diagnostic_max_(std::vector<int64_t>& values, MPI_Comm comm) {
     c10d::all_reduce_(t, ReduceOp::Max, comm);
     return;
   }
-  MPI_Request request = MPI_REQUEST_NULL;
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("diagnostic_max_");
+#else
+  MPI_Request request = null_request();
   SHARDTENSOR_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, values.data(),
                                        to_count(static_cast<int64_t>(values.size()), "values"),
                                        MPI_INT64_T, MPI_MAX, comm, &request));
   wait_collective(&request, "diagnostic_max_ (MPI_Iallreduce)", comm);
+#endif
 }
 
 // ---- split-phase point-to-point ---------------------------------------------
@@ -792,11 +872,12 @@ void PendingExchange::abandon() noexcept {
   if (requests_.empty()) {
     return;
   }
+#if SHARDTENSOR_WITH_MPI
   // Note [abandoned exchange]: reached only when finish() was skipped, e.g. by
   // an exception between start and finish. Receives may never be matched, so
   // cancel them; sends are small enough or matched by peers that did not fail.
   for (size_t i = 0; i < expected_bytes_.size(); ++i) {
-    if (requests_[i] != MPI_REQUEST_NULL) {
+    if (requests_[i] != null_request()) {
       MPI_Cancel(&requests_[i]);
     }
   }
@@ -807,6 +888,7 @@ void PendingExchange::abandon() noexcept {
   site.peers = collective_ ? nullptr : &peers_;  // a collective request cannot be cancelled
   watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE,
                      site);
+#endif
   requests_.clear();
   peers_.clear();
   expected_bytes_.clear();
@@ -823,6 +905,9 @@ void PendingExchange::finish() {
   if (requests_.empty()) {
     return;
   }
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("PendingExchange::finish");
+#else
   std::vector<MPI_Status> statuses;
   int rc = MPI_SUCCESS;
   if (completed_) {
@@ -858,6 +943,7 @@ void PendingExchange::finish() {
                 " bytes from rank ", statuses[i].MPI_SOURCE, " but expected ", expected[i],
                 " (ranks disagree on the exchange; SHARDTENSOR_DEBUG=1 checks arguments)");
   }
+#endif
 }
 
 bool PendingExchange::test() {
@@ -867,6 +953,9 @@ bool PendingExchange::test() {
   if (requests_.empty() || completed_) {
     return true;
   }
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("PendingExchange::test");
+#else
   std::vector<MPI_Status> statuses(requests_.size());
   int flag = 0;
   CommTimer timer;
@@ -883,10 +972,11 @@ bool PendingExchange::test() {
     completed_ = true;
   }
   return flag != 0;
+#endif
 }
 
 PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
-                               const std::vector<PeerBuffer>& recvs, MPI_Comm comm, int tag) {
+                               const std::vector<PeerBuffer>& recvs, Comm comm, int tag) {
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   // Validate everything before posting anything.
@@ -918,6 +1008,9 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
     detail::record_comm(sent, received, messages);
     return ex;
   }
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("start_exchange");
+#else
   ex.requests_.reserve(sends.size() + recvs.size());
   for (const auto& pb : recvs) {
     const int64_t n = nbytes(pb.buffer);
@@ -928,7 +1021,7 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
     auto* data = static_cast<char*>(pb.buffer.data_ptr());
     for (int64_t done = 0; done < n; done += max_count()) {  // Note [large counts]
       const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
-      ex.requests_.push_back(MPI_REQUEST_NULL);
+      ex.requests_.push_back(null_request());
       ex.expected_bytes_.push_back(k);
       ex.peers_.push_back(pb.peer);
       SHARDTENSOR_MPI_CHECK(
@@ -945,7 +1038,7 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
     const auto* data = static_cast<const char*>(pb.buffer.data_ptr());
     for (int64_t done = 0; done < n; done += max_count()) {  // Note [large counts]
       const int k = static_cast<int>(std::min<int64_t>(max_count(), n - done));
-      ex.requests_.push_back(MPI_REQUEST_NULL);
+      ex.requests_.push_back(null_request());
       ex.peers_.push_back(pb.peer);
       SHARDTENSOR_MPI_CHECK(
           MPI_Isend(data + done, k, MPI_BYTE, pb.peer, tag, comm, &ex.requests_.back()));
@@ -957,18 +1050,21 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
   }
   detail::record_comm(sent, received, messages);
   return ex;
+#endif
 }
 
 // ---- non-blocking all-reduce ---------------------------------------------------
 
+#if SHARDTENSOR_WITH_MPI
 namespace {
-int wait_reduce(MPI_Request* request, MPI_Comm comm) {
+int wait_reduce(MPI_Request* request, Comm comm) {
   watchdog::WaitSite site;
   site.primitive = "pending all-reduce finish (MPI_Iallreduce)";
   site.comm = comm;
   return watchdog::wait(request, MPI_STATUS_IGNORE, site);
 }
 }  // namespace
+#endif
 
 PendingReduce::PendingReduce(PendingReduce&& other) noexcept
     : request_(other.request_),
@@ -979,7 +1075,7 @@ PendingReduce::PendingReduce(PendingReduce&& other) noexcept
       chunk_(std::move(other.chunk_)),
       chunk_bytes_(std::move(other.chunk_bytes_)),
       gathering_(other.gathering_) {
-  other.request_ = MPI_REQUEST_NULL;
+  other.request_ = null_request();
   other.wide_ = at::Tensor();
   other.phase_.reset();
   other.gathering_ = false;
@@ -987,7 +1083,9 @@ PendingReduce::PendingReduce(PendingReduce&& other) noexcept
 
 PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
   if (this != &other) {
-    if (request_ != MPI_REQUEST_NULL) wait_reduce(&request_, comm_);
+#if SHARDTENSOR_WITH_MPI
+    if (request_ != null_request()) wait_reduce(&request_, comm_);
+#endif
     phase_.reset();  // waits
     request_ = other.request_;
     comm_ = other.comm_;
@@ -997,7 +1095,7 @@ PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
     chunk_ = std::move(other.chunk_);
     chunk_bytes_ = std::move(other.chunk_bytes_);
     gathering_ = other.gathering_;
-    other.request_ = MPI_REQUEST_NULL;
+    other.request_ = null_request();
     other.wide_ = at::Tensor();
     other.phase_.reset();
     other.gathering_ = false;
@@ -1006,7 +1104,9 @@ PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
 }
 
 PendingReduce::~PendingReduce() {
-  if (request_ != MPI_REQUEST_NULL) wait_reduce(&request_, comm_);
+#if SHARDTENSOR_WITH_MPI
+  if (request_ != null_request()) wait_reduce(&request_, comm_);
+#endif
 }
 
 void PendingReduce::start_gather_phase() {
@@ -1025,10 +1125,14 @@ bool PendingReduce::test() {
     (void)phase_->test();
     return false;
   }
-  if (request_ == MPI_REQUEST_NULL) return true;
+  if (request_ == null_request()) return true;
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("PendingReduce::test");
+#else
   int done = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Test(&request_, &done, MPI_STATUS_IGNORE));
   return done != 0;
+#endif
 }
 
 void PendingReduce::finish() {
@@ -1041,9 +1145,11 @@ void PendingReduce::finish() {
     buffer_ = at::Tensor();
     return;
   }
-  if (request_ != MPI_REQUEST_NULL) {
+#if SHARDTENSOR_WITH_MPI
+  if (request_ != null_request()) {
     SHARDTENSOR_MPI_CHECK(wait_reduce(&request_, comm_));
   }
+#endif
   if (wide_.defined()) {
     buffer_.copy_(wide_);
     wide_ = at::Tensor();
@@ -1051,7 +1157,7 @@ void PendingReduce::finish() {
   buffer_ = at::Tensor();
 }
 
-PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm) {
+PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
   check_buffer(t, "start_all_reduce_ buffer");
   PendingReduce pending;
   const int size = comm_size(comm);
@@ -1062,7 +1168,7 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
     // Note [ordered sums] (and every c10d reduction): a reduce-scatter in rank
     // order, then, once it completed (test() or finish()), an all-gather of
     // the chunks back into `t`: the same arithmetic as all_reduce_().
-    (void)reduction_type(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
+    check_reduction(needs_upcast(t.scalar_type()) ? at::kFloat : t.scalar_type(), op);
     const std::vector<int64_t> chunks = balanced_sizes(t.numel(), size);
     pending.chunk_bytes_.resize(chunks.size());
     for (size_t c = 0; c < chunks.size(); ++c) {
@@ -1079,6 +1185,9 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
     all_reduce_(t, op, comm);
     return pending;
   }
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("start_all_reduce_");
+#else
   // Integer and bool values (order-free): MPI's own non-blocking all-reduce.
   const int rank = comm_rank(comm);
   const at::Tensor& data = t;
@@ -1089,6 +1198,7 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, MPI_Comm comm)
                                        type, mpi_op, comm, &pending.request_));
   record_all_reduce(t.numel(), t.element_size(), size, rank);
   return pending;
+#endif
 }
 
 // ---- split-phase all-gatherv and reduce-scatter -----------------------------
@@ -1141,7 +1251,10 @@ void PendingCollective::wait() noexcept {
 }
 
 int PendingCollective::wait_requests() {
-  if (requests_.empty()) return MPI_SUCCESS;
+  if (requests_.empty()) return 0;  // MPI_SUCCESS
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("PendingCollective::finish");
+#else
   // Taken out first: if the wait raises (a carried error, Note [carried
   // errors]), the requests are abandoned, as a blocking call's would be,
   // and nothing waits on them again.
@@ -1155,6 +1268,7 @@ int PendingCollective::wait_requests() {
   site.peers = peers.empty() ? nullptr : &peers;
   return watchdog::wait_all(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE,
                             site);
+#endif
 }
 
 bool PendingCollective::pending() const {
@@ -1164,10 +1278,14 @@ bool PendingCollective::pending() const {
 bool PendingCollective::test() {
   if (c10d_ != nullptr) return c10d_->arrived();
   if (requests_.empty()) return true;
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("PendingCollective::test");
+#else
   int done = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done,
                                     MPI_STATUSES_IGNORE));
   return done != 0;
+#endif
 }
 
 void PendingCollective::finish() {
@@ -1202,31 +1320,37 @@ namespace {
 std::atomic<int64_t> g_live_duplicates{0};
 }  // namespace
 
-MPI_Comm duplicate(MPI_Comm comm) {
+Comm duplicate(Comm comm) {
   if (c10d::owns(comm)) {
     std::vector<int> all(static_cast<size_t>(comm_size(comm)));
     std::iota(all.begin(), all.end(), 0);
-    MPI_Comm dup = detail::pg::split(comm, all, "duplicate of a communicator", /*shared=*/false);
+    Comm dup = detail::pg::split(comm, all, "duplicate of a communicator", /*shared=*/false);
     g_live_duplicates.fetch_add(1);
     return dup;
   }
-  MPI_Comm dup = MPI_COMM_NULL;
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("duplicate");
+#else
+  Comm dup = comm_null();
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(comm, &dup));
   g_live_duplicates.fetch_add(1);
   return dup;
+#endif
 }
 
-void free_duplicate(MPI_Comm& comm) noexcept {
+void free_duplicate(Comm& comm) noexcept {
   if (c10d::owns(comm)) {
     g_live_duplicates.fetch_sub(1);
     detail::pg::free_group(comm);
     return;
   }
+#if SHARDTENSOR_WITH_MPI
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (comm != MPI_COMM_NULL) g_live_duplicates.fetch_sub(1);
-  if (!finalized && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
-  comm = MPI_COMM_NULL;
+  if (comm != comm_null()) g_live_duplicates.fetch_sub(1);
+  if (!finalized && comm != comm_null()) MPI_Comm_free(&comm);
+#endif
+  comm = comm_null();
 }
 
 int64_t live_duplicates() { return g_live_duplicates.load(); }
@@ -1237,15 +1361,16 @@ int64_t live_duplicates() { return g_live_duplicates.load(); }
 
 namespace shardtensor::comm::transport {
 
+#if SHARDTENSOR_WITH_MPI
 namespace {
 
 /// The graphs cached on one communicator (an MPI attribute; freed with it).
 struct GraphCache {
   std::mutex mu;
-  std::map<std::vector<int64_t>, MPI_Comm> graphs;
+  std::map<std::vector<int64_t>, Comm> graphs;
 };
 
-int free_graph_cache(MPI_Comm, int, void* attr, void*) {
+int free_graph_cache(Comm, int, void* attr, void*) {
   auto* cache = static_cast<GraphCache*>(attr);
   for (auto& [key, graph] : cache->graphs) {
     (void)key;
@@ -1267,7 +1392,7 @@ int graph_keyval() {
 
 std::mutex g_graph_mu;  // guards attaching a GraphCache to a communicator
 
-GraphCache* graph_cache(MPI_Comm comm, bool create) {
+GraphCache* graph_cache(Comm comm, bool create) {
   std::lock_guard<std::mutex> lock(g_graph_mu);
   void* attr = nullptr;
   int found = 0;
@@ -1326,16 +1451,21 @@ void free_types(std::vector<MPI_Datatype>& types) noexcept {
 }
 
 }  // namespace
+#endif  // SHARDTENSOR_WITH_MPI
 
-MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
-                        const std::vector<int>& sources, const std::vector<int>& destinations) {
-  if (c10d::owns(comm)) return MPI_COMM_NULL;  // point-to-point halos (Note [c10d handles])
+Comm neighbor_graph(Comm comm, const std::vector<int64_t>& key, const std::vector<int>& sources,
+                    const std::vector<int>& destinations) {
+  if (c10d::owns(comm)) return comm_null();  // point-to-point halos (Note [c10d handles])
+#if !SHARDTENSOR_WITH_MPI
+  (void)key, (void)sources, (void)destinations;
+  no_mpi("neighbor_graph");
+#else
   GraphCache* cache = graph_cache(comm, /*create=*/true);
   {
     std::lock_guard<std::mutex> lock(cache->mu);
     auto it = cache->graphs.find(key);
     if (it != cache->graphs.end()) return it->second;
-    if (static_cast<int>(cache->graphs.size()) >= kMaxNeighborGraphs) return MPI_COMM_NULL;
+    if (static_cast<int>(cache->graphs.size()) >= kMaxNeighborGraphs) return comm_null();
   }
   const int size = comm_size(comm);
   for (const auto* list : {&sources, &destinations}) {
@@ -1344,7 +1474,7 @@ MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
                   " is not a rank of a communicator of size ", size);
     }
   }
-  MPI_Comm graph = MPI_COMM_NULL;
+  Comm graph = comm_null();
   {
     CommTimer timer;
     SHARDTENSOR_MPI_CHECK(MPI_Dist_graph_create_adjacent(
@@ -1355,6 +1485,7 @@ MPI_Comm neighbor_graph(MPI_Comm comm, const std::vector<int64_t>& key,
   std::lock_guard<std::mutex> lock(cache->mu);
   cache->graphs.emplace(key, graph);
   return graph;
+#endif
 }
 
 int64_t max_message_bytes() { return max_count(); }
@@ -1381,18 +1512,26 @@ bool neighbor_collectives_usable() {
   return usable;
 }
 
-int64_t neighbor_graph_count(MPI_Comm comm) {
+int64_t neighbor_graph_count(Comm comm) {
   if (c10d::owns(comm)) return 0;
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("neighbor_graph_count");
+#else
   GraphCache* cache = graph_cache(comm, /*create=*/false);
   if (cache == nullptr) return 0;
   std::lock_guard<std::mutex> lock(cache->mu);
   return static_cast<int64_t>(cache->graphs.size());
+#endif
 }
 
 NeighborExchange::NeighborExchange(int64_t outer, int64_t send_rows, int64_t recv_rows,
                                    int64_t row_bytes, const std::vector<std::vector<RowRun>>& sends,
                                    const std::vector<std::vector<RowRun>>& recvs)
     : send_bytes_(outer * send_rows * row_bytes), recv_bytes_(outer * recv_rows * row_bytes) {
+#if !SHARDTENSOR_WITH_MPI
+  // Made only for an MPI graph (neighbor_graph() gives none in a c10d-only build).
+  no_mpi("NeighborExchange");
+#else
   try {
     for (const auto& runs : sends) {
       sent_.push_back(0);
@@ -1411,21 +1550,27 @@ NeighborExchange::NeighborExchange(int64_t outer, int64_t send_rows, int64_t rec
   }
   send_displs_.assign(send_types_.size(), 0);
   recv_displs_.assign(recv_types_.size(), 0);
+#endif
 }
 
 NeighborExchange::~NeighborExchange() {
+#if SHARDTENSOR_WITH_MPI
   free_types(send_types_);
   free_types(recv_types_);
+#endif
 }
 
 PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
-                                        const at::Tensor& recv, MPI_Comm graph) {
+                                        const at::Tensor& recv, Comm graph) {
   check_buffer(send, "neighbourhood exchange send buffer");
   check_buffer(recv, "neighbourhood exchange receive buffer");
   TORCH_CHECK(nbytes(send) == x.send_bytes_ && nbytes(recv) == x.recv_bytes_,
               "shardtensor transport: neighbourhood exchange buffers of ", nbytes(send), " and ",
               nbytes(recv), " bytes, but the layout is for ", x.send_bytes_, " and ",
               x.recv_bytes_);
+#if !SHARDTENSOR_WITH_MPI
+  no_mpi("start_neighbor_exchange");
+#else
   int indegree = 0, outdegree = 0, weighted = 0;
   SHARDTENSOR_MPI_CHECK(MPI_Dist_graph_neighbors_count(graph, &indegree, &outdegree, &weighted));
   TORCH_CHECK(indegree == static_cast<int>(x.recv_types_.size()) &&
@@ -1437,7 +1582,7 @@ PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Ten
   ex.comm_ = graph;
   ex.collective_ = true;
   ex.buffers_ = {send, recv};
-  ex.requests_.push_back(MPI_REQUEST_NULL);
+  ex.requests_.push_back(null_request());
   // The count, displacement and type arrays live in `x`, which outlives the
   // exchange (MPI reads them until completion).
   SHARDTENSOR_MPI_CHECK(MPI_Ineighbor_alltoallw(
@@ -1452,6 +1597,7 @@ PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Ten
   for (int64_t b : x.received_) received += b;
   detail::record_comm(sent, received, messages);
   return ex;
+#endif
 }
 
 }  // namespace shardtensor::comm::transport

@@ -17,15 +17,18 @@
 #include <string>
 #include <thread>
 
+// Everything here waits on MPI requests (Note [c10d-only build]: the c10d
+// transport bounds its waits in transport_c10d.cpp).
+#if SHARDTENSOR_WITH_MPI
 namespace shardtensor::comm::watchdog {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string comm_description(MPI_Comm comm) {
+std::string comm_description(Comm comm) {
   std::ostringstream os;
-  if (comm == MPI_COMM_NULL) {
+  if (comm == comm_null()) {
     os << "no communicator";
     return os.str();
   }
@@ -40,9 +43,9 @@ std::string comm_description(MPI_Comm comm) {
 }
 
 /// World ranks of `ranks` (ranks of `comm`; all of them when `ranks` is null).
-std::vector<int> to_world(MPI_Comm comm, const std::vector<int>* ranks) {
+std::vector<int> to_world(Comm comm, const std::vector<int>* ranks) {
   std::vector<int> out;
-  if (comm == MPI_COMM_NULL) return out;
+  if (comm == comm_null()) return out;
   MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
   MPI_Comm_group(comm, &group);
   MPI_Comm_group(MPI_COMM_WORLD, &world);
@@ -217,7 +220,7 @@ void monitor_loop() {
 
 }  // namespace
 
-BlockingScope::BlockingScope(const char* what, MPI_Comm comm) {
+BlockingScope::BlockingScope(const char* what, Comm comm) {
   const double limit = shardtensor::timeout();
   if (limit <= 0) return;
   Scope s;
@@ -252,3 +255,4 @@ int wait(MPI_Request* request, MPI_Status* status, const WaitSite& site) {
 }
 
 }  // namespace shardtensor::comm::watchdog
+#endif  // SHARDTENSOR_WITH_MPI

@@ -2,7 +2,7 @@
 /// \file The watchdog: bounded waits for the transport's MPI requests (Note
 /// [watchdog] in shardtensor/core/runtime.h). Private to comm/.
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <vector>
 
@@ -12,12 +12,13 @@ namespace shardtensor::comm::watchdog {
 struct WaitSite {
   const char* primitive =
       "";  // transport function and MPI call, e.g. "all_gatherv (MPI_Iallgatherv)"
-  MPI_Comm comm = MPI_COMM_NULL;
+  Comm comm = comm_null();
   /// For point-to-point waits: the peer (rank in `comm`) of each request, in
   /// request order; empty for collectives (then every rank of `comm` is awaited).
   const std::vector<int>* peers = nullptr;
 };
 
+#if SHARDTENSOR_WITH_MPI
 /// Local. MPI_Waitall with the watchdog: polls the `n` requests (MPI_Testall)
 /// until all have completed, yielding the CPU between polls, and returns
 /// MPI_Testall's return code. If they have not completed within
@@ -28,5 +29,6 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
 
 /// Local. wait_all() of one request.
 int wait(MPI_Request* request, MPI_Status* status, const WaitSite& site);
+#endif
 
 }  // namespace shardtensor::comm::watchdog

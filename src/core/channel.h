@@ -2,7 +2,7 @@
 /// \file The error channel's communicator (private; Note [carried errors] in
 /// comm/error_channel.h).
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <string>
 
@@ -10,13 +10,13 @@ namespace shardtensor::detail {
 
 /// Local. The library's duplicate of MPI_COMM_WORLD on which ranks carry
 /// errors to each other, made by init() (collective there) and freed by
-/// finalize(); MPI_COMM_NULL outside init()..finalize().
-MPI_Comm error_channel();
+/// finalize(); comm_null() outside init()..finalize().
+Comm error_channel();
 
 /// Local. The communicator of every process of the job: MPI_COMM_WORLD under
 /// the MPI transport, the c10d world's handle under the c10d transport (Note
 /// [c10d handles]). For the test harness and tools that need the whole job.
-MPI_Comm world_comm();
+Comm world_comm();
 
 /// Local. While one lives on this thread, record_comm() and
 /// record_comm_time() count nothing: for the test harness's own agreement

@@ -1,4 +1,4 @@
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 #include <shardtensor/core/error.h>
 
 #include <string>
@@ -8,11 +8,13 @@ namespace shardtensor {
 namespace {
 
 // True when MPI calls other than MPI_Initialized/MPI_Finalized are allowed.
-bool mpi_usable() {
+[[maybe_unused]] bool mpi_usable() {
   int initialized = 0;
   int finalized = 0;
+#if SHARDTENSOR_WITH_MPI
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
+#endif
   return initialized != 0 && finalized == 0;
 }
 
@@ -20,6 +22,7 @@ bool mpi_usable() {
 
 std::string mpi_error_string(int code) {
   std::string out;
+#if SHARDTENSOR_WITH_MPI
   if (mpi_usable()) {
     char buf[MPI_MAX_ERROR_STRING];
     int len = 0;
@@ -31,7 +34,10 @@ std::string mpi_error_string(int code) {
     int rank = -1;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     out += " (code " + std::to_string(code) + ") on world rank " + std::to_string(rank);
-  } else {
+    return out;
+  }
+#endif
+  {
     out = "MPI error (code " + std::to_string(code) +
           ") on an unknown rank (MPI is not initialized or already finalized)";
   }

@@ -124,6 +124,14 @@ LaunchInfo detect_launch() { return detect_launch(process_env()); }
 
 std::string resolve_transport(const LaunchInfo& info, const EnvLookup& env) {
   auto backend = lookup(env, "SHARDTENSOR_BACKEND");
+#if !SHARDTENSOR_WITH_MPI
+  // A c10d-only build (Note [c10d-only build]): every launch uses Gloo.
+  TORCH_CHECK(!backend || *backend != "mpi",
+              "shardtensor::init: SHARDTENSOR_BACKEND=mpi asks for MPI, but this shardtensor was "
+              "built without MPI (SHARDTENSOR_WITH_MPI=OFF): use SHARDTENSOR_BACKEND=gloo, or "
+              "a build with MPI");
+  if (!backend || *backend == "gloo") return "gloo";
+#endif
   if (backend) {
     if (*backend == "mpi" || *backend == "gloo") return *backend;
     TORCH_CHECK(*backend != "nccl",

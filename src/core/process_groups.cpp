@@ -44,6 +44,7 @@ struct State {
   std::map<std::vector<int>, Group*> shared;         // by sorted world ranks
   std::map<std::vector<int>, int64_t> private_made;  // private groups made per member set
   std::chrono::milliseconds timeout{0};
+  c10::intrusive_ptr<::c10d::ProcessGroup> adopted;  // the host's group (adopt_world())
 };
 
 State& state() {
@@ -51,9 +52,9 @@ State& state() {
   return *s;
 }
 
-MPI_Comm handle(Group* g) { return reinterpret_cast<MPI_Comm>(g); }
+Comm handle(Group* g) { return reinterpret_cast<Comm>(g); }
 
-Group* group(MPI_Comm comm, const char* fn) {
+Group* group(Comm comm, const char* fn) {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   auto* g = reinterpret_cast<Group*>(comm);
@@ -98,7 +99,7 @@ bool active() {
   return s.active;
 }
 
-bool owns(MPI_Comm comm) {
+bool owns(Comm comm) {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   return s.active && s.live.count(reinterpret_cast<Group*>(comm)) != 0;
@@ -163,6 +164,56 @@ void start_world(int rank, int size, const std::string& addr, int port, bool age
   s.active = true;
 }
 
+void adopt_world(const c10::intrusive_ptr<::c10d::ProcessGroup>& group, double timeout_s) {
+  auto& s = state();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    TORCH_CHECK(!s.active, "shardtensor::init: the c10d world is already started");
+  }
+  TORCH_CHECK(group, "shardtensor::init: the process group to adopt is null");
+  const int rank = group->getRank();
+  const int size = group->getSize();
+  const std::string name = group->getGroupName();
+  c10::intrusive_ptr<::c10d::Store> base = group->getStore();
+  TORCH_CHECK(base, "shardtensor::init: the process group '", name, "' has no store");
+  const auto timeout = std::chrono::milliseconds(
+      timeout_s > 0 ? static_cast<int64_t>(timeout_s * 1000.0) + 60'000 : int64_t{24} * 3600'000);
+  // The group's own store, which every member has; our keys get our prefix
+  // and the group's name. On it, shardtensor's Gloo world over exactly the
+  // group's members, made like its own (make_world), so meshes split it as
+  // they split that one (Note [c10d group reuse]).
+  c10::intrusive_ptr<::c10d::Store> store;
+  c10::intrusive_ptr<::c10d::ProcessGroup> pg;
+  try {
+    store = c10::make_intrusive<::c10d::PrefixStore>("shardtensor/" + name, base);
+    pg = make_world(store, rank, size, timeout);
+    join_barrier(*store, size);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "shardtensor::init: could not start on the process group '", name,
+                "' (rank ", rank, " of ", size, "): ", e.what());
+  }
+  auto* g = new Group();
+  g->pg = std::move(pg);
+  g->rank = rank;
+  g->size = size;
+  g->world_ranks.resize(size);
+  for (int r = 0; r < size; ++r) g->world_ranks[r] = r;
+  g->name = "world (adopted '" + name + "')";
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.store = std::move(store);
+  s.world = g;
+  s.adopted = group;
+  s.live.insert(g);
+  s.timeout = timeout;
+  s.active = true;
+}
+
+bool is_world(const ::c10d::ProcessGroup* group) {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.active && s.adopted.get() == group;
+}
+
 void stop_world() noexcept {
   auto& s = state();
   std::unordered_set<Group*> groups;
@@ -183,12 +234,13 @@ void stop_world() noexcept {
   }
   std::lock_guard<std::mutex> lock(s.mu);
   s.store.reset();
+  s.adopted.reset();
 }
 
-MPI_Comm world() {
+Comm world() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  return s.active ? handle(s.world) : MPI_COMM_NULL;
+  return s.active ? handle(s.world) : comm_null();
 }
 
 ::c10d::Store* store() {
@@ -197,22 +249,20 @@ MPI_Comm world() {
   return s.active ? s.store.get() : nullptr;
 }
 
-int size(MPI_Comm comm) { return group(comm, "comm_size")->size; }
+int size(Comm comm) { return group(comm, "comm_size")->size; }
 
-int rank(MPI_Comm comm) { return group(comm, "comm_rank")->rank; }
+int rank(Comm comm) { return group(comm, "comm_rank")->rank; }
 
-const std::vector<int>& world_ranks(MPI_Comm comm) {
-  return group(comm, "world_ranks")->world_ranks;
-}
+const std::vector<int>& world_ranks(Comm comm) { return group(comm, "world_ranks")->world_ranks; }
 
-std::string name(MPI_Comm comm) {
+std::string name(Comm comm) {
   if (!owns(comm)) return "<not a c10d group>";
   return group(comm, "name")->name;
 }
 
-::c10d::ProcessGroup& process_group(MPI_Comm comm) { return *group(comm, "process_group")->pg; }
+::c10d::ProcessGroup& process_group(Comm comm) { return *group(comm, "process_group")->pg; }
 
-MPI_Comm split(MPI_Comm parent, std::vector<int> members, const std::string& what, bool shared) {
+Comm split(Comm parent, std::vector<int> members, const std::string& what, bool shared) {
   Group* p = group(parent, "split");
   std::sort(members.begin(), members.end());
   members.erase(std::unique(members.begin(), members.end()), members.end());
@@ -232,6 +282,8 @@ MPI_Comm split(MPI_Comm parent, std::vector<int> members, const std::string& wha
   std::string child;
   Group* w = nullptr;
   std::chrono::milliseconds timeout{0};
+  bool adopted = false;
+  c10::intrusive_ptr<::c10d::Store> store;
   {
     auto& s = state();
     std::lock_guard<std::mutex> lock(s.mu);
@@ -246,10 +298,21 @@ MPI_Comm split(MPI_Comm parent, std::vector<int> members, const std::string& wha
     child = os.str();
     w = s.world;
     timeout = s.timeout;
+    adopted = s.adopted != nullptr;
+    store = s.store;
   }
   c10::intrusive_ptr<::c10d::ProcessGroup> sub;
   try {
-    sub = w->pg->splitGroup(world_members, timeout, std::nullopt, child, what);
+    if (adopted) {
+      // Note [adopted process group]: splitGroup crashed in ProcessGroupGloo::split
+      // on a world made over a host's store (torch 2.13); the members make the
+      // child group themselves, through the store under the child's name.
+      const int sub_rank = static_cast<int>(me - members.begin());
+      sub = make_world(c10::make_intrusive<::c10d::PrefixStore>(child, store), sub_rank,
+                       static_cast<int>(members.size()), timeout);
+    } else {
+      sub = w->pg->splitGroup(world_members, timeout, std::nullopt, child, what);
+    }
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "shardtensor: ", what, ": could not make the c10d group '", child,
                 "': ", e.what());
@@ -269,11 +332,11 @@ MPI_Comm split(MPI_Comm parent, std::vector<int> members, const std::string& wha
   return handle(g);
 }
 
-void free_group(MPI_Comm& comm) noexcept {
-  if (comm == MPI_COMM_NULL) return;
+void free_group(Comm& comm) noexcept {
+  if (comm == comm_null()) return;
   auto& s = state();
   Group* g = reinterpret_cast<Group*>(comm);
-  comm = MPI_COMM_NULL;
+  comm = comm_null();
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (g == s.world || g->shared || s.live.erase(g) == 0) return;

@@ -5,7 +5,8 @@
 /// MPI_Comm_split: the runtime starts the world here, DeviceMesh splits it,
 /// and only comm/ moves data over the groups.
 
-#include <mpi.h>
+#include <c10/util/intrusive_ptr.h>
+#include <shardtensor/core/comm.h>
 
 #include <cstdint>
 #include <string>
@@ -23,7 +24,7 @@ namespace shardtensor::detail::pg {
 bool active();
 
 /// Local. True when `comm` is a handle of a live c10d group.
-bool owns(MPI_Comm comm);
+bool owns(Comm comm);
 
 /// Collective over every process of the launch: connects to the rendezvous
 /// store at addr:port (rank 0 serves it unless `agent_store`: torchrun's
@@ -33,11 +34,36 @@ bool owns(MPI_Comm comm);
 void start_world(int rank, int size, const std::string& addr, int port, bool agent_store,
                  double timeout_s);
 
+/// Note [adopted process group]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// A host that already runs torch.distributed hands shardtensor its group
+/// (Python: torch.distributed's initialized default group is adopted at the
+/// first call, or `shardtensor.init(process_group=g)` for a group from
+/// new_group; C++: `shardtensor::init(group)`), as a host's MPI is adopted:
+/// no second rendezvous and no MASTER_ADDR. The group's members, in its rank
+/// order, become shardtensor's world, and its store is the rendezvous:
+/// shardtensor makes its Gloo world over the members through that store
+/// (keys under `shardtensor/<group name>/`), and meshes' groups are made the
+/// same way under their names (split()), so meshes, carried errors and the
+/// flight recorder work unchanged. ProcessGroup::splitGroup is not used there:
+/// on the host's own Gloo group it returned on one rank and left the other
+/// waiting, and on a world made over a host's store it crashed in
+/// ProcessGroupGloo::split (torch 2.13, 1 and 2 ranks). The host's group carries
+/// none of shardtensor's traffic, so any backend will do; the host keeps it,
+/// and stop_world() drops only shardtensor's reference.
+///
+/// Collective over every rank of `group` (Gloo's rendezvous through its
+/// store). Throws c10::Error if the world is already started or Gloo fails.
+void adopt_world(const c10::intrusive_ptr<::c10d::ProcessGroup>& group, double timeout_s);
+
+/// Local. True when the running world is `group` (adopt_world()).
+bool is_world(const ::c10d::ProcessGroup* group);
+
 /// Local. Drops every group (no communication). Never throws.
 void stop_world() noexcept;
 
-/// Local. The world group's handle; MPI_COMM_NULL when not active().
-MPI_Comm world();
+/// Local. The world group's handle; comm_null() when not active().
+Comm world();
 
 /// Local. The rendezvous store (under the prefix `shardtensor/`), for the
 /// error channel over c10d (Note [carried errors]) and the flight recorder's
@@ -47,14 +73,14 @@ MPI_Comm world();
 
 /// Local. Size of and this process's rank in a c10d group. Throw if `comm`
 /// is not one.
-int size(MPI_Comm comm);
-int rank(MPI_Comm comm);
+int size(Comm comm);
+int rank(Comm comm);
 /// Local. World rank of each rank of the group, in group rank order.
-const std::vector<int>& world_ranks(MPI_Comm comm);
+const std::vector<int>& world_ranks(Comm comm);
 /// Local. The group's name, for messages.
-std::string name(MPI_Comm comm);
+std::string name(Comm comm);
 /// Local. The group's c10d object (owned here; valid while the group lives).
-::c10d::ProcessGroup& process_group(MPI_Comm comm);
+::c10d::ProcessGroup& process_group(Comm comm);
 
 /// Collective over the ranks of `parent` that are listed in `members` (group
 /// ranks of `parent`, including this rank): the group of those ranks. Every
@@ -74,13 +100,12 @@ std::string name(MPI_Comm comm);
 /// duplicate, transport::duplicate()) passes shared = false and gets a new one.
 /// Throws c10::Error if this rank is not listed, a rank is out of range, or
 /// Gloo fails.
-MPI_Comm split(MPI_Comm parent, std::vector<int> members, const std::string& what,
-               bool shared = true);
+Comm split(Comm parent, std::vector<int> members, const std::string& what, bool shared = true);
 
 /// Local. Releases a group made by split() (not a shared one, which lives
-/// until stop_world()) and sets the handle to MPI_COMM_NULL. Does nothing for MPI_COMM_NULL. Never
+/// until stop_world()) and sets the handle to comm_null(). Does nothing for comm_null(). Never
 /// throws.
-void free_group(MPI_Comm& comm) noexcept;
+void free_group(Comm& comm) noexcept;
 
 /// Local. Groups made by split() and not yet freed (shared ones included).
 int64_t live_groups();

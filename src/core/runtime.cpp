@@ -1,9 +1,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <mpi.h>
 #include <netinet/in.h>
 #include <shardtensor/core/error.h>
 #include <shardtensor/core/launch.h>
+#include <shardtensor/core/process_group.h>
 #include <shardtensor/core/runtime.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -36,10 +36,14 @@ void register_finalize_hook(std::function<void()> hook);
 // declares them too). Local; callable before MPI_Init.
 // MPI_Get_library_version's string, e.g. "Open MPI v4.1.4, package: Debian OpenMPI, ...".
 std::string mpi_library_version() {
+#if !SHARDTENSOR_WITH_MPI
+  return {};  // no MPI library (Note [c10d-only build])
+#else
   char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
   int length = 0;
   if (MPI_Get_library_version(text, &length) != MPI_SUCCESS) return {};
   return std::string(text, static_cast<size_t>(std::max(0, length)));
+#endif
 }
 // True for Open MPI 4.1.x ("Open MPI v4.1." at the start of the library version string).
 bool is_open_mpi_4_1(const std::string& library_version) {
@@ -51,12 +55,21 @@ bool ompio_vulcan_workaround_applied();
 
 namespace {
 
+// MPI_THREAD_FUNNELED's value (the MPI standard fixes the order SINGLE <
+// FUNNELED < SERIALIZED < MULTIPLE; Open MPI and MPICH number them 0..3), what
+// mpi_thread_level() reports when no MPI runs (Note [c10d-only build]).
+#if SHARDTENSOR_WITH_MPI
+constexpr int kThreadFunneled = MPI_THREAD_FUNNELED;
+#else
+constexpr int kThreadFunneled = 1;
+#endif
+
 struct RuntimeState {
   std::mutex mutex;
-  bool initialized = false;                // between init() and finalize()
-  bool owns_mpi = false;                   // init() called MPI_Init_thread, so finalize() finalizes
-  int thread_level = -1;                   // MPI_THREAD_* provided
-  MPI_Comm error_channel = MPI_COMM_NULL;  // Note [carried errors] (comm/error_channel.h)
+  bool initialized = false;          // between init() and finalize()
+  bool owns_mpi = false;             // init() called MPI_Init_thread, so finalize() finalizes
+  int thread_level = -1;             // MPI_THREAD_* provided
+  Comm error_channel = comm_null();  // Note [carried errors] (comm/error_channel.h)
   std::vector<std::function<void()>> finalize_hooks;
   bool ompio_vulcan_avoided =
       false;  // init() set OMPI_MCA_fcoll (Note [OMPIO vulcan write corruption])
@@ -69,15 +82,20 @@ RuntimeState& state() {
   return *s;
 }
 
+// A c10d-only build (Note [c10d-only build]) never has MPI up.
 bool mpi_initialized() {
   int flag = 0;
+#if SHARDTENSOR_WITH_MPI
   MPI_Initialized(&flag);
+#endif
   return flag != 0;
 }
 
 bool mpi_finalized() {
   int flag = 0;
+#if SHARDTENSOR_WITH_MPI
   MPI_Finalized(&flag);
+#endif
   return flag != 0;
 }
 
@@ -133,6 +151,7 @@ int thread_count_from_env() {
   return 1;
 }
 
+#if SHARDTENSOR_WITH_MPI
 // Note [launcher detection] (src/core/launch.cpp): the launcher's process count
 // and rank must be MPI_COMM_WORLD's. A size mismatch is seen alike by every
 // process; a rank mismatch may be seen by some only, so it is agreed with an
@@ -203,7 +222,7 @@ std::vector<std::pair<std::string, std::string>> export_torch_env(const LaunchIn
   int local_size = launch.local_world_size;
   {
     // The node's processes, from MPI itself (the launcher may not say).
-    MPI_Comm node = MPI_COMM_NULL;
+    Comm node = comm_null();
     SHARDTENSOR_MPI_CHECK(
         MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
     int r = 0;
@@ -232,6 +251,8 @@ std::vector<std::pair<std::string, std::string>> export_torch_env(const LaunchIn
   }
   return set;
 }
+#endif  // SHARDTENSOR_WITH_MPI
+
 // Starts the c10d (Gloo) world of `size` processes (Note [c10d handles]):
 // the rendezvous address is torch's MASTER_ADDR/MASTER_PORT (torchrun sets
 // them; under an MPI launcher export_torch_env() did). A single process
@@ -260,6 +281,15 @@ void start_c10d_world(int rank, int size, const char* launcher) {
 }
 
 }  // namespace
+
+#if !SHARDTENSOR_WITH_MPI
+Comm comm_world() {
+  // A fixed address that no group has: the handle of every process of the job,
+  // which DeviceMesh::create turns into the c10d world (Note [c10d-only build]).
+  static char world_tag = 0;
+  return reinterpret_cast<Comm>(&world_tag);
+}
+#endif
 
 std::string current_transport() { return detail::transport(); }
 
@@ -299,10 +329,14 @@ void init(int* argc, char*** argv) {
     start_c10d_world(launch.rank, launch.world_size, launch.launcher.c_str());
     at::set_num_threads(threads);
     s.transport = transport;
-    s.thread_level = MPI_THREAD_FUNNELED;  // what the library needs; there is no MPI
+    s.thread_level = kThreadFunneled;  // what the library needs; there is no MPI
     s.initialized = true;
     return;
   }
+#if !SHARDTENSOR_WITH_MPI
+  // resolve_transport() chose Gloo, and no MPI is up without MPI.
+  TORCH_INTERNAL_ASSERT(false, "shardtensor::init: an MPI launch in a c10d-only build");
+#else
   TORCH_CHECK(!mpi_finalized(),
               "shardtensor::init: MPI has already been finalized and cannot be initialized "
               "again (MPI allows one MPI_Init/MPI_Finalize per process)");
@@ -346,12 +380,30 @@ void init(int* argc, char*** argv) {
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s.error_channel));
   MPI_Comm_set_name(s.error_channel, "shardtensor error channel");
   s.initialized = true;
+#endif
+}
+
+void init(const c10::intrusive_ptr<::c10d::ProcessGroup>& group) {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.initialized) {
+    TORCH_CHECK(detail::pg::is_world(group.get()),
+                "shardtensor::init: shardtensor already runs (transport '", s.transport,
+                "'), not on this process group; call finalize() first");
+    return;
+  }
+  const int threads = thread_count_from_env();
+  detail::pg::adopt_world(group, shardtensor::timeout());
+  at::set_num_threads(threads);
+  s.transport = "gloo";
+  s.thread_level = kThreadFunneled;  // what the library needs
+  s.initialized = true;
 }
 
 namespace detail {
-MPI_Comm world_comm() {
+Comm world_comm() {
   if (pg::active()) return pg::world();
-  return MPI_COMM_WORLD;
+  return comm_world();
 }
 
 std::string transport() {
@@ -360,10 +412,10 @@ std::string transport() {
   return s.initialized ? s.transport : std::string();
 }
 
-MPI_Comm error_channel() {
+Comm error_channel() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  return s.initialized ? s.error_channel : MPI_COMM_NULL;
+  return s.initialized ? s.error_channel : comm_null();
 }
 }  // namespace detail
 
@@ -390,15 +442,19 @@ void finalize() {
   s.initialized = false;
   detail::pg::stop_world();
   s.transport = "mpi";
-  if (s.error_channel != MPI_COMM_NULL && mpi_initialized() && !mpi_finalized()) {
+#if SHARDTENSOR_WITH_MPI
+  if (s.error_channel != comm_null() && mpi_initialized() && !mpi_finalized()) {
     MPI_Comm_free(&s.error_channel);
   }
-  s.error_channel = MPI_COMM_NULL;
   const bool owns = s.owns_mpi;
-  s.owns_mpi = false;
   if (owns && mpi_initialized() && !mpi_finalized()) {
+    s.owns_mpi = false;
+    s.error_channel = comm_null();
     SHARDTENSOR_MPI_CHECK(MPI_Finalize());
   }
+#endif
+  s.error_channel = comm_null();
+  s.owns_mpi = false;
 }
 
 bool is_initialized() {
@@ -412,7 +468,9 @@ int world_rank() {
   TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
               "shardtensor::world_rank: MPI is not initialized (call shardtensor::init() first)");
   int rank = -1;
+#if SHARDTENSOR_WITH_MPI
   SHARDTENSOR_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+#endif
   return rank;
 }
 
@@ -421,7 +479,9 @@ int world_size() {
   TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
               "shardtensor::world_size: MPI is not initialized (call shardtensor::init() first)");
   int size = 0;
+#if SHARDTENSOR_WITH_MPI
   SHARDTENSOR_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+#endif
   return size;
 }
 
@@ -435,17 +495,21 @@ int mpi_thread_level() {
   }
   TORCH_CHECK(mpi_initialized() && !mpi_finalized(),
               "shardtensor::mpi_thread_level: MPI is not initialized");
-  int provided = MPI_THREAD_SINGLE;
+  int provided = 0;
+#if SHARDTENSOR_WITH_MPI
   SHARDTENSOR_MPI_CHECK(MPI_Query_thread(&provided));
+#endif
   return provided;
 }
 
 void abort(int code) {
   std::fflush(stdout);
   std::fflush(stderr);
+#if SHARDTENSOR_WITH_MPI
   if (mpi_initialized() && !mpi_finalized()) {
     MPI_Abort(MPI_COMM_WORLD, code);
   }
+#endif
   std::_Exit(code);
 }
 

@@ -1,7 +1,7 @@
 #include "core/process_groups.h"
 
 #include <c10/util/Exception.h>
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 #include <shardtensor/core/error.h>
 #include <shardtensor/mesh/device_mesh.h>
 
@@ -34,9 +34,9 @@ struct MeshState {
 
   std::mutex mutex;  // guards the fields below
   bool freed = false;
-  MPI_Comm cart = MPI_COMM_NULL;
-  std::vector<MPI_Comm> dim_comms;
-  std::map<std::vector<bool>, MPI_Comm> sub_comms;
+  Comm cart = comm_null();
+  std::vector<Comm> dim_comms;
+  std::map<std::vector<bool>, Comm> sub_comms;
 
   MeshState() = default;
   MeshState(const MeshState&) = delete;
@@ -57,8 +57,10 @@ bool mpi_usable() {
   if (detail::pg::active()) return true;  // the c10d transport (Note [c10d handles])
   int initialized = 0;
   int finalized = 0;
+#if SHARDTENSOR_WITH_MPI
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
+#endif
   return initialized != 0 && finalized == 0;
 }
 
@@ -99,7 +101,7 @@ int64_t live_mesh_communicators() {
   std::lock_guard<std::mutex> lock(r.mutex);
   int64_t n = 0;
   for (MeshState* s : r.states) {
-    n += (s->cart != MPI_COMM_NULL) + static_cast<int64_t>(s->dim_comms.size()) +
+    n += (s->cart != comm_null()) + static_cast<int64_t>(s->dim_comms.size()) +
          static_cast<int64_t>(s->sub_comms.size());
   }
   return n;
@@ -193,14 +195,16 @@ void MeshState::free_comms() noexcept {
     return;  // MPI already finalized: its communicators are gone with it.
   }
   // Failures here cannot be reported (destructor / finalize path); ignore them.
-  auto release = [](MPI_Comm& c) {
-    if (c == MPI_COMM_NULL) return;
+  auto release = [](Comm& c) {
+    if (c == comm_null()) return;
     if (detail::pg::owns(c)) {
       detail::pg::free_group(c);
     } else if (!detail::pg::active()) {
+#if SHARDTENSOR_WITH_MPI
       MPI_Comm_free(&c);
+#endif
     }
-    c = MPI_COMM_NULL;
+    c = comm_null();
   };
   for (auto& kv : sub_comms) release(kv.second);
   sub_comms.clear();
@@ -212,13 +216,13 @@ void MeshState::free_comms() noexcept {
 }  // namespace detail
 
 DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::string> dim_names,
-                              MPI_Comm comm) {
+                              Comm comm) {
   TORCH_CHECK(mpi_usable(),
               "DeviceMesh::create: MPI is not initialized (call shardtensor::init() first) "
               "or has already been finalized");
-  TORCH_CHECK(comm != MPI_COMM_NULL, "DeviceMesh::create: the base communicator is MPI_COMM_NULL");
+  TORCH_CHECK(comm != comm_null(), "DeviceMesh::create: the base communicator is comm_null()");
   // Under the c10d transport MPI_COMM_WORLD names the c10d world (Note [c10d handles]).
-  if (detail::pg::active() && comm == MPI_COMM_WORLD) comm = detail::pg::world();
+  if (detail::pg::active() && comm == comm_world()) comm = detail::pg::world();
   const bool c10d = detail::pg::owns(comm);
   int comm_size = 0;
   if (c10d) {
@@ -227,7 +231,9 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
     TORCH_CHECK(!detail::pg::active(),
                 "DeviceMesh::create: under the c10d transport the base communicator must be "
                 "MPI_COMM_WORLD (the c10d world) or a mesh's communicator");
+#if SHARDTENSOR_WITH_MPI
     SHARDTENSOR_MPI_CHECK(MPI_Comm_size(comm, &comm_size));
+#endif
   }
 
   // Validation uses only local, rank-independent information (the shape, the
@@ -297,9 +303,12 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
     mesh.state_ = std::move(state);
     return mesh;
   }
+#if !SHARDTENSOR_WITH_MPI
+  TORCH_INTERNAL_ASSERT(false, "DeviceMesh::create: an MPI communicator in a c10d-only build");
+#else
   std::vector<int> dims(shape.begin(), shape.end());
   std::vector<int> periods(ndims, 0);
-  MPI_Comm dup = MPI_COMM_NULL;
+  Comm dup = comm_null();
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(comm, &dup));
   // From here on the library's communicators report errors instead of aborting.
   SHARDTENSOR_MPI_CHECK(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN));
@@ -326,7 +335,7 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
   for (int d = 0; d < ndims; ++d) {
     std::vector<int> remain(ndims, 0);
     remain[d] = 1;
-    MPI_Comm sub = MPI_COMM_NULL;
+    Comm sub = comm_null();
     SHARDTENSOR_MPI_CHECK(MPI_Cart_sub(state->cart, remain.data(), &sub));
     state->dim_comms.push_back(sub);
     // Named for the watchdog's messages (Note [watchdog]).
@@ -342,6 +351,7 @@ DeviceMesh DeviceMesh::create(std::vector<int64_t> shape, std::vector<std::strin
   DeviceMesh mesh;
   mesh.state_ = std::move(state);
   return mesh;
+#endif
 }
 
 DeviceMesh DeviceMesh::abstract(std::vector<int64_t> shape, std::vector<int64_t> coordinate,
@@ -471,14 +481,14 @@ void check_comm_available(const MeshState& s, const char* fn) {
 }
 }  // namespace
 
-MPI_Comm DeviceMesh::comm() const {
+Comm DeviceMesh::comm() const {
   SHARDTENSOR_CHECK_MESH_DEFINED();
   std::lock_guard<std::mutex> lock(state_->mutex);
   check_comm_available(*state_, "comm");
   return state_->cart;
 }
 
-MPI_Comm DeviceMesh::comm(int64_t mesh_dim) const {
+Comm DeviceMesh::comm(int64_t mesh_dim) const {
   SHARDTENSOR_CHECK_MESH_DEFINED();
   const int64_t d = wrap_mesh_dim(mesh_dim, ndim(), "comm");
   std::lock_guard<std::mutex> lock(state_->mutex);
@@ -486,7 +496,7 @@ MPI_Comm DeviceMesh::comm(int64_t mesh_dim) const {
   return state_->dim_comms[d];
 }
 
-MPI_Comm DeviceMesh::comm(const std::vector<bool>& keep_dims) const {
+Comm DeviceMesh::comm(const std::vector<bool>& keep_dims) const {
   SHARDTENSOR_CHECK_MESH_DEFINED();
   TORCH_CHECK(static_cast<int64_t>(keep_dims.size()) == ndim(), "DeviceMesh::comm: keep_dims has ",
               keep_dims.size(), " entries for a mesh with ", ndim(), " dims");
@@ -499,7 +509,7 @@ MPI_Comm DeviceMesh::comm(const std::vector<bool>& keep_dims) const {
   if (it != state_->sub_comms.end()) {
     return it->second;
   }
-  MPI_Comm sub = MPI_COMM_NULL;
+  Comm sub = comm_null();
   if (detail::pg::owns(state_->cart)) {
     // Every rank whose coordinate agrees with this one on the dropped dims.
     std::vector<int> members;
@@ -516,9 +526,11 @@ MPI_Comm DeviceMesh::comm(const std::vector<bool>& keep_dims) const {
     state_->sub_comms.emplace(keep_dims, sub);
     return sub;
   }
+#if SHARDTENSOR_WITH_MPI
   std::vector<int> remain(keep_dims.begin(), keep_dims.end());
   SHARDTENSOR_MPI_CHECK(MPI_Cart_sub(state_->cart, remain.data(), &sub));
   state_->sub_comms.emplace(keep_dims, sub);
+#endif
   return sub;
 }
 

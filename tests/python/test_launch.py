@@ -52,8 +52,17 @@ def test_detect_launch_malformed(env, message):
 
 
 def test_transport():
-    assert _C.resolve_transport({}) == "mpi"
-    assert _C.resolve_transport({**OPENMPI, "SHARDTENSOR_BACKEND": "mpi"}) == "mpi"
+    if not _C.with_mpi:
+        # A c10d-only build (Note [c10d-only build]): every launch is Gloo, and asking
+        # for MPI is a clear error.
+        assert _C.resolve_transport({}) == "gloo"
+        assert _C.resolve_transport(OPENMPI) == "gloo"
+        with pytest.raises(RuntimeError, match="SHARDTENSOR_BACKEND=mpi asks for MPI, but this "
+                           "shardtensor was built without MPI"):
+            _C.resolve_transport({**OPENMPI, "SHARDTENSOR_BACKEND": "mpi"})
+    else:
+        assert _C.resolve_transport({}) == "mpi"
+        assert _C.resolve_transport({**OPENMPI, "SHARDTENSOR_BACKEND": "mpi"}) == "mpi"
     # torchrun without an MPI launcher: the c10d transport (Gloo), never a world of one.
     assert _C.resolve_transport(TORCHRUN) == "gloo"
     assert _C.resolve_transport({**OPENMPI, "SHARDTENSOR_BACKEND": "gloo"}) == "gloo"
@@ -74,6 +83,6 @@ def test_torch_distributed_must_agree_with_mpi(monkeypatch):
     check_torch_distributed(rank, size)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: size + 1)
     with pytest.raises(RuntimeError, match=f"torch.distributed is initialized with rank {rank} "
-                       f"of {size + 1}, but shardtensor's world has rank {rank} of {size}.*own "
-                       "process group"):
+                       f"of {size + 1}, but shardtensor's world has rank {rank} of {size}.*adopts its "
+                       "default group"):
         check_torch_distributed(rank, size)

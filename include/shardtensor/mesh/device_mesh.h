@@ -1,7 +1,7 @@
 #pragma once
-/// \file DeviceMesh: an N-d Cartesian grid of MPI ranks.
+/// \file DeviceMesh: an N-d Cartesian grid of ranks.
 
-#include <mpi.h>
+#include <shardtensor/core/comm.h>
 
 #include <cstdint>
 #include <memory>
@@ -15,21 +15,25 @@ namespace detail {
 struct MeshState;
 }
 
-/// An N-d Cartesian grid of ranks over a duplicate of a base communicator
-/// (MPI_Cart_create), with one sub-communicator per mesh dimension
-/// (MPI_Cart_sub). Copies share the same communicators. The library's
-/// communicators use MPI_ERRORS_RETURN; the base communicator is left as it is.
+/// An N-d Cartesian grid of ranks over a base group (a `Comm`, Note [c10d-only
+/// build] in shardtensor/core/comm.h), with one sub-group per mesh dimension.
+/// Under the MPI transport these are a duplicate of the base communicator
+/// (MPI_Cart_create) and its MPI_Cart_sub communicators, which use
+/// MPI_ERRORS_RETURN (the base communicator is left as it is); under the c10d
+/// transport they are c10d groups (Note [c10d group reuse]). Copies share the
+/// same groups.
 class DeviceMesh {
  public:
   DeviceMesh() = default;
 
-  /// Collective over `comm`. `shape` may contain one -1 entry, inferred from
+  /// Collective over `comm` (comm_world(): every process of the job, under
+  /// either transport). `shape` may contain one -1 entry, inferred from
   /// the size of `comm`. `dim_names` is empty or has one distinct name per dim.
   /// Throws c10::Error (on every rank, before any communication) if the shape
   /// product differs from the communicator size, if more than one entry is -1,
   /// if an entry is 0 or below -1, or if names are duplicated or miscounted.
   static DeviceMesh create(std::vector<int64_t> shape, std::vector<std::string> dim_names = {},
-                           MPI_Comm comm = MPI_COMM_WORLD);
+                           Comm comm = comm_world());
 
   /// Local. A mesh with no communicators, seen from `coordinate`: for
   /// metadata-only use (ShardSpec arithmetic, unit tests without MPI).
@@ -57,12 +61,12 @@ class DeviceMesh {
   bool is_abstract() const;
 
   /// The Cartesian communicator over all ranks of the mesh.
-  MPI_Comm comm() const;
+  Comm comm() const;
   /// The sub-communicator along one mesh dim: its rank is this process's coordinate on that dim.
-  MPI_Comm comm(int64_t mesh_dim) const;
+  Comm comm(int64_t mesh_dim) const;
   /// The sub-communicator spanning the mesh dims whose flag is true (cached).
   /// Local after the first call for a given mask, which is collective over comm().
-  MPI_Comm comm(const std::vector<bool>& keep_dims) const;
+  Comm comm(const std::vector<bool>& keep_dims) const;
 
   /// Two meshes are equal when they are the same mesh (copies of one create()).
   bool operator==(const DeviceMesh& other) const;
