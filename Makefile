@@ -100,6 +100,7 @@ help:
 	@echo "make bench-fixed | bench-weak | bench-strong | bench-maxsize | bench-overhead | bench-attention"
 	@echo "make bench-scale | bench-profile | bench-io | bench-targets | bench-transport | bench-fsdp   scale model (P = 1..16), per-op profile, HDF5 reads, issue 13's targets, MPI vs Gloo, fully_shard vs replicated"
 	@echo "make bench-report  docs/benchmarks.md + docs/img/bench_*.png from bench/results/*.json (gnuplot)"
+	@echo "make gpu-check     tools/gpu_check.sh on a GPU machine; make gpu-check-dry: its CPU dry run (docs/gpu.md)"
 
 # Builds only the demo (and the library), not the tests.
 demo: configure
@@ -297,3 +298,10 @@ TORCH_WHEELS ?= $(wildcard /opt/pypi-more/files/torch-2.14.1-*.whl)
 .PHONY: check-torch-range
 check-torch-range: configure
 	$(VENV_PY) $(REPO_ROOT)/tools/check_torch_range.py $(BUILD_ABS) $(TORCH_WHEELS)
+
+# The GPU check (docs/gpu.md): a c10d-only build in build-gpu-check/ and its steps.
+.PHONY: gpu-check gpu-check-dry
+gpu-check:
+	$(REPO_ROOT)/tools/gpu_check.sh --jobs $(JOBS)
+gpu-check-dry: deps
+	$(REPO_ROOT)/tools/gpu_check.sh --dry-run --jobs $(JOBS) --python $(VENV_PY)

@@ -6,7 +6,9 @@ A conv on a 1x8x1024x1024 tensor sharded on dim 2 (the image height), the
 module's weights made identical and their gradients summed with
 distribute_module, ``mean().backward()``, then the full output and the full
 input gradient compared on rank 0 with the single-process computation.
-SHARDTENSOR_CONV_SIZE=N runs an NxN image instead (default 1024).
+SHARDTENSOR_CONV_SIZE=N runs an NxN image instead (default 1024);
+SHARDTENSOR_CONV_DEVICE=cuda puts the input, the conv and the reference on the GPU
+(tools/gpu_check.sh).
 """
 
 import os
@@ -21,13 +23,14 @@ dm = DistributedManager()
 mesh = dm.initialize_mesh(mesh_shape=(-1,), mesh_dim_names=("domain_parallel",))
 
 size = int(os.environ.get("SHARDTENSOR_CONV_SIZE", "1024"))
+device = torch.device(os.environ.get("SHARDTENSOR_CONV_DEVICE", "cpu"))
 torch.manual_seed(0)
-full_input = torch.randn(1, 8, size, size)
-conv = torch.nn.Conv2d(8, 8, 3, stride=1, padding=1)
+full_input = torch.randn(1, 8, size, size).to(device)
+conv = torch.nn.Conv2d(8, 8, 3, stride=1, padding=1).to(device)
 
 # Single-process reference on rank 0 (a copy of the same conv, same input).
 if dm.rank == 0:
-    ref_conv = torch.nn.Conv2d(8, 8, 3, stride=1, padding=1)
+    ref_conv = torch.nn.Conv2d(8, 8, 3, stride=1, padding=1).to(device)
     ref_conv.load_state_dict(conv.state_dict())
     ref_input = full_input.clone().requires_grad_(True)
     ref_output = ref_conv(ref_input)

@@ -226,19 +226,20 @@ def validate_and_draw(net, predict_fn, mesh, data, args, root):
         print(f"{line} (|error| up to {emax:.3g})", flush=True)
 
 
-def one_step_check(make_net, predict_fn, mesh, world, root, lr):
+def one_step_check(make_net, predict_fn, mesh, world, root, lr, device="cpu"):
     """One sharded Adam step on 64x64 (float64) vs a single-process step of the same
     network (``make_net()``, seeded), printing one MATCH/MISMATCH line; True on MATCH.
+    The pieces, the network and the reference live on ``device``.
     Shared by the examples (fno_train.py)."""
     n, batch = 64, max(2, mesh.size(0))
     inp, tgt = make_batch(mesh, batch, n, 20, 424242)
-    inp = ShardTensor.from_local(inp.to_local().double(), mesh, inp.placements,
+    inp = ShardTensor.from_local(inp.to_local().double().to(device), mesh, inp.placements,
                                  sharding_shapes=[[*s] for s in _sizes(inp)])
-    tgt = ShardTensor.from_local(tgt.to_local().double(), mesh, tgt.placements,
+    tgt = ShardTensor.from_local(tgt.to_local().double().to(device), mesh, tgt.placements,
                                  sharding_shapes=[[*s] for s in _sizes(tgt)])
     x, y = inp.full_tensor(), tgt.full_tensor()
     torch.manual_seed(99)
-    net = make_net().double()
+    net = make_net().double().to(device)
     st.distribute_module(net, mesh)
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
@@ -264,7 +265,7 @@ def one_step_check(make_net, predict_fn, mesh, world, root, lr):
     worst = max_over_ranks(worst, world)
     ok = worst <= 1.0
     if root:
-        print(f"check: one sharded Adam step on {n}x{n} (batch {batch}, float64) vs single-process: "
+        print(f"check: one sharded Adam step on {n}x{n} (batch {batch}, float64, {device}) vs single-process: "
               f"loss {loss.item():.12f} vs {ref_loss.item():.12f}; worst |diff|/(atol+rtol|ref|) = "
               f"{worst:.3g} ({worst_name}; rtol {rtol:.0e}, atol {atol:.0e}) -> "
               f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
@@ -274,7 +275,7 @@ def one_step_check(make_net, predict_fn, mesh, world, root, lr):
 def verify_small(args, mesh, world, root):
     """One sharded Adam step of the U-Net on 64x64 (float64) vs a single-process step."""
     return one_step_check(lambda: UNet2d(2, 1, args.base_channels, args.depth, args.norm),
-                          predict, mesh, world, root, args.lr)
+                          predict, mesh, world, root, args.lr, args.device)
 
 
 def _sizes(t):
@@ -299,6 +300,10 @@ def main():
     ap.add_argument("--norm", default="group", choices=["group", "batch", "none"])
     ap.add_argument("--png", default="unet_train_py.png")
     ap.add_argument("--log-every", type=int, default=1)
+    ap.add_argument("--device", default="cpu",
+                    help="where the one-step MATCH check runs (tools/gpu_check.sh: cuda)")
+    ap.add_argument("--check-only", action="store_true",
+                    help="run only the one-step MATCH check (no training, no picture)")
     args = ap.parse_args()
 
     world, data, domain = mesh_shape(args.mesh)
@@ -307,6 +312,8 @@ def main():
         raise SystemExit("--size must be divisible by 2^depth")
     mesh = st.DeviceMesh((data, domain), ("data", "domain"))
     root = mesh.get_rank() == 0
+    if args.check_only:
+        return 0 if verify_small(args, mesh, world, root) else 1
     if root:
         print(f"unet_train.py: {args.size}x{args.size} grid, mesh {data} (data) x {domain} (domain), "
               f"batch {batch}, U-Net base {args.base_channels} depth {args.depth} norm {args.norm}, "
