@@ -91,6 +91,37 @@ void join_barrier(::c10d::Store& store, int size) {
   store.wait({done});
 }
 
+// Our watchdog bounds every wait (Note [c10d data movement]); Gloo's own
+// timeout only backs it up, so it is a minute longer (a day without a watchdog).
+std::chrono::milliseconds gloo_timeout(double timeout_s) {
+  return std::chrono::milliseconds(timeout_s > 0 ? static_cast<int64_t>(timeout_s * 1000.0) + 60'000
+                                                 : int64_t{24} * 3600'000);
+}
+
+// The world group of `size` ranks over `pg`, installed as the started world.
+// One home for start_world() and adopt_world(); `adopted` is the host's group
+// (null for a world of our own).
+void install_world(c10::intrusive_ptr<::c10d::ProcessGroup> pg,
+                   c10::intrusive_ptr<::c10d::Store> store, int rank, int size, std::string name,
+                   std::chrono::milliseconds timeout,
+                   c10::intrusive_ptr<::c10d::ProcessGroup> adopted) {
+  auto* g = new Group();
+  g->pg = std::move(pg);
+  g->rank = rank;
+  g->size = size;
+  g->world_ranks.resize(size);
+  for (int r = 0; r < size; ++r) g->world_ranks[r] = r;
+  g->name = std::move(name);
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.store = std::move(store);
+  s.world = g;
+  s.adopted = std::move(adopted);
+  s.live.insert(g);
+  s.timeout = timeout;
+  s.active = true;
+}
+
 }  // namespace
 
 bool active() {
@@ -123,10 +154,7 @@ void start_world(int rank, int size, const std::string& addr, int port, bool age
       std::signal(SIGPIPE, SIG_IGN);
     }
   }
-  // Our watchdog bounds every wait (Note [c10d data movement]); Gloo's own
-  // timeout only backs it up, so it is longer.
-  const auto timeout = std::chrono::milliseconds(
-      timeout_s > 0 ? static_cast<int64_t>(timeout_s * 1000.0) + 60'000 : int64_t{24} * 3600'000);
+  const auto timeout = gloo_timeout(timeout_s);
   c10::intrusive_ptr<::c10d::Store> store;
   c10::intrusive_ptr<::c10d::ProcessGroup> pg;
   try {
@@ -149,19 +177,7 @@ void start_world(int rank, int size, const std::string& addr, int port, bool age
                 " processes as rank ", rank, " through the store at ", addr, ":", port,
                 agent_store ? " (torchrun's agent store)" : "", ": ", e.what());
   }
-  auto* g = new Group();
-  g->pg = std::move(pg);
-  g->rank = rank;
-  g->size = size;
-  g->world_ranks.resize(size);
-  for (int r = 0; r < size; ++r) g->world_ranks[r] = r;
-  g->name = "world";
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.store = std::move(store);
-  s.world = g;
-  s.live.insert(g);
-  s.timeout = timeout;
-  s.active = true;
+  install_world(std::move(pg), std::move(store), rank, size, "world", timeout, nullptr);
 }
 
 void adopt_world(const c10::intrusive_ptr<::c10d::ProcessGroup>& group, double timeout_s) {
@@ -176,8 +192,7 @@ void adopt_world(const c10::intrusive_ptr<::c10d::ProcessGroup>& group, double t
   const std::string name = group->getGroupName();
   c10::intrusive_ptr<::c10d::Store> base = group->getStore();
   TORCH_CHECK(base, "shardtensor::init: the process group '", name, "' has no store");
-  const auto timeout = std::chrono::milliseconds(
-      timeout_s > 0 ? static_cast<int64_t>(timeout_s * 1000.0) + 60'000 : int64_t{24} * 3600'000);
+  const auto timeout = gloo_timeout(timeout_s);
   // The group's own store, which every member has; our keys get our prefix
   // and the group's name. On it, shardtensor's Gloo world over exactly the
   // group's members, made like its own (make_world), so meshes split it as
@@ -192,20 +207,8 @@ void adopt_world(const c10::intrusive_ptr<::c10d::ProcessGroup>& group, double t
     TORCH_CHECK(false, "shardtensor::init: could not start on the process group '", name,
                 "' (rank ", rank, " of ", size, "): ", e.what());
   }
-  auto* g = new Group();
-  g->pg = std::move(pg);
-  g->rank = rank;
-  g->size = size;
-  g->world_ranks.resize(size);
-  for (int r = 0; r < size; ++r) g->world_ranks[r] = r;
-  g->name = "world (adopted '" + name + "')";
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.store = std::move(store);
-  s.world = g;
-  s.adopted = group;
-  s.live.insert(g);
-  s.timeout = timeout;
-  s.active = true;
+  install_world(std::move(pg), std::move(store), rank, size, "world (adopted '" + name + "')",
+                timeout, group);
 }
 
 bool is_world(const ::c10d::ProcessGroup* group) {
