@@ -123,7 +123,10 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (st::world_rank() == 0)
+  if (st::world_rank() == 0) {
     std::printf("transport identity: %s\n", st::current_transport().c_str());
+    // Note [host staging]: nonzero only with SHARDTENSOR_STAGE_HOST=1 on a CPU machine.
+    std::printf("staged bytes: %lld\n", static_cast<long long>(st::comm_stats().staged_bytes));
+  }
   return 0;
 }

@@ -1,10 +1,11 @@
 #pragma once
 /// \file The transport: the one seam between shardtensor and MPI.
 ///
-/// Non-differentiable data movement on **contiguous CPU tensors** over an
-/// Comm. Everything above comm/ reaches the network only through the
-/// differentiable primitives (shardtensor/comm/primitives.h), and those reach
-/// it only through the functions declared here.
+/// Non-differentiable data movement on **contiguous tensors** over a Comm.
+/// Buffers on another device than the CPU are moved through host copies
+/// inside each function (Note [host staging] in transport_mpi.cpp). Everything above comm/ reaches
+/// the network only through the differentiable primitives (shardtensor/comm/primitives.h), and
+/// those reach it only through the functions declared here.
 ///
 /// Note [transport seam]
 /// ~~~~~~~~~~~~~~~~~~~~~
@@ -16,8 +17,8 @@
 ///  - NCCL: all_reduce_/all_gatherv/reduce_scatter/broadcast_ map one to one,
 ///    all_to_allv and the split-phase exchange become ncclGroupStart/End of
 ///    ncclSend/ncclRecv (the PendingExchange then holds a CUDA event);
-///  - device tensors with a host-only transport: stage through pinned host
-///    buffers inside these functions.
+///  - device tensors with a host-only transport: staged through pinned host
+///    buffers inside these functions (done: Note [host staging]).
 /// Comm is the only MPI type in the interface: it names the group and is
 /// what a backend would key its own communicator cache on. Data always moves
 /// as MPI_BYTE; only the reductions need the element type.
@@ -67,6 +68,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace shardtensor::comm::c10d {
@@ -188,6 +190,7 @@ class PendingExchange {
                                                  const at::Tensor& send, const at::Tensor& recv,
                                                  Comm graph);
   void abandon() noexcept;
+  void finish_transfers();
 
   std::vector<MpiRequest> requests_;     // receives first, then sends
   std::vector<int64_t> expected_bytes_;  // per receive
@@ -198,6 +201,9 @@ class PendingExchange {
   bool completed_ = false;
   bool collective_ = false;               // one neighbourhood-collective request (not cancellable)
   std::shared_ptr<c10d::Exchange> c10d_;  // the messages, on a c10d group (Note [c10d handles])
+  // Copies of staged receive buffers back to their device, run by finish()
+  // (Note [host staging]).
+  std::vector<std::function<void()>> copy_back_;
 };
 
 /// Point-to-point over `comm`: posts MPI_Irecv for every entry of `recvs`, then
@@ -230,7 +236,8 @@ class PendingReduce {
   /// here and stays false until finish(), which starts its all-gather.
   bool test();
   bool pending() const {
-    return request_ != null_request() || wide_.defined() || phase_ != nullptr;
+    return request_ != null_request() || wide_.defined() || phase_ != nullptr ||
+           staged_device_.defined();
   }
 
  private:
@@ -238,6 +245,7 @@ class PendingReduce {
   /// Ordered sums (Note [ordered sums]): the reduce-scatter finished, start
   /// the all-gather of the chunks back into buffer_.
   void start_gather_phase();
+  void finish_reduction();
 
   MpiRequest request_ = null_request();
   Comm comm_ = comm_null();  // for the watchdog's message
@@ -248,6 +256,9 @@ class PendingReduce {
   at::Tensor chunk_;
   std::vector<int64_t> chunk_bytes_;
   bool gathering_ = false;
+  // A buffer on a device and the host copy reduced in its place, copied back
+  // by finish() (Note [host staging]).
+  at::Tensor staged_device_, staged_host_;
 };
 
 /// Collective over `comm`: starts all_reduce_() of `t` without waiting, in
@@ -407,6 +418,9 @@ class NeighborExchange {
   friend PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
                                                  const at::Tensor& recv, Comm graph);
   int64_t send_bytes_ = 0, recv_bytes_ = 0;  // the tensors' sizes
+  // The receive layout, for copying staged receives back (Note [host staging]).
+  int64_t outer_ = 0, recv_rows_ = 0, row_bytes_ = 0;
+  std::vector<std::vector<RowRun>> recv_runs_;
   std::vector<MpiDatatype> send_types_, recv_types_;
   std::vector<int> send_counts_, recv_counts_;      // 1, or 0 for nothing
   std::vector<MpiAint> send_displs_, recv_displs_;  // 0: the types hold the offsets

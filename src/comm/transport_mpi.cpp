@@ -14,10 +14,12 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <utility>
 
 namespace shardtensor::detail {
@@ -83,6 +85,98 @@ void check_buffer(const at::Tensor& t, const char* what) {
 }
 
 int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
+
+// Note [host staging]
+// ~~~~~~~~~~~~~~~~~~~
+// Both transports move host memory: Gloo's send/recv and an MPI library that
+// is not CUDA-aware (Debian's Open MPI) read and write the buffers with the
+// CPU. So that no rule above the seam needs to know where its piece lives,
+// every function of the seam takes buffers on any device and moves a buffer
+// that is not in host memory through a host copy:
+//  - a send buffer, or one reduced or overwritten in place, is copied to the
+//    host before the call;
+//  - a receive buffer is copied back from its host copy when the call has
+//    completed: at once for the blocking functions, in finish() for the
+//    split-phase ones (which keep the host copies alive until then). A
+//    receive buffer that the call does not cover whole is copied to the host
+//    first too, so that the bytes it does not write keep their values.
+// Host copies of CUDA buffers are pinned (torch's caching host allocator),
+// and the copy back is ordered on the current stream. The staging runs
+// inside the functions, so the traffic counters (Note [traffic accounting])
+// are those of host buffers; the copies themselves are counted in
+// CommStats::staged_bytes (one count per copy, each way).
+// SHARDTENSOR_STAGE_HOST=1 (read once) stages host buffers too, through fresh
+// host copies, so that the CPU test suite runs every staging path
+// (test_comm.staged.*, test_tensor.staged.*, ...). The calls a staged call
+// makes on its host copies are not staged again (StagedScope).
+thread_local int t_staged_depth = 0;
+
+/// Marks the calls made on host copies, which must not be staged again.
+struct StagedScope {
+  StagedScope() { ++t_staged_depth; }
+  ~StagedScope() { --t_staged_depth; }
+  StagedScope(const StagedScope&) = delete;
+  StagedScope& operator=(const StagedScope&) = delete;
+};
+
+bool stage_forced() {
+  static const bool forced = [] {
+    const char* e = std::getenv("SHARDTENSOR_STAGE_HOST");
+    return e != nullptr && *e != '\0' && std::string(e) != "0";
+  }();
+  return forced;
+}
+
+/// Whether `t` moves through a host copy (Note [host staging]).
+bool staged(const at::Tensor& t) {
+  return t_staged_depth == 0 && t.defined() && (!t.device().is_cpu() || stage_forced());
+}
+
+at::Tensor host_like(const at::Tensor& t) {
+  return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.is_cuda()));
+}
+
+/// A host copy of `t` holding its values, or `t` itself when it is not staged.
+at::Tensor stage_in(const at::Tensor& t) {
+  if (!staged(t)) return t;
+  // The seam's contract holds for every buffer, staged or not.
+  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: buffers must be contiguous (got a ",
+              t.device(), " tensor of strides ", t.strides(), ")");
+  at::Tensor h = host_like(t);
+  h.copy_(t);
+  detail::record_staged(nbytes(t));
+  return h;
+}
+
+/// An uninitialised host buffer for receiving into `t`; only the bytes the
+/// call writes are copied back (stage_out_bytes()), so the caller may write
+/// the others while a split-phase call is in flight, as with host buffers.
+at::Tensor stage_recv(const at::Tensor& t) {
+  if (!staged(t)) return t;
+  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: buffers must be contiguous (got a ",
+              t.device(), " tensor of strides ", t.strides(), ")");
+  return host_like(t);
+}
+
+/// `t` (contiguous) as a flat byte tensor sharing its memory.
+at::Tensor bytes_of(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+/// Copies bytes [from, from + count) of the host copy `h` back into `t`
+/// (nothing when `h` is `t`).
+void stage_out_bytes(const at::Tensor& t, const at::Tensor& h, int64_t from, int64_t count) {
+  if (!t.defined() || h.is_same(t) || count <= 0) return;
+  bytes_of(t).narrow(0, from, count).copy_(bytes_of(h).narrow(0, from, count), h.is_pinned());
+  detail::record_staged(count);
+}
+
+/// Copies all of the host copy `h` back into `t`.
+void stage_out(const at::Tensor& t, const at::Tensor& h) {
+  if (t.defined()) stage_out_bytes(t, h, 0, nbytes(t));
+}
+
+int64_t sum_of(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
 
 void* ptr(const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr(); }
 
@@ -303,6 +397,15 @@ int comm_rank(Comm comm) {
 }
 
 void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
+  if (staged(t)) {  // Note [host staging]
+    const at::Tensor h = stage_in(t);
+    {
+      StagedScope scope;
+      all_reduce_(h, op, comm);
+    }
+    stage_out(t, h);
+    return;
+  }
   check_buffer(t, "all_reduce_ buffer");
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
@@ -353,6 +456,21 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
 
 PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
                                     const std::vector<int64_t>& recv_bytes, Comm comm) {
+  if (staged(send) || staged(recv)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send);
+    const at::Tensor hr = stage_recv(recv);
+    PendingCollective p;
+    {
+      StagedScope scope;
+      p = start_all_gatherv(hs, hr, recv_bytes, comm);
+    }
+    const int64_t total = sum_of(recv_bytes);  // what the call writes
+    p.then_ = [then = std::move(p.then_), recv, hr, total] {
+      if (then) then();
+      stage_out_bytes(recv, hr, 0, total);
+    };
+    return p;
+  }
   PendingCollective pending;
   check_buffer(send, "all_gatherv send buffer");
   check_buffer(recv, "all_gatherv receive buffer");
@@ -448,6 +566,16 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
 void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
                       const std::vector<int64_t>& rows, int64_t outer, int64_t row_bytes,
                       Comm comm) {
+  if (staged(send) || staged(recv)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send);
+    const at::Tensor hr = stage_recv(recv);
+    {
+      StagedScope scope;
+      all_gatherv_rows(hs, hr, rows, outer, row_bytes, comm);
+    }
+    stage_out_bytes(recv, hr, 0, sum_of(rows) * outer * row_bytes);
+    return;
+  }
   check_buffer(send, "all_gatherv_rows send buffer");
   check_buffer(recv, "all_gatherv_rows receive buffer");
   const int size = comm_size(comm);
@@ -518,6 +646,17 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
                  Comm comm) {
+  if (staged(send) || staged(recv)) {  // Note [host staging]
+    // The receives may leave gaps between the displacements: copied in whole.
+    const at::Tensor hs = stage_in(send);
+    const at::Tensor hr = stage_in(recv);
+    {
+      StagedScope scope;
+      all_to_allv(hs, send_bytes, send_displs, hr, recv_bytes, recv_displs, comm);
+    }
+    stage_out(recv, hr);
+    return;
+  }
   check_buffer(send, "all_to_allv send buffer");
   check_buffer(recv, "all_to_allv receive buffer");
   const int size = comm_size(comm);
@@ -584,6 +723,15 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
 }
 
 void broadcast_(const at::Tensor& t, int root, Comm comm) {
+  if (staged(t)) {  // Note [host staging]
+    const at::Tensor h = stage_in(t);
+    {
+      StagedScope scope;
+      broadcast_(h, root, comm);
+    }
+    stage_out(t, h);
+    return;
+  }
   check_buffer(t, "broadcast_ buffer");
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
@@ -619,6 +767,16 @@ void broadcast_(const at::Tensor& t, int root, Comm comm) {
 
 void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
               const at::Tensor& recv, int root, Comm comm) {
+  if (staged(send) || staged(recv)) {      // Note [host staging]
+    const at::Tensor hs = stage_in(send);  // read on the root only; may be undefined elsewhere
+    const at::Tensor hr = stage_recv(recv);
+    {
+      StagedScope scope;
+      scatterv(hs, send_bytes, hr, root, comm);
+    }
+    stage_out(recv, hr);
+    return;
+  }
   check_buffer(recv, "scatterv receive buffer");
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
@@ -685,6 +843,22 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
 PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
                                        const std::vector<int64_t>& recv_numel, ReduceOp op,
                                        Comm comm) {
+  if (staged(send) || staged(recv)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send);
+    const at::Tensor hr = stage_recv(recv);
+    PendingCollective p;
+    {
+      StagedScope scope;
+      p = start_reduce_scatter(hs, hr, recv_numel, op, comm);
+    }
+    const auto me = static_cast<size_t>(comm_rank(comm));  // valid: the call checked it
+    const int64_t covered = recv_numel[me] * recv.element_size();
+    p.then_ = [then = std::move(p.then_), recv, hr, covered] {
+      if (then) then();
+      stage_out_bytes(recv, hr, 0, covered);
+    };
+    return p;
+  }
   PendingCollective pending;
   check_buffer(send, "reduce_scatter send buffer");
   check_buffer(recv, "reduce_scatter receive buffer");
@@ -836,10 +1010,12 @@ PendingExchange::PendingExchange(PendingExchange&& other) noexcept
       comm_(other.comm_),
       completed_(other.completed_),
       collective_(other.collective_),
-      c10d_(std::move(other.c10d_)) {
+      c10d_(std::move(other.c10d_)),
+      copy_back_(std::move(other.copy_back_)) {
   other.requests_.clear();
   other.peers_.clear();
   other.completed_ = false;
+  other.copy_back_.clear();
 }
 
 PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
@@ -854,9 +1030,11 @@ PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
     completed_ = other.completed_;
     collective_ = other.collective_;
     c10d_ = std::move(other.c10d_);
+    copy_back_ = std::move(other.copy_back_);
     other.requests_.clear();
     other.peers_.clear();
     other.completed_ = false;
+    other.copy_back_.clear();
   }
   return *this;
 }
@@ -864,10 +1042,11 @@ PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
 PendingExchange::~PendingExchange() { abandon(); }
 
 bool PendingExchange::pending() const {
-  return !requests_.empty() || (c10d_ != nullptr && c10d_->pending());
+  return !requests_.empty() || (c10d_ != nullptr && c10d_->pending()) || !copy_back_.empty();
 }
 
 void PendingExchange::abandon() noexcept {
+  copy_back_.clear();
   c10d_.reset();  // waits, watchdog-bounded (Note [c10d data movement])
   if (requests_.empty()) {
     return;
@@ -896,6 +1075,13 @@ void PendingExchange::abandon() noexcept {
 }
 
 void PendingExchange::finish() {
+  finish_transfers();
+  auto back = std::move(copy_back_);  // Note [host staging]
+  copy_back_.clear();
+  for (const auto& copy : back) copy();
+}
+
+void PendingExchange::finish_transfers() {
   if (c10d_ != nullptr) {
     auto x = std::move(c10d_);
     CommTimer timer;
@@ -977,6 +1163,31 @@ bool PendingExchange::test() {
 
 PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
                                const std::vector<PeerBuffer>& recvs, Comm comm, int tag) {
+  {  // Note [host staging]
+    bool any = false;
+    for (const auto* list : {&sends, &recvs}) {
+      for (const auto& pb : *list) any = any || staged(pb.buffer);
+    }
+    if (any) {
+      std::vector<PeerBuffer> hsends, hrecvs;
+      std::vector<std::function<void()>> back;
+      for (const auto& pb : sends) hsends.push_back({pb.peer, stage_in(pb.buffer)});
+      for (const auto& pb : recvs) {
+        at::Tensor h = pb.buffer.defined() ? stage_recv(pb.buffer) : pb.buffer;
+        if (!h.is_same(pb.buffer)) {
+          back.emplace_back([device = pb.buffer, h] { stage_out(device, h); });
+        }
+        hrecvs.push_back({pb.peer, std::move(h)});
+      }
+      PendingExchange ex;
+      {
+        StagedScope scope;
+        ex = start_exchange(hsends, hrecvs, comm, tag);
+      }
+      ex.copy_back_ = std::move(back);
+      return ex;
+    }
+  }
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   // Validate everything before posting anything.
@@ -1074,11 +1285,15 @@ PendingReduce::PendingReduce(PendingReduce&& other) noexcept
       phase_(std::move(other.phase_)),
       chunk_(std::move(other.chunk_)),
       chunk_bytes_(std::move(other.chunk_bytes_)),
-      gathering_(other.gathering_) {
+      gathering_(other.gathering_),
+      staged_device_(std::move(other.staged_device_)),
+      staged_host_(std::move(other.staged_host_)) {
   other.request_ = null_request();
   other.wide_ = at::Tensor();
   other.phase_.reset();
   other.gathering_ = false;
+  other.staged_device_ = at::Tensor();
+  other.staged_host_ = at::Tensor();
 }
 
 PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
@@ -1095,10 +1310,14 @@ PendingReduce& PendingReduce::operator=(PendingReduce&& other) noexcept {
     chunk_ = std::move(other.chunk_);
     chunk_bytes_ = std::move(other.chunk_bytes_);
     gathering_ = other.gathering_;
+    staged_device_ = std::move(other.staged_device_);
+    staged_host_ = std::move(other.staged_host_);
     other.request_ = null_request();
     other.wide_ = at::Tensor();
     other.phase_.reset();
     other.gathering_ = false;
+    other.staged_device_ = at::Tensor();
+    other.staged_host_ = at::Tensor();
   }
   return *this;
 }
@@ -1111,6 +1330,7 @@ PendingReduce::~PendingReduce() {
 
 void PendingReduce::start_gather_phase() {
   phase_->finish();
+  StagedScope scope;  // chunk_ and buffer_ are host memory already (Note [host staging])
   *phase_ = start_all_gatherv(chunk_, buffer_, chunk_bytes_, comm_);
   gathering_ = true;
 }
@@ -1136,6 +1356,17 @@ bool PendingReduce::test() {
 }
 
 void PendingReduce::finish() {
+  finish_reduction();
+  if (staged_device_.defined()) {  // Note [host staging]
+    const at::Tensor device = std::move(staged_device_);
+    const at::Tensor host = std::move(staged_host_);
+    staged_device_ = at::Tensor();
+    staged_host_ = at::Tensor();
+    stage_out(device, host);
+  }
+}
+
+void PendingReduce::finish_reduction() {
   if (phase_ != nullptr) {
     if (!gathering_) start_gather_phase();
     phase_->finish();
@@ -1158,6 +1389,17 @@ void PendingReduce::finish() {
 }
 
 PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
+  if (staged(t)) {  // Note [host staging]
+    const at::Tensor h = stage_in(t);
+    PendingReduce p;
+    {
+      StagedScope scope;
+      p = start_all_reduce_(h, op, comm);
+    }
+    p.staged_device_ = t;
+    p.staged_host_ = h;
+    return p;
+  }
   check_buffer(t, "start_all_reduce_ buffer");
   PendingReduce pending;
   const int size = comm_size(comm);
@@ -1527,7 +1769,12 @@ int64_t neighbor_graph_count(Comm comm) {
 NeighborExchange::NeighborExchange(int64_t outer, int64_t send_rows, int64_t recv_rows,
                                    int64_t row_bytes, const std::vector<std::vector<RowRun>>& sends,
                                    const std::vector<std::vector<RowRun>>& recvs)
-    : send_bytes_(outer * send_rows * row_bytes), recv_bytes_(outer * recv_rows * row_bytes) {
+    : send_bytes_(outer * send_rows * row_bytes),
+      recv_bytes_(outer * recv_rows * row_bytes),
+      outer_(outer),
+      recv_rows_(recv_rows),
+      row_bytes_(row_bytes),
+      recv_runs_(recvs) {
 #if !SHARDTENSOR_WITH_MPI
   // Made only for an MPI graph (neighbor_graph() gives none in a c10d-only build).
   no_mpi("NeighborExchange");
@@ -1562,6 +1809,32 @@ NeighborExchange::~NeighborExchange() {
 
 PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
                                         const at::Tensor& recv, Comm graph) {
+  if (staged(send) || staged(recv)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send);
+    const at::Tensor hr = stage_recv(recv);
+    PendingExchange ex;
+    {
+      StagedScope scope;
+      ex = start_neighbor_exchange(x, hs, hr, graph);
+    }
+    if (!hr.is_same(recv)) {
+      // Only the rows the messages write go back: the caller fills the others
+      // while the exchange is in flight (the halo's fills and own rows).
+      const std::vector<int64_t> shape{x.outer_, x.recv_rows_, x.row_bytes_};
+      ex.copy_back_.emplace_back([shape, runs = x.recv_runs_, recv, hr] {
+        at::Tensor d = bytes_of(recv).view(shape), h = bytes_of(hr).view(shape);
+        for (const auto& peer_runs : runs) {
+          for (const RowRun& r : peer_runs) {
+            if (r.count <= 0) continue;
+            const int64_t lo = r.step > 0 ? r.first : r.first - r.count + 1;
+            d.narrow(1, lo, r.count).copy_(h.narrow(1, lo, r.count), hr.is_pinned());
+            detail::record_staged(shape[0] * r.count * shape[2]);
+          }
+        }
+      });
+    }
+    return ex;
+  }
   check_buffer(send, "neighbourhood exchange send buffer");
   check_buffer(recv, "neighbourhood exchange receive buffer");
   TORCH_CHECK(nbytes(send) == x.send_bytes_ && nbytes(recv) == x.recv_bytes_,

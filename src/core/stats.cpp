@@ -22,6 +22,7 @@ std::atomic<int64_t> g_bytes_received{0};
 std::atomic<int64_t> g_messages{0};
 std::atomic<int64_t> g_comm_nanoseconds{0};
 std::atomic<int64_t> g_gathered_bytes{0};
+std::atomic<int64_t> g_staged_bytes{0};
 std::atomic<int64_t> g_current_bytes{0};
 std::atomic<int64_t> g_io_bytes_read{0};
 std::atomic<int64_t> g_io_bytes_written{0};
@@ -106,6 +107,7 @@ CommStats comm_stats() {
   s.messages = g_messages.load(std::memory_order_relaxed);
   s.comm_seconds = static_cast<double>(g_comm_nanoseconds.load(std::memory_order_relaxed)) * 1e-9;
   s.gathered_bytes = g_gathered_bytes.load(std::memory_order_relaxed);
+  s.staged_bytes = g_staged_bytes.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -115,6 +117,7 @@ void reset_comm_stats() {
   g_messages.store(0, std::memory_order_relaxed);
   g_comm_nanoseconds.store(0, std::memory_order_relaxed);
   g_gathered_bytes.store(0, std::memory_order_relaxed);
+  g_staged_bytes.store(0, std::memory_order_relaxed);
 }
 
 MemoryStats memory_stats() {
@@ -169,6 +172,7 @@ void record_comm_time(int64_t nanoseconds) {
 void record_gathered(int64_t bytes) {
   g_gathered_bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
+void record_staged(int64_t bytes) { g_staged_bytes.fetch_add(bytes, std::memory_order_relaxed); }
 }  // namespace detail
 
 }  // namespace shardtensor

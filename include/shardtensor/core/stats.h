@@ -24,6 +24,13 @@ struct CommStats {
   /// replicates more than a rank's piece (Note [visible gathers] in
   /// <shardtensor/core/policy.h>). Also counted in bytes_received.
   int64_t gathered_bytes = 0;
+  /// Bytes copied between a device and host memory because the transport
+  /// moves host memory only (Note [host staging] in comm/transport_mpi.cpp):
+  /// each device buffer of a transport call counted once per copy, into
+  /// host memory before the call and back after it. Zero for CPU pieces
+  /// (unless SHARDTENSOR_STAGE_HOST=1 forces staging, for tests). Not part
+  /// of bytes_sent / bytes_received.
+  int64_t staged_bytes = 0;
 };
 
 /// Local. Counters since the last reset_comm_stats().
@@ -71,6 +78,8 @@ void record_comm(int64_t bytes_sent, int64_t bytes_received, int64_t messages);
 void record_comm_time(int64_t nanoseconds);
 /// Local. Adds to gathered_bytes (Note [visible gathers]).
 void record_gathered(int64_t bytes);
+/// Local. Adds to staged_bytes (used by comm/ only; Note [host staging]).
+void record_staged(int64_t bytes);
 }  // namespace detail
 
 }  // namespace shardtensor
