@@ -37,7 +37,8 @@ if dm.rank == 0:
     ref_output.mean().backward()
 
 # Sharded: the input scattered from rank 0 along dim 2.
-sharded_tensor = scatter_tensor(full_input, 0, mesh, (Shard(2),), requires_grad=True)
+sharded_tensor = scatter_tensor(full_input, 0, mesh, (Shard(2),), requires_grad=True,
+                                device=device)
 conv = st.distribute_module(conv, mesh)
 sharded_output = conv(sharded_tensor)
 sharded_output.mean().backward()

@@ -78,7 +78,9 @@ abort = _runtime.abort
 def comm_stats():
     """This rank's communication counters since the last reset: dict with
     bytes_sent, bytes_received, messages, comm_seconds, gathered_bytes (bytes
-    replicated beyond this rank's piece by a rule or the generic fallback). Local."""
+    replicated beyond this rank's piece by a rule or the generic fallback),
+    staged_bytes (bytes copied between a device and host memory around
+    transport calls; 0 for CPU pieces). Local."""
     return _C.comm_stats()
 
 

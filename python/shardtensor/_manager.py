@@ -67,6 +67,8 @@ class DistributedManager:
         s["_local_rank"] = local if local >= 0 else int(os.environ.get("LOCAL_RANK", rank))
         if launch["local_rank"] >= 0 and torch.cuda.is_available():
             s["_device"] = torch.device("cuda", launch["local_rank"] % torch.cuda.device_count())
+            # As PhysicsNeMo's manager does: "cuda" then means this rank's GPU.
+            torch.cuda.set_device(s["_device"])
         else:
             s["_device"] = torch.device("cpu")
         s["global_mesh"] = None
@@ -100,7 +102,7 @@ class DistributedManager:
         """Creates (collective) and remembers the global mesh."""
         from ._mesh import DeviceMesh
 
-        self.global_mesh = DeviceMesh(mesh_shape, mesh_dim_names)
+        self.global_mesh = DeviceMesh(self.device.type, mesh_shape, mesh_dim_names)
         return self.global_mesh
 
     def _default_mesh(self):

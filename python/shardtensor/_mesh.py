@@ -25,17 +25,50 @@ def _comm_handle(comm):
 
 
 class DeviceMesh:
-    """An N-d Cartesian grid of ranks: ``DeviceMesh((2, -1), ("data", "domain"))``.
+    """An N-d Cartesian grid of ranks: ``DeviceMesh((2, -1), ("data", "domain"))``,
+    or PhysicsNeMo's and PyTorch's ``DeviceMesh("cuda", (2, -1), mesh_dim_names=...)``.
 
     Collective over ``comm`` (an mpi4py communicator; default MPI_COMM_WORLD),
     which must be the same on every rank. One entry of ``mesh_shape`` may be -1
-    (inferred). Initializes MPI on first use (or adopts mpi4py's). Raises
+    (inferred). ``device_type`` ("cpu" or "cuda") says where the factories put
+    each rank's piece: ``mesh.device`` is the CPU, or the GPU ``LOCAL_RANK %
+    torch.cuda.device_count()``. Initializes shardtensor on first use. Raises
     RuntimeError on every rank, before communicating, if the shape does not fit
-    the communicator size or the names are wrong. C++: DeviceMesh::create.
+    the communicator size or the names are wrong, and where CUDA is missing
+    for a "cuda" mesh. C++: DeviceMesh::create.
     """
 
-    def __init__(self, mesh_shape=(-1,), mesh_dim_names=None, comm=None, *, _cmesh=None):
+    def __init__(self, *args, mesh_shape=None, mesh_dim_names=None, comm=None, device_type=None,
+                 _cmesh=None):
+        args = list(args)
+        if args and isinstance(args[0], str):
+            if device_type is not None:
+                raise TypeError("DeviceMesh: device_type given twice")
+            device_type = args.pop(0)
+        for name, value in (("mesh_shape", mesh_shape), ("mesh_dim_names", mesh_dim_names),
+                            ("comm", comm)):
+            if args:
+                if value is not None:
+                    raise TypeError(f"DeviceMesh: {name} given twice")
+                value = args.pop(0)
+            if name == "mesh_shape":
+                mesh_shape = value if value is not None else (-1,)
+            elif name == "mesh_dim_names":
+                mesh_dim_names = value
+            else:
+                comm = value
+        if args:
+            raise TypeError("DeviceMesh: too many arguments")
         if _cmesh is None:
+            if hasattr(mesh_shape, "shape") and not isinstance(mesh_shape, (tuple, list)):
+                # PyTorch passes the mesh as a tensor of ranks: its shape is ours
+                # (ranks in row-major order).
+                ranks = [int(r) for r in mesh_shape.flatten().tolist()]
+                if ranks != list(range(len(ranks))):
+                    raise ValueError(
+                        "DeviceMesh: a mesh tensor must list the ranks 0..N-1 in row-major "
+                        f"order; got {ranks}")
+                mesh_shape = tuple(mesh_shape.shape)
             if isinstance(mesh_shape, int):
                 mesh_shape = (mesh_shape,)
             if isinstance(mesh_dim_names, str):
@@ -43,7 +76,8 @@ class DeviceMesh:
             handle = _comm_handle(comm)
             ensure_init()
             _cmesh = _C.DeviceMesh.create(
-                [int(s) for s in mesh_shape], list(mesh_dim_names or ()), handle
+                [int(s) for s in mesh_shape], list(mesh_dim_names or ()), handle,
+                str(device_type or "cpu")
             )
         self._c = _cmesh
         _live.append(weakref.ref(self))
@@ -66,6 +100,16 @@ class DeviceMesh:
     @property
     def mesh_shape(self):
         return self.shape
+
+    @property
+    def device_type(self):
+        """Where the factories put pieces: "cpu" or "cuda". Local."""
+        return self._c.device_type
+
+    @property
+    def device(self):
+        """This rank's device (torch.device): the CPU, or its GPU on a cuda mesh. Local."""
+        return self._c.device()
 
     @property
     def ndim(self):
@@ -111,21 +155,21 @@ class DeviceMesh:
 
     def __repr__(self):
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
-        return f"DeviceMesh(shape={self.shape}{names})"
+        return f"DeviceMesh({self.device_type!r}, shape={self.shape}{names})"
 
 
 def init_device_mesh(*args, mesh_shape=None, mesh_dim_names=None, comm=None):
-    """``init_device_mesh(shape, names)`` or PyTorch's ``init_device_mesh("cpu", shape,
+    """``init_device_mesh(shape, names)`` or PyTorch's ``init_device_mesh("cuda", shape,
     mesh_dim_names=names)``. Collective; see DeviceMesh."""
     args = list(args)
+    device_type = "cpu"
     if args and isinstance(args[0], str):
         device_type = args.pop(0)
-        if device_type not in ("cpu",):
-            raise ValueError(f"shardtensor runs on cpu tensors; got device_type={device_type!r}")
     if args:
         mesh_shape = args.pop(0)
     if args:
         mesh_dim_names = args.pop(0)
     if args:
         raise TypeError("init_device_mesh: too many arguments")
-    return DeviceMesh(mesh_shape if mesh_shape is not None else (-1,), mesh_dim_names, comm)
+    return DeviceMesh(mesh_shape=mesh_shape if mesh_shape is not None else (-1,),
+                      mesh_dim_names=mesh_dim_names, comm=comm, device_type=device_type)

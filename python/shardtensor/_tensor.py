@@ -302,11 +302,13 @@ class ShardTensor(torch.Tensor):
 
 
 def scatter_tensor(tensor, global_src, mesh, placements, global_shape=None, dtype=None,
-                   requires_grad=False):
+                   requires_grad=False, *, device=None):
     """Scatters ``tensor`` (needed on rank ``global_src`` of the mesh only; others
     may pass None) so each rank receives only its piece. Collective over the
-    mesh. The piece is a leaf that requires grad if ``requires_grad``. Raises on
-    every rank if the tensor does not fit the placements. C++: scatter_tensor."""
+    mesh. The piece lives on ``device``, or on the mesh's device when None (each
+    rank its own GPU on a ``DeviceMesh("cuda", ...)``), and is a leaf that
+    requires grad if ``requires_grad``. Raises on every rank if the tensor does
+    not fit the placements. C++: scatter_tensor."""
     mesh = _mesh_of(mesh)
     placements = _placements_tuple(placements)
     if tensor is not None and dtype is not None:
@@ -314,14 +316,20 @@ def scatter_tensor(tensor, global_src, mesh, placements, global_shape=None, dtyp
     # Placements go to C++ exactly as given on every rank (only src knows ndim;
     # C++ checks them against the broadcast shape on every rank).
     return _wrap(_C.scatter_tensor(tensor, int(global_src), mesh._c, _to_codes(placements),
-                                   bool(requires_grad)))
+                                   bool(requires_grad), _device_or_none(device)))
+
+
+def _device_or_none(device):
+    return None if device is None else torch.device(device)
 
 
 def distribute_tensor(tensor, device_mesh=None, placements=None, *, requires_grad=None,
-                      sharding_shapes=None):
+                      sharding_shapes=None, device=None):
     """Every rank has ``tensor`` and keeps a copy of its piece (no communication).
     The piece is a leaf that requires grad if ``requires_grad`` (default: the
-    tensor's own flag). C++: distribute_tensor."""
+    tensor's own flag), on ``device``, or on the mesh's device when None (as
+    PyTorch's distribute_tensor moves a tensor to its mesh's device type).
+    C++: distribute_tensor."""
     mesh = _mesh_of(device_mesh)
     if placements is None:
         placements = (Replicate(),) * mesh.ndim
@@ -332,4 +340,5 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, requires_gra
     with torch.no_grad():
         return _wrap(_C.distribute_tensor(tensor.detach(), mesh._c,
                                           _to_codes(placements, tensor.dim()),
-                                          bool(requires_grad), sizes))
+                                          bool(requires_grad), sizes,
+                                          _device_or_none(device)))

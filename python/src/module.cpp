@@ -164,6 +164,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_initialized", &st::is_initialized);
   m.def("world_rank", &st::world_rank);
   m.def("world_size", &st::world_size);
+  m.def("local_rank", &st::local_rank);
   m.def("abort", &st::abort, py::arg("code"),
         "Ends the whole job now (MPI_Abort if MPI is up). Never returns.");
 
@@ -171,11 +172,18 @@ PYBIND11_MODULE(_C, m) {
   py::class_<st::DeviceMesh>(m, "DeviceMesh")
       .def_static(
           "create",
-          [](std::vector<int64_t> shape, std::vector<std::string> names, std::uintptr_t comm) {
-            return st::DeviceMesh::create(std::move(shape), std::move(names),
-                                          comm_from_handle(comm));
+          [](std::vector<int64_t> shape, std::vector<std::string> names, std::uintptr_t comm,
+             const std::string& device_type) {
+            return st::DeviceMesh::create(c10::Device(device_type).type(), std::move(shape),
+                                          std::move(names), comm_from_handle(comm));
           },
-          py::arg("shape"), py::arg("names"), py::arg("comm") = 0, Release())
+          py::arg("shape"), py::arg("names"), py::arg("comm") = 0, py::arg("device_type") = "cpu",
+          Release())
+      .def_property_readonly("device_type",
+                             [](const st::DeviceMesh& mesh) {
+                               return c10::DeviceTypeName(mesh.device_type(), /*lower_case=*/true);
+                             })
+      .def("device", &st::DeviceMesh::device)
       .def_property_readonly("ndim", &st::DeviceMesh::ndim)
       .def_property_readonly("shape", &st::DeviceMesh::shape)
       .def_property_readonly("dim_names", &st::DeviceMesh::dim_names)
@@ -197,20 +205,23 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "scatter_tensor",
       [](std::optional<at::Tensor> full, int src, const st::DeviceMesh& mesh,
-         const std::vector<PlacementCode>& placements, bool requires_grad) {
+         const std::vector<PlacementCode>& placements, bool requires_grad,
+         std::optional<at::Device> device) {
         return st::scatter_tensor(full.value_or(at::Tensor()), src, mesh, to_placements(placements),
-                                  requires_grad);
+                                  requires_grad, device);
       },
-      Release());
+      py::arg("full"), py::arg("src"), py::arg("mesh"), py::arg("placements"),
+      py::arg("requires_grad") = false, py::arg("device") = py::none(), Release());
   m.def(
       "distribute_tensor",
       [](const at::Tensor& full, const st::DeviceMesh& mesh,
          const std::vector<PlacementCode>& placements, bool requires_grad,
-         std::optional<st::ShardSizes> sizes) {
+         std::optional<st::ShardSizes> sizes, std::optional<at::Device> device) {
         return st::distribute_tensor(full, mesh, to_placements(placements), requires_grad,
-                                     std::move(sizes));
+                                     std::move(sizes), device);
       },
-      Release());
+      py::arg("full"), py::arg("mesh"), py::arg("placements"), py::arg("requires_grad") = false,
+      py::arg("sizes") = py::none(), py::arg("device") = py::none(), Release());
   m.def(
       "from_local",
       [](const at::Tensor& local, const st::DeviceMesh& mesh,
@@ -684,6 +695,7 @@ PYBIND11_MODULE(_C, m) {
     d["messages"] = s.messages;
     d["comm_seconds"] = s.comm_seconds;
     d["gathered_bytes"] = s.gathered_bytes;
+    d["staged_bytes"] = s.staged_bytes;
     return d;
   });
   m.def("reset_comm_stats", &st::reset_comm_stats);

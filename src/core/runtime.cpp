@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -483,6 +484,24 @@ int world_size() {
   SHARDTENSOR_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
 #endif
   return size;
+}
+
+int local_rank() {
+  TORCH_CHECK(is_initialized(),
+              "shardtensor::local_rank: shardtensor is not initialized (call shardtensor::init() "
+              "first)");
+  // init() exported LOCAL_RANK under an MPI launch (export_torch_env); a
+  // launcher that sets it is believed.
+  const char* value = std::getenv("LOCAL_RANK");
+  if (value == nullptr || *value == '\0') {
+    const LaunchInfo launch = detect_launch();
+    return launch.local_rank >= 0 ? launch.local_rank : 0;
+  }
+  char* end = nullptr;
+  const long v = std::strtol(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0' && v >= 0 && v <= INT_MAX,
+              "shardtensor::local_rank: LOCAL_RANK='", value, "' is not a non-negative integer");
+  return static_cast<int>(v);
 }
 
 int mpi_thread_level() {

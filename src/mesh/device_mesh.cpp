@@ -1,8 +1,10 @@
 #include "core/process_groups.h"
 
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <shardtensor/core/comm.h>
 #include <shardtensor/core/error.h>
+#include <shardtensor/core/runtime.h>
 #include <shardtensor/mesh/device_mesh.h>
 
 #include <algorithm>
@@ -31,6 +33,7 @@ struct MeshState {
   std::vector<int64_t> coordinate;
   int rank = 0;
   bool is_abstract = true;
+  c10::DeviceType device_type = c10::DeviceType::CPU;  // where the pieces live
 
   std::mutex mutex;  // guards the fields below
   bool freed = false;
@@ -473,6 +476,39 @@ bool DeviceMesh::is_abstract() const {
 }
 
 namespace {
+void check_device_type(c10::DeviceType type, const char* fn) {
+  TORCH_CHECK(type == c10::DeviceType::CPU || type == c10::DeviceType::CUDA, "DeviceMesh::", fn,
+              ": device type ", c10::DeviceTypeName(type, /*lower_case=*/true),
+              " is not supported (cpu or cuda)");
+  TORCH_CHECK(type != c10::DeviceType::CUDA || (at::hasCUDA() && at::getNumGPUs() > 0),
+              "DeviceMesh::", fn,
+              ": a cuda mesh needs a CUDA device, but this process sees none (torch built "
+              "without CUDA, no GPU, or CUDA_VISIBLE_DEVICES empty)");
+}
+}  // namespace
+
+DeviceMesh DeviceMesh::create(c10::DeviceType device_type, std::vector<int64_t> shape,
+                              std::vector<std::string> dim_names, Comm comm) {
+  check_device_type(device_type, "create");
+  DeviceMesh mesh = create(std::move(shape), std::move(dim_names), comm);
+  mesh.state_->device_type = device_type;  // before anyone else sees the new mesh
+  return mesh;
+}
+
+c10::DeviceType DeviceMesh::device_type() const {
+  SHARDTENSOR_CHECK_MESH_DEFINED();
+  return state_->device_type;
+}
+
+c10::Device DeviceMesh::device() const {
+  SHARDTENSOR_CHECK_MESH_DEFINED();
+  if (state_->device_type == c10::DeviceType::CPU) return c10::Device(c10::DeviceType::CPU);
+  check_device_type(state_->device_type, "device");
+  const auto count = static_cast<int>(at::getNumGPUs());
+  return c10::Device(state_->device_type, static_cast<c10::DeviceIndex>(local_rank() % count));
+}
+
+namespace {
 void check_comm_available(const MeshState& s, const char* fn) {
   TORCH_CHECK(!s.is_abstract, "DeviceMesh::", fn,
               ": an abstract mesh (DeviceMesh::abstract) has no communicators");
@@ -558,6 +594,9 @@ std::string DeviceMesh::to_string() const {
      << ", coordinate=" << list_string(state_->coordinate) << ", rank=" << state_->rank;
   if (state_->is_abstract) {
     os << ", abstract";
+  }
+  if (state_->device_type != c10::DeviceType::CPU) {
+    os << ", device_type=" << c10::DeviceTypeName(state_->device_type, /*lower_case=*/true);
   }
   os << ")";
   return os.str();

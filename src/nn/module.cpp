@@ -14,7 +14,9 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "comm/agree.h"
 #include "comm/async_reduce.h"
@@ -100,19 +102,23 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
  public:
   GradReducer(std::vector<at::Tensor> params, const DeviceMesh& mesh, int64_t cap_bytes)
       : mesh_(mesh), channel_(mesh) {
-    // Reverse registration order; a new bucket when the dtype changes or the cap is reached.
-    std::map<at::ScalarType, size_t> open;  // dtype -> bucket being filled
+    // Reverse registration order; a new bucket when the dtype or device
+    // changes or the cap is reached. A bucket lives on its parameters' device.
+    using Kind = std::pair<at::ScalarType, std::string>;  // dtype, device
+    std::map<Kind, size_t> open;                          // -> bucket being filled
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
       Param p;
       p.var = *it;
       const int64_t bytes = p.var.numel() * p.var.element_size();
-      auto o = open.find(p.var.scalar_type());
+      const Kind kind{p.var.scalar_type(), p.var.device().str()};
+      auto o = open.find(kind);
       if (o == open.end() ||
           (buckets_[o->second].bytes + bytes > cap_bytes && !buckets_[o->second].params.empty())) {
         buckets_.emplace_back();
         buckets_.back().dtype = p.var.scalar_type();
-        open[p.var.scalar_type()] = buckets_.size() - 1;
-        o = open.find(p.var.scalar_type());
+        buckets_.back().device = p.var.device();
+        open[kind] = buckets_.size() - 1;
+        o = open.find(kind);
       }
       Bucket& b = buckets_[o->second];
       p.bucket = o->second;
@@ -126,7 +132,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
     for (auto& b : buckets_) {
       b.elements = static_cast<int64_t>(b.bytes / c10::elementSize(b.dtype));
       b.flat = at::zeros({b.elements + static_cast<int64_t>(b.params.size())},
-                         at::TensorOptions().dtype(b.dtype));
+                         at::TensorOptions().dtype(b.dtype).device(b.device));
       b.pending = b.params.size();
     }
   }
@@ -185,6 +191,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
   };
   struct Bucket {
     at::ScalarType dtype = at::kFloat;
+    at::Device device = at::kCPU;
     int64_t bytes = 0;  // of the slots
     int64_t elements =
         0;  // slots; then one flag per parameter (Note [gradient defined everywhere])
@@ -248,7 +255,7 @@ class GradReducer : public comm::detail::ReplicatedGradSink,
       b.request.finish();
       // Summed flags: nonzero iff some rank's backward reached the parameter.
       const at::Tensor somewhere =
-          b.flat.narrow(0, b.elements, static_cast<int64_t>(b.params.size())).ne(0);
+          b.flat.narrow(0, b.elements, static_cast<int64_t>(b.params.size())).ne(0).cpu();
       const auto* reached = somewhere.data_ptr<bool>();
       for (size_t j = 0; j < b.params.size(); ++j) {
         Param& p = params_[b.params[j]];

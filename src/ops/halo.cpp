@@ -75,7 +75,7 @@ at::Tensor halo_exchange(const at::Tensor& t, int64_t dim, int64_t left, int64_t
   }
   std::vector<int64_t> idx;
   for (int64_t g = -left; g < n + right; ++g) idx.push_back(source_index(g, n, mode));
-  return local.index_select(dim, at::tensor(idx, at::kLong));
+  return local.index_select(dim, at::tensor(idx, at::kLong).to(local.device()));
 }
 
 bool PendingHaloExchange::test() {

@@ -136,7 +136,8 @@ void repeat_rule(const c10::OperatorHandle& op, Stack* stack) {
     if (total == 0) {
       local = local.narrow(e, 0, 0);
     } else {
-      const at::Tensor ids = at::arange(off, off + sizes[c], at::kLong).remainder(n);
+      const at::Tensor ids =
+          at::arange(off, off + sizes[c], local.options().dtype(at::kLong)).remainder(n);
       local = select_along(op, args, local, cur, e, ids);
     }
     std::vector<int64_t> shape = cur.global_shape();
@@ -394,7 +395,8 @@ LocalEntries local_entries(const c10::OperatorHandle& op, const std::vector<c10:
   const auto off = xs.local_offsets();
   const auto len = xs.local_shape();
   LocalEntries e;
-  e.here = at::ones(r.shape, at::kBool);
+  e.here = at::ones(
+      r.shape, full.empty() ? at::TensorOptions(at::kBool) : full[0].options().dtype(at::kBool));
   for (size_t j = 0; j < full.size(); ++j) {
     const int64_t d = r.first + static_cast<int64_t>(j);
     const int64_t n = xs.global_shape()[d];

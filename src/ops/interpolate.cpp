@@ -848,7 +848,7 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
       std::vector<int64_t> idx(taps[i].idx[j].begin() + o_begin,
                                taps[i].idx[j].begin() + o_begin + o_count);
       for (auto& v : idx) v -= lo;
-      at::Tensor it = at::tensor(idx, at::kLong);
+      at::Tensor it = at::tensor(idx, at::kLong).to(g.device());
       at::Tensor picked = g.index_select(d, it);
       if (taps[i].n == 1) {
         acc = picked;
@@ -856,7 +856,7 @@ void interpolate_rule(const c10::OperatorHandle& op, Stack* stack, InterpOp p) {
       }
       std::vector<double> w(taps[i].w[j].begin() + o_begin,
                             taps[i].w[j].begin() + o_begin + o_count);
-      at::Tensor wt = at::tensor(w, at::kDouble).to(g.scalar_type()).view(view);
+      at::Tensor wt = at::tensor(w, at::kDouble).to(g.options()).view(view);
       at::Tensor term = picked * wt;
       acc = acc.defined() ? acc + term : term;
     }

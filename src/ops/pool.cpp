@@ -692,7 +692,7 @@ void sliding_rule(const c10::OperatorHandle& op, Stack* stack, PoolOp p) {
         shape[i] = ocnt[i];
         div = div * divisor_1d(o0[i], ocnt[i], st.in_ext[i], kernel[i], stride[i], pad[i],
                                count_include_pad)
-                        .to(out.scalar_type())
+                        .to(out.options())
                         .reshape(shape);
       }
       // Integer dtypes: libtorch's kernel divides integer sums by the integer
@@ -775,7 +775,7 @@ void adaptive_avg_reduce(const c10::OperatorHandle& op, std::vector<c10::IValue>
           w[o * nl + j] = 1.0 / static_cast<double>(b - a);
         }
       }
-      const at::Tensor wt = at::tensor(w, at::kDouble).to(y.scalar_type()).view({on, nl});
+      const at::Tensor wt = at::tensor(w, at::kDouble).to(y.options()).view({on, nl});
       y = at::matmul(wt, y.movedim(d, -2)).movedim(-2, d);
     }
   }

@@ -153,7 +153,7 @@ enum class Kind { Uniform, Normal, Bernoulli, Exponential, Cauchy, LogNormal, Ge
 /// Exponential: rate a; Cauchy: median a, scale b; LogNormal: exp(N(a, b));
 /// Geometric: success probability a (Note [layout-invariant randomness]).
 at::Tensor draw(const ShardSpec& spec, uint64_t key, Kind kind, double a, double b,
-                at::ScalarType dtype) {
+                at::ScalarType dtype, at::Device device) {
   at::Tensor out = at::empty(spec.local_shape(), at::TensorOptions().dtype(at::kDouble));
   double* p = out.data_ptr<double>();
   const int digits = mantissa_digits(dtype);
@@ -190,19 +190,20 @@ at::Tensor draw(const ShardSpec& spec, uint64_t key, Kind kind, double a, double
           spec, [&](int64_t k, uint64_t i) { p[k] = uniform_at(key, i, 53) < a ? 1.0 : 0.0; });
       break;
   }
-  return out;
+  return out.to(device);  // drawn on the host (counter-based), then to the piece's device
 }
 
 /// This rank's piece of uniform integers in [low, low + range) (int64,
 /// contiguous); range 0 stands for 2^64 (every int64).
-at::Tensor draw_integers(const ShardSpec& spec, uint64_t key, int64_t low, uint64_t range) {
+at::Tensor draw_integers(const ShardSpec& spec, uint64_t key, int64_t low, uint64_t range,
+                         at::Device device) {
   at::Tensor out = at::empty(spec.local_shape(), at::TensorOptions().dtype(at::kLong));
   int64_t* p = out.data_ptr<int64_t>();
   for_each_global_index(spec, [&](int64_t k, uint64_t i) {
     const uint64_t r = bits_at(key, i);
     p[k] = static_cast<int64_t>(static_cast<uint64_t>(low) + (range == 0 ? r : r % range));
   });
-  return out;
+  return out.to(device);
 }
 
 /// The argument named `name` in op's schema (None if absent).
@@ -276,7 +277,8 @@ void inplace_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
   }
   const uint64_t key = draw_key(spec.mesh(), generator_arg(args));
   at::Tensor local = local_of(self);
-  at::Tensor values = draw(spec, key, kind, a, b, local.scalar_type()).to(local.scalar_type());
+  at::Tensor values =
+      draw(spec, key, kind, a, b, local.scalar_type(), local.device()).to(local.scalar_type());
   zero_partial_replicas(spec, values);
   local.copy_(values);
   stack->push_back(self);
@@ -310,7 +312,7 @@ void bernoulli_tensor_rule(const c10::OperatorHandle& op, Stack* stack) {
     prob = to_layout(self.detach(), *spec, *spec);
   }
   const uint64_t key = draw_key(spec->mesh(), generator_arg(args));
-  at::Tensor u = draw(*spec, key, Kind::Uniform, 0.0, 1.0, at::kDouble);
+  at::Tensor u = draw(*spec, key, Kind::Uniform, 0.0, 1.0, at::kDouble, local_of(self).device());
   at::Tensor values = scalar_p >= 0.0 ? (u < scalar_p) : (u < prob.to(at::kDouble).contiguous());
   if (inplace) {
     const ShardSpec& self_spec = *spec_of(self);
@@ -334,7 +336,7 @@ void like_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
   if (dt.isInt()) dtype = static_cast<at::ScalarType>(dt.toInt());
   if (!at::isFloatingType(dtype)) fail(op, args, "random *_like needs a floating-point dtype");
   const uint64_t key = draw_key(spec->mesh(), generator_arg(args));
-  at::Tensor values = draw(*spec, key, kind, 0.0, 1.0, dtype).to(dtype);
+  at::Tensor values = draw(*spec, key, kind, 0.0, 1.0, dtype, local_of(self).device()).to(dtype);
   stack->push_back(wrap(values, spec));
 }
 
@@ -349,7 +351,8 @@ void inplace_dist_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
   const double b = kind == Kind::Cauchy || kind == Kind::LogNormal ? args[2].toDouble() : 0.0;
   const uint64_t key = draw_key(spec.mesh(), generator_arg(args));
   at::Tensor local = local_of(self);
-  at::Tensor values = draw(spec, key, kind, a, b, local.scalar_type()).to(local.scalar_type());
+  at::Tensor values =
+      draw(spec, key, kind, a, b, local.scalar_type(), local.device()).to(local.scalar_type());
   zero_partial_replicas(spec, values);
   local.copy_(values);
   stack->push_back(self);
@@ -395,7 +398,7 @@ void random_rule(const c10::OperatorHandle& op, Stack* stack) {
   }
   const auto [low, range] = random_range(local.scalar_type(), from, to);
   const uint64_t key = draw_key(spec.mesh(), generator_arg(args));
-  at::Tensor values = draw_integers(spec, key, low, range).to(local.scalar_type());
+  at::Tensor values = draw_integers(spec, key, low, range, local.device()).to(local.scalar_type());
   zero_partial_replicas(spec, values);
   local.copy_(values);
   stack->push_back(self);
@@ -434,7 +437,8 @@ void randint_like_rule(const c10::OperatorHandle& op, Stack* stack) {
   }
   const uint64_t key = draw_key(spec->mesh(), generator_arg(args));
   at::Tensor values =
-      draw_integers(*spec, key, low, static_cast<uint64_t>(high) - static_cast<uint64_t>(low))
+      draw_integers(*spec, key, low, static_cast<uint64_t>(high) - static_cast<uint64_t>(low),
+                    local_of(self).device())
           .to(dtype);
   stack->push_back(wrap(values, spec));
 }
@@ -459,7 +463,7 @@ void dropout_rule(const c10::OperatorHandle& op, Stack* stack) {
     return;
   }
   const uint64_t key = draw_key(spec->mesh(), c10::nullopt);
-  at::Tensor keep = draw(*spec, key, Kind::Bernoulli, 1.0 - p, 0.0, at::kDouble);
+  at::Tensor keep = draw(*spec, key, Kind::Bernoulli, 1.0 - p, 0.0, at::kDouble, local.device());
   at::Tensor mask = keep.to(local.scalar_type()).div_(1.0 - p);
   stack->push_back(wrap(local * mask, spec));
 }

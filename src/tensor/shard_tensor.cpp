@@ -432,7 +432,7 @@ constexpr int64_t kMetaHeader = 4;
 std::vector<int64_t> meta_of(const at::Tensor& t) {
   std::vector<int64_t> m(kMetaHeader + kMaxDims, 0);
   const bool ok = t.defined() && !ShardTensor::is_shard_tensor(t) && t.dim() <= kMaxDims &&
-                  t.layout() == at::kStrided && t.device().is_cpu();
+                  t.layout() == at::kStrided;
   m[0] = ok ? 1 : 0;
   if (ok) {
     m[1] = t.dim();
@@ -462,7 +462,7 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
   const int64_t* meta = all.data_ptr<int64_t>();
   for (int64_t r = 0; r < p; ++r) {
     TORCH_CHECK(meta[r * rec] == 1, "from_local: the local tensor on mesh rank ", r,
-                " is undefined, a ShardTensor, not strided, not on CPU or has more than ", kMaxDims,
+                " is undefined, a ShardTensor, not strided or has more than ", kMaxDims,
                 " dims (placements ", shardtensor::to_string(placements), ")");
   }
   const int64_t ndim = meta[1];
@@ -539,7 +539,8 @@ at::Tensor ShardTensor::from_local(at::Tensor local, DeviceMesh mesh, Placements
 }
 
 at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
-                          Placements placements, bool requires_grad) {
+                          Placements placements, bool requires_grad,
+                          std::optional<c10::Device> device) {
   TORCH_CHECK(mesh.defined(), "scatter_tensor: the mesh is undefined");
   TORCH_CHECK(src >= 0 && src < mesh.size(), "scatter_tensor: src ", src,
               " is not a rank of the mesh ", mesh.to_string());
@@ -550,8 +551,7 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
   comm::broadcast_(meta, src, mesh);
   const int64_t* m = meta.data_ptr<int64_t>();
   TORCH_CHECK(m[0] == 1, "scatter_tensor: the tensor on src rank ", src,
-              " is undefined, a ShardTensor, not strided, not on CPU or has more than ", kMaxDims,
-              " dims");
+              " is undefined, a ShardTensor, not strided or has more than ", kMaxDims, " dims");
   const auto dtype = static_cast<at::ScalarType>(m[2]);
   auto spec = std::make_shared<const ShardSpec>(mesh, std::move(placements), shape_of(m));
   auto zero_piece = [&](const std::vector<int64_t>& coord) {
@@ -581,7 +581,8 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
     }
     send = pieces.empty() ? at::empty({0}, f.options()) : at::cat(pieces);
   }
-  at::Tensor local = at::empty(spec->local_shape(), at::TensorOptions().dtype(dtype));
+  at::Tensor local = at::empty(
+      spec->local_shape(), at::TensorOptions().dtype(dtype).device(device.value_or(mesh.device())));
   const bool zero = zero_piece(mesh.coordinate());
   comm::scatter_(send, send_bytes, zero ? at::empty({0}, local.options()) : local, src, mesh);
   if (zero) local.zero_();
@@ -590,13 +591,16 @@ at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mes
 }
 
 at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
-                             bool requires_grad, std::optional<ShardSizes> sizes) {
+                             bool requires_grad, std::optional<ShardSizes> sizes,
+                             std::optional<c10::Device> device) {
   TORCH_CHECK(full.defined(), "distribute_tensor: the input tensor is undefined");
   TORCH_CHECK(!ShardTensor::is_shard_tensor(full),
               "distribute_tensor: the input is already a ShardTensor; use redistribute()");
   auto spec = std::make_shared<const ShardSpec>(mesh, std::move(placements), full.sizes().vec(),
                                                 std::move(sizes));
-  at::Tensor local = detail::local_slice(full.detach(), *spec).clone(at::MemoryFormat::Contiguous);
+  const at::Tensor slice = detail::local_slice(full.detach(), *spec);
+  at::Tensor local = slice.to(slice.options().device(device.value_or(mesh.device())),
+                              /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
   const auto coord = mesh.coordinate();
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     if (is_partial(spec->placements()[m]) && coord[m] != 0) local.zero_();

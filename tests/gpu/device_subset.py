@@ -64,7 +64,8 @@ def main():
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(mgr.local_rank % torch.cuda.device_count())
-    mesh = st.DeviceMesh((-1,), ("domain",))
+    # The factories put each rank's piece on the mesh's device (DeviceMesh.device).
+    mesh = st.DeviceMesh(device.type, (-1,), ("domain",))
     P = mesh.size(0)
     root = mesh.get_rank() == 0
     torch.manual_seed(0)

@@ -173,6 +173,39 @@ def test_distributed_manager_and_mesh_helpers(mesh):
     assert m2.ndim == 1 and m2 != m
 
 
+def test_mesh_device_type_and_factory_devices(mesh):
+    # PhysicsNeMo's and PyTorch's spelling: DeviceMesh(device_type, shape, names).
+    m = DeviceMesh("cpu", (-1,), ("d",))
+    assert m.device_type == "cpu" and m.device == torch.device("cpu")
+    assert m.mesh_dim_names == ("d",) and m.size() == st.world_size()
+    assert DeviceMesh(mesh_shape=(-1,)).device_type == "cpu"
+    assert "DeviceMesh('cpu'" in repr(m)
+    # PyTorch passes the ranks as a tensor; its shape is the mesh's.
+    assert DeviceMesh("cpu", torch.arange(st.world_size())).shape == (st.world_size(),)
+    with pytest.raises(ValueError, match="row-major"):
+        DeviceMesh("cpu", torch.arange(st.world_size()).flip(0) + 1)
+    with pytest.raises(TypeError, match="twice"):
+        DeviceMesh("cpu", (-1,), mesh_shape=(-1,))
+    assert st.DistributedManager().local_rank == st._C.local_rank()
+    if not torch.cuda.is_available():
+        # Raised on every rank (each sees no GPU), before any communication.
+        with pytest.raises(RuntimeError, match="cuda mesh needs a CUDA device"):
+            DeviceMesh("cuda", (-1,))
+        with pytest.raises(RuntimeError, match="cuda mesh needs a CUDA device"):
+            st.init_device_mesh("cuda", (-1,))
+    with pytest.raises(RuntimeError, match="not supported"):
+        DeviceMesh("meta", (-1,))
+    # Factories take a device; on a CPU mesh the piece lands on the CPU.
+    x = rnd((2 * st.world_size() + 1, 3), 5)
+    sx = st.distribute_tensor(x, m, (Shard(0),), device="cpu")
+    assert sx.device == torch.device("cpu") and sx.to_local().device == torch.device("cpu")
+    assert_close(sx.full_tensor(), x, 0, 0, "distribute_tensor(device=cpu)")
+    sy = st.scatter_tensor(x if m.get_rank() == 0 else None, 0, m, (Shard(0),),
+                           device=torch.device("cpu"))
+    assert_close(sy.full_tensor(), x, 0, 0, "scatter_tensor(device=cpu)")
+    assert st.comm_stats()["staged_bytes"] >= 0
+
+
 def test_mpi4py_communicator(mesh):
     mpi4py = pytest.importorskip("mpi4py.MPI")
     m = DeviceMesh((-1,), ("w",), comm=mpi4py.COMM_WORLD)

@@ -22,6 +22,13 @@ bool is_initialized();
 int world_rank();
 int world_size();
 
+/// Local. This process's rank among the processes of its node: the
+/// launcher's LOCAL_RANK (torchrun, Slurm, Open MPI/PMIx), else the node-local
+/// rank that init() took from MPI under mpirun and exported as LOCAL_RANK;
+/// 0 for a single process. It picks each rank's GPU (DeviceMesh::device()).
+/// Throws if shardtensor is not initialized or LOCAL_RANK is not a number.
+int local_rank();
+
 /// Local. The MPI thread level actually provided (MPI_THREAD_*).
 int mpi_thread_level();
 

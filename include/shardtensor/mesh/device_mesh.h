@@ -1,6 +1,7 @@
 #pragma once
 /// \file DeviceMesh: an N-d Cartesian grid of ranks.
 
+#include <c10/core/Device.h>
 #include <shardtensor/core/comm.h>
 
 #include <cstdint>
@@ -35,6 +36,17 @@ class DeviceMesh {
   static DeviceMesh create(std::vector<int64_t> shape, std::vector<std::string> dim_names = {},
                            Comm comm = comm_world());
 
+  /// Collective over `comm`, as create(shape, dim_names, comm), for a mesh
+  /// whose pieces live on devices of type `device_type` (PhysicsNeMo's and
+  /// PyTorch's `DeviceMesh("cuda", ...)`): the factories put each rank's
+  /// piece on device(). Throws c10::Error before any communication for a
+  /// device type other than CPU and CUDA, or CUDA in a process that sees no
+  /// CUDA device (the check is this process's own: on a machine where some
+  /// ranks see a device and others none, only the latter throw). Note [host
+  /// staging] in comm/transport_mpi.cpp says how device buffers travel.
+  static DeviceMesh create(c10::DeviceType device_type, std::vector<int64_t> shape,
+                           std::vector<std::string> dim_names = {}, Comm comm = comm_world());
+
   /// Local. A mesh with no communicators, seen from `coordinate`: for
   /// metadata-only use (ShardSpec arithmetic, unit tests without MPI).
   /// comm() throws on it. Throws if the coordinate is out of range.
@@ -59,6 +71,14 @@ class DeviceMesh {
   /// Coordinate of the process with rank `rank` in comm().
   std::vector<int64_t> coordinate_of(int rank) const;
   bool is_abstract() const;
+  /// Local. The type of device the mesh's pieces live on: CPU unless given to create().
+  c10::DeviceType device_type() const;
+  /// Local. This rank's device: the CPU for a CPU mesh; for a CUDA mesh the
+  /// CUDA device local_rank() % (number of visible devices), so that each
+  /// process of a node takes its own GPU (torchrun's LOCAL_RANK, or the
+  /// node-local rank under mpirun; shardtensor/core/runtime.h). Throws
+  /// c10::Error for a CUDA mesh when this process sees no CUDA device.
+  c10::Device device() const;
 
   /// The Cartesian communicator over all ranks of the mesh.
   Comm comm() const;

@@ -95,22 +95,28 @@ class ShardTensor : public at::Tensor {
 /// Local. Prints to_string() (global shape, placements, local shape), then the local values.
 std::ostream& operator<<(std::ostream& os, const ShardTensor& t);
 
-/// Collective over the mesh. Only `src` (a rank of mesh.comm()) needs `full`;
-/// the others may pass an undefined tensor. Shape and dtype are broadcast,
-/// then each rank receives only its own piece (MPI_Scatterv), never the whole
-/// tensor. The local piece is a leaf that requires grad if `requires_grad`.
-/// Throws on every rank if `full` on src does not fit the placements.
+/// Collective over the mesh. Only `src` (a rank of mesh.comm()) needs `full`
+/// (on any device); the others may pass an undefined tensor. Shape and dtype
+/// are broadcast, then each rank receives only its own piece (a scatterv),
+/// never the whole tensor. The piece lives on `device`, or on mesh.device()
+/// when none is given (each rank its own GPU on a CUDA mesh), and is a leaf
+/// that requires grad if `requires_grad`. Throws on every rank if `full` on
+/// src does not fit the placements.
 /// Returns an at::Tensor handle (Note [factories return at::Tensor]).
 at::Tensor scatter_tensor(const at::Tensor& full, int src, const DeviceMesh& mesh,
-                          Placements placements, bool requires_grad = false);
+                          Placements placements, bool requires_grad = false,
+                          std::optional<c10::Device> device = std::nullopt);
 
 /// Local (no communication): every rank has `full` and keeps a contiguous copy
-/// of its piece, a leaf that requires grad if `requires_grad`.
+/// of its piece, a leaf that requires grad if `requires_grad`, on `device`, or
+/// on mesh.device() when none is given (as PyTorch's distribute_tensor moves
+/// a tensor to its mesh's device type).
 /// Partial placements keep the value on coordinate 0 and zeros elsewhere.
 /// Returns an at::Tensor handle (Note [factories return at::Tensor]).
 at::Tensor distribute_tensor(const at::Tensor& full, const DeviceMesh& mesh, Placements placements,
                              bool requires_grad = false,
-                             std::optional<ShardSizes> sizes = std::nullopt);
+                             std::optional<ShardSizes> sizes = std::nullopt,
+                             std::optional<c10::Device> device = std::nullopt);
 
 /// Collective when `output` is a ShardTensor (as its backward is). Runs the
 /// backward pass from any tensor, sharded or plain. `grad_output` may be a
