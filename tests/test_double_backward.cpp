@@ -246,6 +246,16 @@ TEST_F(DoubleBackward, SoftmaxAndLogSoftmaxAlongShardedDim) {
         x, {{S1, S0}});
 }
 
+// Note [logcumsumexp gradient]: the hand-written backward is differentiable.
+TEST_F(DoubleBackward, LogcumsumexpAlongShardedDim) {
+  const at::Tensor x = seeded({3, 11}, 13) * 2.0;
+  sweep("logcumsumexp",
+        [](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+          return at::logcumsumexp(in[0], 1);
+        },
+        x, {{S1, S0}, {S0, S1}});
+}
+
 TEST_F(DoubleBackward, MaxAndAvgPooling) {
   const at::Tensor x = seeded({2, 2, 9, 8}, 14);
   sweep("max_pool2d k3 s2 p1",

@@ -65,6 +65,32 @@ TEST(Scan, CumsumCumprodLogcumsumexp) {
       kLayouts);
 }
 
+// Note [logcumsumexp gradient]: -inf, +inf and NaN in different pieces (a
+// piece that starts with -inf after finite values, a trailing -inf piece, an
+// all -inf column, NaN early and last), empty-first shards included: values
+// and input gradients must match libtorch, NaN where libtorch's is NaN and
+// nowhere else. Failed before the fix (the local scan's gradient gave NaN at
+// -inf inputs after finite values, and 0 before a NaN).
+TEST(Scan, LogcumsumexpNonFinite) {
+  auto mesh = test_mesh();
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  auto x = torch::tensor({0.,   1.,   -inf, 2.,   -inf, -inf, 3.,   4.,    //
+                          1.,   2.,   3.,   4.,   5.,   -inf, -inf, -inf,  //
+                          1.,   2.,   nan,  3.,   4.,   5.,   6.,   7.,    //
+                          -inf, -inf, -inf, 1.,   2.,   inf,  3.,   4.,    //
+                          -inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf,  //
+                          1.,   2.,   3.,   4.,   5.,   6.,   7.,   nan},
+                         torch::kDouble)
+               .reshape({6, 8});
+  const std::vector<Placements> layouts = {{S0, S1}, {S1, S0}, {R, S1}, {S1, R}};
+  sweep(
+      mesh, "logcumsumexp non-finite d=1", [](const at::Tensor& t) { return t.logcumsumexp(1); }, x,
+      layouts);
+  sweep(mesh, "logcumsumexp non-finite d=0", [](const at::Tensor& t) { return t.logcumsumexp(0); },
+        x.t().contiguous(), {{S0, S1}, {S1, S0}, {S0, R}, {R, S0}});
+}
+
 TEST(Scan, CummaxCummin) {
   auto mesh = test_mesh();
   // Rounded values: many ties, which must keep the later index as libtorch does.

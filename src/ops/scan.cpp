@@ -18,11 +18,30 @@
 // [replicated gradients]). Every rank runs the same ops (an empty prefix is an empty narrow), so
 // backward makes the same collective calls everywhere. Cost: one all-gather of P cross-sections in
 // forward, one all-reduce of P cross-sections in backward.
+//
+// Note [logcumsumexp gradient]: along a sharded dim, logcumsumexp is one
+// Function (LogcumsumexpFn) whose backward is libtorch's own formula,
+//   dx_i = exp(x_i + LSE_{j >= i}(log dy_j - y_j)),   (for dy > 0 and dy < 0 apart)
+// with y the GLOBAL result and the reverse scan LSE_{j >= i} taken over the
+// global dim: a local reverse logcumsumexp, folded with the logsumexp of the
+// first slices of the pieces after this one (one all-gather over m, an
+// exclusive reverse scan of the totals). Composing the forward from local ops
+// instead differentiated the LOCAL scan, whose results differ from the global
+// ones at -inf (a piece starting with -inf after finite values gave NaN where
+// libtorch gives 0) and at NaN (libtorch's gradient is NaN before a NaN; the
+// composition gave 0). The backward is written with differentiable ops and
+// gather_totals (Note [replicated gradients]) so that it can be differentiated
+// again; double backward and forward-mode AD of this path are not tested.
+// Complex inputs keep the composed form (libtorch's complex backward differs).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
 
+#include "comm/function_output.h"
 #include "ops/common.h"
+#include "ops/saved_mesh.h"
 
 namespace shardtensor::ops {
 namespace {
@@ -82,6 +101,61 @@ at::Tensor gather_totals(const at::Tensor& total, const DeviceMesh& mesh, int64_
   return g;
 }
 
+// logaddexp(y, LSE of the totals at coordinates [begin, begin + n) of `g`), with
+// the identity -inf folded in so that n == 0 works on every rank alike.
+at::Tensor fold_lse(const at::Tensor& y, const at::Tensor& g, int64_t d, int64_t begin, int64_t n) {
+  at::Tensor pre =
+      at::cat({identity_like(Scan::LogSumExp, g.narrow(d, 0, 1)), g.narrow(d, begin, n)}, d);
+  return at::logaddexp(y, pre.logsumexp(d, /*keepdim=*/true));
+}
+
+// Note [logcumsumexp gradient]. Collective over mesh dim m, forward and backward.
+struct LogcumsumexpFn : torch::autograd::Function<LogcumsumexpFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t d,
+                            const DeviceMesh& mesh, int64_t m, int64_t coord) {
+    at::Tensor y = at::logcumsumexp(x, d);
+    at::Tensor g = gather_totals(total_of(Scan::LogSumExp, y, d), mesh, m, d);
+    y = comm::function_output(fold_lse(y, g, d, 0, coord), {x});
+    ctx->save_for_backward({x, y});
+    ctx->saved_data["d"] = d;
+    ctx->saved_data["m"] = m;
+    ctx->saved_data["coord"] = coord;
+    save_mesh(ctx, mesh);
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& y = saved[1];
+    const int64_t d = ctx->saved_data.at("d").toInt();
+    const int64_t m = ctx->saved_data.at("m").toInt();
+    const int64_t coord = ctx->saved_data.at("coord").toInt();
+    const DeviceMesh& mesh = saved_mesh(ctx);
+    at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(y);
+    const int64_t p = mesh.size(m);
+    // libtorch's logcumsumexp_backward, with the reverse scan over the global dim.
+    // The dtype's lowest finite value, as libtorch uses (not -inf: lowest - (-inf) is +inf).
+    at::Tensor lowest;
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, dy.scalar_type(), "logcumsumexp_bwd",
+        [&] { lowest = at::scalar_tensor(std::numeric_limits<scalar_t>::lowest(), dy.options()); });
+    const at::Tensor log_abs = dy.abs().log();
+    at::Tensor dx;
+    for (bool positive : {true, false}) {
+      at::Tensor log_dy = at::where(positive ? dy > 0 : dy < 0, log_abs, lowest);
+      at::Tensor s = at::logcumsumexp((log_dy - y).flip(d), d).flip(d);
+      // The "total" of a reverse scan is its first slice (identity if empty).
+      at::Tensor first = s.size(d) > 0 ? s.narrow(d, 0, 1) : total_of(Scan::LogSumExp, s, d);
+      at::Tensor g = gather_totals(first, mesh, m, d);
+      at::Tensor out = (fold_lse(s, g, d, coord + 1, p - coord - 1) + x).exp();
+      dx = positive ? out : dx - out;
+    }
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 struct Prepared {
   SpecPtr spec;    // layout of input and output (Partial summed)
   at::Tensor x;    // local piece in that layout
@@ -120,6 +194,11 @@ void scan_rule(Scan kind, const c10::OperatorHandle& op, Stack* stack) {
   Prepared p = prepare(op, args);
   at::Tensor x = p.x;
   if (args.size() > 2 && !args[2].isNone()) x = x.to(args[2].toScalarType());
+  if (kind == Scan::LogSumExp && p.m >= 0 && !x.is_complex()) {
+    at::Tensor y = LogcumsumexpFn::apply(x, p.d, p.spec->mesh(), p.m, p.coord);
+    stack->push_back(wrap(y, p.spec));
+    return;
+  }
   at::Tensor y = local_scan(kind, x, p.d);
   if (p.m >= 0) {
     const DeviceMesh& mesh = p.spec->mesh();
@@ -132,12 +211,9 @@ void scan_rule(Scan kind, const c10::OperatorHandle& op, Stack* stack) {
       case Scan::Prod:
         y = y * before.prod(p.d, /*keepdim=*/true);
         break;
-      case Scan::LogSumExp: {
-        // logsumexp of no element is -inf; logaddexp(y, -inf) = y.
-        at::Tensor pre = at::cat({identity_like(kind, g.narrow(p.d, 0, 1)), before}, p.d);
-        y = at::logaddexp(y, pre.logsumexp(p.d, /*keepdim=*/true));
+      case Scan::LogSumExp:  // complex: composed from local ops
+        y = fold_lse(y, g, p.d, 0, p.coord);
         break;
-      }
       default:
         TORCH_INTERNAL_ASSERT(false);
     }

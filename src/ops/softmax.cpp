@@ -27,21 +27,13 @@
 
 #include "comm/function_output.h"
 #include "ops/common.h"
+#include "ops/saved_mesh.h"
 
 namespace shardtensor::ops {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-struct MeshHolder : torch::CustomClassHolder {
-  explicit MeshHolder(DeviceMesh m) : mesh(std::move(m)) {}
-  DeviceMesh mesh;
-};
-
-const DeviceMesh& mesh_of(AutogradContext* ctx) {
-  return static_cast<MeshHolder*>(ctx->saved_data.at("mesh").toCapsule().get())->mesh;
-}
 
 at::Tensor sum_dim(const at::Tensor& t, int64_t dim, const DeviceMesh& mesh, int64_t mesh_dim) {
   return comm::all_reduce_nograd(t.sum(dim, true).contiguous(), mesh, {mesh_dim}, ReduceOp::Sum);
@@ -90,7 +82,7 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["mesh_dim"] = mesh_dim;
     ctx->saved_data["log"] = log;
-    ctx->saved_data["mesh"] = c10::IValue::make_capsule(c10::make_intrusive<MeshHolder>(mesh));
+    save_mesh(ctx, mesh);
     return y;
   }
 
@@ -100,7 +92,7 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
     const at::Tensor y = saved.to(acc);
     const int64_t dim = ctx->saved_data.at("dim").toInt();
     const int64_t mesh_dim = ctx->saved_data.at("mesh_dim").toInt();
-    const DeviceMesh& mesh = mesh_of(ctx);
+    const DeviceMesh& mesh = saved_mesh(ctx);
     at::Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(y);
     dy = dy.to(acc);
