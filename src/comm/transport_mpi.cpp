@@ -136,12 +136,16 @@ at::Tensor host_like(const at::Tensor& t) {
   return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.is_cuda()));
 }
 
+/// The seam's contract holds for every buffer, staged or not.
+void check_contiguous(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: buffers must be contiguous (got a ",
+              t.device(), " tensor of strides ", t.strides(), ")");
+}
+
 /// A host copy of `t` holding its values, or `t` itself when it is not staged.
 at::Tensor stage_in(const at::Tensor& t) {
   if (!staged(t)) return t;
-  // The seam's contract holds for every buffer, staged or not.
-  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: buffers must be contiguous (got a ",
-              t.device(), " tensor of strides ", t.strides(), ")");
+  check_contiguous(t);
   at::Tensor h = host_like(t);
   h.copy_(t);
   detail::record_staged(nbytes(t));
@@ -153,8 +157,7 @@ at::Tensor stage_in(const at::Tensor& t) {
 /// the others while a split-phase call is in flight, as with host buffers.
 at::Tensor stage_recv(const at::Tensor& t) {
   if (!staged(t)) return t;
-  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: buffers must be contiguous (got a ",
-              t.device(), " tensor of strides ", t.strides(), ")");
+  check_contiguous(t);
   return host_like(t);
 }
 
@@ -172,6 +175,18 @@ void stage_out_bytes(const at::Tensor& t, const at::Tensor& h, int64_t from, int
 /// Copies all of the host copy `h` back into `t`.
 void stage_out(const at::Tensor& t, const at::Tensor& h) {
   if (t.defined()) stage_out_bytes(t, h, 0, nbytes(t));
+}
+
+/// Runs `call` on a host copy of the in-place buffer `t` and copies the
+/// result back (Note [host staging]).
+template <typename Call>
+void staged_in_place(const at::Tensor& t, Call call) {
+  const at::Tensor h = stage_in(t);
+  {
+    StagedScope scope;
+    call(h);
+  }
+  stage_out(t, h);
 }
 
 int64_t sum_of(const std::vector<int64_t>& v) {
@@ -398,12 +413,7 @@ int comm_rank(Comm comm) {
 
 void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
   if (staged(t)) {  // Note [host staging]
-    const at::Tensor h = stage_in(t);
-    {
-      StagedScope scope;
-      all_reduce_(h, op, comm);
-    }
-    stage_out(t, h);
+    staged_in_place(t, [&](const at::Tensor& h) { all_reduce_(h, op, comm); });
     return;
   }
   check_buffer(t, "all_reduce_ buffer");
@@ -724,12 +734,7 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
 
 void broadcast_(const at::Tensor& t, int root, Comm comm) {
   if (staged(t)) {  // Note [host staging]
-    const at::Tensor h = stage_in(t);
-    {
-      StagedScope scope;
-      broadcast_(h, root, comm);
-    }
-    stage_out(t, h);
+    staged_in_place(t, [&](const at::Tensor& h) { broadcast_(h, root, comm); });
     return;
   }
   check_buffer(t, "broadcast_ buffer");
