@@ -48,7 +48,7 @@ __all__ = [
     "scaled_dot_product_attention", "halo_exchange", "halo_exchange_begin", "halo_exchange_end",
     "DistributedManager", "comm_stats", "reset_comm_stats",
     "memory_stats", "reset_peak_memory_stats", "io", "set_timeout", "timeout", "set_strict",
-    "strict", "init", "world_rank", "world_size", "abort",
+    "strict", "init", "world_rank", "world_size", "abort", "mpi_cuda_support",
     # irregular data (docs/irregular.md)
     "knn", "radius_search", "neighborhood_attention", "GhostPlan", "ghost_plan", "ghost_exchange",
     "ghost_accumulate", "ghost_accumulate_nograd", "extend_rows", "gather_rows", "scatter_rows",
@@ -75,6 +75,14 @@ world_size = _runtime.world_size
 abort = _runtime.abort
 
 
+def mpi_cuda_support():
+    """Whether the MPI library reads and writes CUDA memory itself, so that the MPI
+    transport hands CUDA pieces to it without host copies: dict with aware (bool) and
+    reason (how that was decided: SHARDTENSOR_MPI_CUDA_AWARE=0/1, or Open MPI's
+    MPIX_CUDA_AWARE_SUPPORT and MPIX_Query_cuda_support()). Local. Note [CUDA-aware MPI]."""
+    return _C.mpi_cuda_support()
+
+
 def comm_stats():
     """This rank's communication counters since the last reset: dict with
     bytes_sent, bytes_received, messages, comm_seconds, gathered_bytes (bytes
@@ -90,7 +98,12 @@ def reset_comm_stats():
 
 
 def memory_stats():
-    """This process's live CPU tensor memory: dict with current_bytes, peak_bytes. Local."""
+    """This process's live tensor memory. Local.
+
+    A dict: current_bytes and peak_bytes (CPU tensors), and device,
+    device_current_bytes and device_peak_bytes (torch's CUDA caching allocator
+    on the current CUDA device, what torch.cuda.memory_allocated() reports;
+    device is "" and both counts 0 while CUDA is not in use)."""
     return _C.memory_stats()
 
 

@@ -704,6 +704,9 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["current_bytes"] = s.current_bytes;
     d["peak_bytes"] = s.peak_bytes;
+    d["device"] = s.device;
+    d["device_current_bytes"] = s.device_current_bytes;
+    d["device_peak_bytes"] = s.device_peak_bytes;
     return d;
   });
   m.def("reset_peak_memory_stats", &st::reset_peak_memory_stats);
@@ -744,6 +747,17 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "transport", [] { return st::current_transport(); },
       "Local. The transport init() chose ('mpi' or 'gloo'); '' before init().");
+  m.def(
+      "mpi_cuda_support",
+      [] {
+        const auto s = st::mpi_cuda_support();
+        py::dict d;
+        d["aware"] = s.aware;
+        d["reason"] = s.reason;
+        return d;
+      },
+      "Local. Whether the MPI library takes CUDA memory (Note [CUDA-aware MPI]): "
+      "{'aware': bool, 'reason': str}.");
   m.def("exported_launch_env", [] {
     py::dict d;
     for (const auto& [k, v] : st::exported_launch_env()) d[py::str(k)] = v;

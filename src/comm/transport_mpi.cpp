@@ -7,7 +7,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <shardtensor/core/error.h>
+#include <shardtensor/core/runtime.h>
 #include <shardtensor/core/stats.h>
 #include <shardtensor/spec/shard_spec.h>
 
@@ -76,14 +78,6 @@ std::vector<int> prefix_displs(const std::vector<int64_t>& counts, const char* w
   return out;
 }
 
-void check_buffer(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.defined(), "shardtensor transport: ", what, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "shardtensor transport: ", what,
-              " must be a CPU tensor (the MPI transport does not take device memory), got ",
-              t.device());
-  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: ", what, " must be contiguous");
-}
-
 int64_t nbytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
 
 // Note [host staging]
@@ -127,9 +121,51 @@ bool stage_forced() {
   return forced;
 }
 
-/// Whether `t` moves through a host copy (Note [host staging]).
-bool staged(const at::Tensor& t) {
-  return t_staged_depth == 0 && t.defined() && (!t.device().is_cpu() || stage_forced());
+// Note [CUDA-aware MPI]
+// ~~~~~~~~~~~~~~~~~~~~~
+// An MPI library built with CUDA support reads and writes device memory
+// itself, so a CUDA buffer need not move through a host copy. Whether the
+// library has it is asked once (mpi_cuda_support()):
+//  - SHARDTENSOR_MPI_CUDA_AWARE=1 or 0 decides, for MPIs that cannot be asked
+//    (MPICH, Cray MPICH, MVAPICH) or to rule it out;
+//  - otherwise Open MPI is asked: MPIX_CUDA_AWARE_SUPPORT in <mpi-ext.h> says
+//    whether it was built with CUDA, and MPIX_Query_cuda_support() whether
+//    CUDA is enabled at run time. Debian's Open MPI is built without it;
+//  - any other MPI counts as not CUDA-aware.
+// When it is aware, CUDA buffers of MPI communicators go to MPI directly: the
+// current stream of the buffer's device is synchronised first (MPI knows no
+// streams, so the kernels that wrote a send buffer, or last used the memory
+// of a receive buffer, must have completed), and the transport's own local
+// copies go through torch (local_copy()) instead of memcpy. c10d groups are
+// Gloo groups (Note [c10d handles]) and always stage CUDA buffers.
+// Not run anywhere yet: these machines have neither a GPU nor a CUDA-aware MPI.
+
+/// Whether the MPI of `comm` takes `t` (a CUDA buffer) without a host copy.
+bool mpi_takes(const at::Tensor& t, Comm comm) {
+  return t.is_cuda() && !c10d::owns(comm) && mpi_cuda_support().aware;
+}
+
+/// Whether `t` moves through a host copy on `comm` (Note [host staging]).
+bool staged(const at::Tensor& t, Comm comm) {
+  if (t_staged_depth != 0 || !t.defined()) return false;
+  return t.device().is_cpu() ? stage_forced() : !mpi_takes(t, comm);
+}
+
+/// Throws unless `t` is a buffer the transport can hand to `comm` as it is:
+/// defined, contiguous, and in host memory, or on a device whose memory the
+/// MPI library takes (Note [CUDA-aware MPI]; the device's current stream is
+/// then synchronised).
+void check_buffer(const at::Tensor& t, const char* what, Comm comm) {
+  TORCH_CHECK(t.defined(), "shardtensor transport: ", what, " is undefined");
+  if (!t.device().is_cpu()) {
+    TORCH_CHECK(mpi_takes(t, comm), "shardtensor transport: ", what,
+                " must be a CPU tensor here (a ", t.device(),
+                " buffer moves through a host copy unless the MPI library is CUDA-aware: Note "
+                "[host staging], Note [CUDA-aware MPI])");
+    c10::impl::VirtualGuardImpl guard(t.device().type());
+    guard.getStream(t.device()).synchronize();
+  }
+  TORCH_CHECK(t.is_contiguous(), "shardtensor transport: ", what, " must be contiguous");
 }
 
 at::Tensor host_like(const at::Tensor& t) {
@@ -143,8 +179,8 @@ void check_contiguous(const at::Tensor& t) {
 }
 
 /// A host copy of `t` holding its values, or `t` itself when it is not staged.
-at::Tensor stage_in(const at::Tensor& t) {
-  if (!staged(t)) return t;
+at::Tensor stage_in(const at::Tensor& t, Comm comm) {
+  if (!staged(t, comm)) return t;
   check_contiguous(t);
   at::Tensor h = host_like(t);
   h.copy_(t);
@@ -155,14 +191,28 @@ at::Tensor stage_in(const at::Tensor& t) {
 /// An uninitialised host buffer for receiving into `t`; only the bytes the
 /// call writes are copied back (stage_out_bytes()), so the caller may write
 /// the others while a split-phase call is in flight, as with host buffers.
-at::Tensor stage_recv(const at::Tensor& t) {
-  if (!staged(t)) return t;
+at::Tensor stage_recv(const at::Tensor& t, Comm comm) {
+  if (!staged(t, comm)) return t;
   check_contiguous(t);
   return host_like(t);
 }
 
 /// `t` (contiguous) as a flat byte tensor sharing its memory.
 at::Tensor bytes_of(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+/// Copies `n` bytes from byte `src_off` of `src` to byte `dst_off` of `dst`
+/// (both contiguous): memcpy in host memory, torch's copy on a device (Note
+/// [CUDA-aware MPI]).
+void local_copy(const at::Tensor& dst, int64_t dst_off, const at::Tensor& src, int64_t src_off,
+                int64_t n) {
+  if (n <= 0) return;
+  if (dst.is_cpu() && src.is_cpu()) {
+    std::memcpy(static_cast<char*>(dst.data_ptr()) + dst_off,
+                static_cast<const char*>(src.data_ptr()) + src_off, static_cast<size_t>(n));
+    return;
+  }
+  bytes_of(dst).narrow(0, dst_off, n).copy_(bytes_of(src).narrow(0, src_off, n));
+}
 
 /// Copies bytes [from, from + count) of the host copy `h` back into `t`
 /// (nothing when `h` is `t`).
@@ -180,8 +230,8 @@ void stage_out(const at::Tensor& t, const at::Tensor& h) {
 /// Runs `call` on a host copy of the in-place buffer `t` and copies the
 /// result back (Note [host staging]).
 template <typename Call>
-void staged_in_place(const at::Tensor& t, Call call) {
-  const at::Tensor h = stage_in(t);
+void staged_in_place(const at::Tensor& t, Comm comm, Call call) {
+  const at::Tensor h = stage_in(t, comm);
   {
     StagedScope scope;
     call(h);
@@ -412,11 +462,11 @@ int comm_rank(Comm comm) {
 }
 
 void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
-  if (staged(t)) {  // Note [host staging]
-    staged_in_place(t, [&](const at::Tensor& h) { all_reduce_(h, op, comm); });
+  if (staged(t, comm)) {  // Note [host staging]
+    staged_in_place(t, comm, [&](const at::Tensor& h) { all_reduce_(h, op, comm); });
     return;
   }
-  check_buffer(t, "all_reduce_ buffer");
+  check_buffer(t, "all_reduce_ buffer", comm);
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   if (c10d::owns(comm)) {  // Note [c10d data movement]
@@ -466,9 +516,9 @@ void all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
 
 PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& recv,
                                     const std::vector<int64_t>& recv_bytes, Comm comm) {
-  if (staged(send) || staged(recv)) {  // Note [host staging]
-    const at::Tensor hs = stage_in(send);
-    const at::Tensor hr = stage_recv(recv);
+  if (staged(send, comm) || staged(recv, comm)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send, comm);
+    const at::Tensor hr = stage_recv(recv, comm);
     PendingCollective p;
     {
       StagedScope scope;
@@ -482,8 +532,8 @@ PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& re
     return p;
   }
   PendingCollective pending;
-  check_buffer(send, "all_gatherv send buffer");
-  check_buffer(recv, "all_gatherv receive buffer");
+  check_buffer(send, "all_gatherv send buffer", comm);
+  check_buffer(recv, "all_gatherv receive buffer", comm);
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   TORCH_CHECK(static_cast<int>(recv_bytes.size()) == size,
@@ -500,9 +550,7 @@ PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& re
                 recv_bytes[c], " for rank ", c);
   }
   if (size == 1) {
-    if (mine > 0) {
-      std::memcpy(recv.data_ptr(), send.data_ptr(), mine);
-    }
+    local_copy(recv, 0, send, 0, mine);
     return pending;
   }
   const bool fits = total <= max_count();  // then every count and displacement fits too
@@ -537,9 +585,7 @@ PendingCollective start_all_gatherv(const at::Tensor& send, const at::Tensor& re
     }
     const int64_t my_offset =
         std::accumulate(recv_bytes.begin(), recv_bytes.begin() + rank, int64_t{0});
-    if (mine > 0) {
-      std::memcpy(base + my_offset, send.data_ptr(), mine);
-    }
+    local_copy(recv, my_offset, send, 0, mine);
     p2p.wait("all_gatherv (point-to-point MPI_Irecv/MPI_Isend)", comm);
   } else {
     std::vector<int> counts = to_counts(recv_bytes, "all_gatherv piece");
@@ -576,9 +622,9 @@ void all_gatherv(const at::Tensor& send, const at::Tensor& recv,
 void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
                       const std::vector<int64_t>& rows, int64_t outer, int64_t row_bytes,
                       Comm comm) {
-  if (staged(send) || staged(recv)) {  // Note [host staging]
-    const at::Tensor hs = stage_in(send);
-    const at::Tensor hr = stage_recv(recv);
+  if (staged(send, comm) || staged(recv, comm)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send, comm);
+    const at::Tensor hr = stage_recv(recv, comm);
     {
       StagedScope scope;
       all_gatherv_rows(hs, hr, rows, outer, row_bytes, comm);
@@ -586,8 +632,8 @@ void all_gatherv_rows(const at::Tensor& send, const at::Tensor& recv,
     stage_out_bytes(recv, hr, 0, sum_of(rows) * outer * row_bytes);
     return;
   }
-  check_buffer(send, "all_gatherv_rows send buffer");
-  check_buffer(recv, "all_gatherv_rows receive buffer");
+  check_buffer(send, "all_gatherv_rows send buffer", comm);
+  check_buffer(recv, "all_gatherv_rows receive buffer", comm);
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   TORCH_CHECK(static_cast<int>(rows.size()) == size, "shardtensor transport: all_gatherv_rows got ",
@@ -656,10 +702,10 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
                  const std::vector<int64_t>& send_displs, const at::Tensor& recv,
                  const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs,
                  Comm comm) {
-  if (staged(send) || staged(recv)) {  // Note [host staging]
+  if (staged(send, comm) || staged(recv, comm)) {  // Note [host staging]
     // The receives may leave gaps between the displacements: copied in whole.
-    const at::Tensor hs = stage_in(send);
-    const at::Tensor hr = stage_in(recv);
+    const at::Tensor hs = stage_in(send, comm);
+    const at::Tensor hr = stage_in(recv, comm);
     {
       StagedScope scope;
       all_to_allv(hs, send_bytes, send_displs, hr, recv_bytes, recv_displs, comm);
@@ -667,8 +713,8 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     stage_out(recv, hr);
     return;
   }
-  check_buffer(send, "all_to_allv send buffer");
-  check_buffer(recv, "all_to_allv receive buffer");
+  check_buffer(send, "all_to_allv send buffer", comm);
+  check_buffer(recv, "all_to_allv receive buffer", comm);
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   TORCH_CHECK(
@@ -718,9 +764,7 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
         p2p.send(sbase + send_displs[c], send_bytes[c], c, kAllToAllvTag, comm);
       }
     }
-    if (send_bytes[rank] > 0) {
-      std::memcpy(rbase + recv_displs[rank], sbase + send_displs[rank], send_bytes[rank]);
-    }
+    local_copy(recv, recv_displs[rank], send, send_displs[rank], send_bytes[rank]);
     if (size > 1) {
       p2p.wait("all_to_allv (point-to-point MPI_Irecv/MPI_Isend)", comm);
     }
@@ -733,11 +777,11 @@ void all_to_allv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
 }
 
 void broadcast_(const at::Tensor& t, int root, Comm comm) {
-  if (staged(t)) {  // Note [host staging]
-    staged_in_place(t, [&](const at::Tensor& h) { broadcast_(h, root, comm); });
+  if (staged(t, comm)) {  // Note [host staging]
+    staged_in_place(t, comm, [&](const at::Tensor& h) { broadcast_(h, root, comm); });
     return;
   }
-  check_buffer(t, "broadcast_ buffer");
+  check_buffer(t, "broadcast_ buffer", comm);
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   TORCH_CHECK(root >= 0 && root < size, "shardtensor transport: broadcast root ", root,
@@ -772,9 +816,10 @@ void broadcast_(const at::Tensor& t, int root, Comm comm) {
 
 void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
               const at::Tensor& recv, int root, Comm comm) {
-  if (staged(send) || staged(recv)) {      // Note [host staging]
-    const at::Tensor hs = stage_in(send);  // read on the root only; may be undefined elsewhere
-    const at::Tensor hr = stage_recv(recv);
+  if (staged(send, comm) || staged(recv, comm)) {  // Note [host staging]
+    const at::Tensor hs =
+        stage_in(send, comm);  // read on the root only; may be undefined elsewhere
+    const at::Tensor hr = stage_recv(recv, comm);
     {
       StagedScope scope;
       scatterv(hs, send_bytes, hr, root, comm);
@@ -782,7 +827,7 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     stage_out(recv, hr);
     return;
   }
-  check_buffer(recv, "scatterv receive buffer");
+  check_buffer(recv, "scatterv receive buffer", comm);
   const int size = comm_size(comm);
   const int rank = comm_rank(comm);
   TORCH_CHECK(root >= 0 && root < size, "shardtensor transport: scatterv root ", root,
@@ -790,7 +835,7 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
   const int64_t mine = nbytes(recv);
   int64_t sent = 0, messages = 0;
   if (rank == root) {
-    check_buffer(send, "scatterv send buffer");
+    check_buffer(send, "scatterv send buffer", comm);
     TORCH_CHECK(static_cast<int>(send_bytes.size()) == size, "shardtensor transport: scatterv got ",
                 send_bytes.size(), " byte counts for a communicator of size ", size);
     TORCH_CHECK(send_bytes[rank] == mine, "shardtensor transport: scatterv root keeps ",
@@ -806,9 +851,7 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
     }
   }
   if (size == 1) {
-    if (mine > 0) {
-      std::memcpy(recv.data_ptr(), send.data_ptr(), mine);
-    }
+    local_copy(recv, 0, send, 0, mine);
     return;
   }
   if (c10d::owns(comm)) {  // Note [c10d data movement]
@@ -828,7 +871,7 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
         if (c != rank && send_bytes[c] > 0) {
           p2p.send(base + offset, send_bytes[c], c, kScattervTag, comm);
         } else if (c == rank && mine > 0) {
-          std::memcpy(recv.data_ptr(), base + offset, mine);
+          local_copy(recv, 0, send, offset, mine);
         }
         offset += send_bytes[c];
       }
@@ -848,9 +891,9 @@ void scatterv(const at::Tensor& send, const std::vector<int64_t>& send_bytes,
 PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor& recv,
                                        const std::vector<int64_t>& recv_numel, ReduceOp op,
                                        Comm comm) {
-  if (staged(send) || staged(recv)) {  // Note [host staging]
-    const at::Tensor hs = stage_in(send);
-    const at::Tensor hr = stage_recv(recv);
+  if (staged(send, comm) || staged(recv, comm)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send, comm);
+    const at::Tensor hr = stage_recv(recv, comm);
     PendingCollective p;
     {
       StagedScope scope;
@@ -865,8 +908,8 @@ PendingCollective start_reduce_scatter(const at::Tensor& send, const at::Tensor&
     return p;
   }
   PendingCollective pending;
-  check_buffer(send, "reduce_scatter send buffer");
-  check_buffer(recv, "reduce_scatter receive buffer");
+  check_buffer(send, "reduce_scatter send buffer", comm);
+  check_buffer(recv, "reduce_scatter receive buffer", comm);
   TORCH_CHECK(send.scalar_type() == recv.scalar_type(),
               "shardtensor transport: reduce_scatter send and receive dtypes differ (",
               send.scalar_type(), " vs ", recv.scalar_type(), ")");
@@ -1171,14 +1214,14 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
   {  // Note [host staging]
     bool any = false;
     for (const auto* list : {&sends, &recvs}) {
-      for (const auto& pb : *list) any = any || staged(pb.buffer);
+      for (const auto& pb : *list) any = any || staged(pb.buffer, comm);
     }
     if (any) {
       std::vector<PeerBuffer> hsends, hrecvs;
       std::vector<std::function<void()>> back;
-      for (const auto& pb : sends) hsends.push_back({pb.peer, stage_in(pb.buffer)});
+      for (const auto& pb : sends) hsends.push_back({pb.peer, stage_in(pb.buffer, comm)});
       for (const auto& pb : recvs) {
-        at::Tensor h = pb.buffer.defined() ? stage_recv(pb.buffer) : pb.buffer;
+        at::Tensor h = pb.buffer.defined() ? stage_recv(pb.buffer, comm) : pb.buffer;
         if (!h.is_same(pb.buffer)) {
           back.emplace_back([device = pb.buffer, h] { stage_out(device, h); });
         }
@@ -1200,7 +1243,7 @@ PendingExchange start_exchange(const std::vector<PeerBuffer>& sends,
     for (const auto& pb : *list) {
       TORCH_CHECK(pb.peer >= 0 && pb.peer < size, "shardtensor transport: exchange peer ", pb.peer,
                   " is not a rank of a communicator of size ", size);
-      check_buffer(pb.buffer, "exchange buffer");
+      check_buffer(pb.buffer, "exchange buffer", comm);
     }
   }
   CommTimer timer;
@@ -1394,8 +1437,8 @@ void PendingReduce::finish_reduction() {
 }
 
 PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
-  if (staged(t)) {  // Note [host staging]
-    const at::Tensor h = stage_in(t);
+  if (staged(t, comm)) {  // Note [host staging]
+    const at::Tensor h = stage_in(t, comm);
     PendingReduce p;
     {
       StagedScope scope;
@@ -1405,7 +1448,7 @@ PendingReduce start_all_reduce_(const at::Tensor& t, ReduceOp op, Comm comm) {
     p.staged_host_ = h;
     return p;
   }
-  check_buffer(t, "start_all_reduce_ buffer");
+  check_buffer(t, "start_all_reduce_ buffer", comm);
   PendingReduce pending;
   const int size = comm_size(comm);
   if (size <= 1 || t.numel() == 0) {
@@ -1814,9 +1857,9 @@ NeighborExchange::~NeighborExchange() {
 
 PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Tensor& send,
                                         const at::Tensor& recv, Comm graph) {
-  if (staged(send) || staged(recv)) {  // Note [host staging]
-    const at::Tensor hs = stage_in(send);
-    const at::Tensor hr = stage_recv(recv);
+  if (staged(send, graph) || staged(recv, graph)) {  // Note [host staging]
+    const at::Tensor hs = stage_in(send, graph);
+    const at::Tensor hr = stage_recv(recv, graph);
     PendingExchange ex;
     {
       StagedScope scope;
@@ -1840,8 +1883,8 @@ PendingExchange start_neighbor_exchange(const NeighborExchange& x, const at::Ten
     }
     return ex;
   }
-  check_buffer(send, "neighbourhood exchange send buffer");
-  check_buffer(recv, "neighbourhood exchange receive buffer");
+  check_buffer(send, "neighbourhood exchange send buffer", graph);
+  check_buffer(recv, "neighbourhood exchange receive buffer", graph);
   TORCH_CHECK(nbytes(send) == x.send_bytes_ && nbytes(recv) == x.recv_bytes_,
               "shardtensor transport: neighbourhood exchange buffers of ", nbytes(send), " and ",
               nbytes(recv), " bytes, but the layout is for ", x.send_bytes_, " and ",

@@ -11,6 +11,10 @@
 #include "core/channel.h"
 #include "core/process_groups.h"
 
+#if SHARDTENSOR_WITH_MPI && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's extensions: MPIX_CUDA_AWARE_SUPPORT (Note [CUDA-aware MPI])
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -519,6 +523,52 @@ int mpi_thread_level() {
   SHARDTENSOR_MPI_CHECK(MPI_Query_thread(&provided));
 #endif
   return provided;
+}
+
+MpiCudaSupport mpi_cuda_support() {
+  static std::mutex mu;
+  static bool known = false;
+  static MpiCudaSupport kept;
+  std::lock_guard<std::mutex> lock(mu);
+  if (known) return kept;
+  MpiCudaSupport s;
+  if (const char* e = std::getenv("SHARDTENSOR_MPI_CUDA_AWARE"); e != nullptr && *e != '\0') {
+    const std::string v(e);
+    TORCH_CHECK(v == "0" || v == "1",
+                "shardtensor: SHARDTENSOR_MPI_CUDA_AWARE must be 0 or 1, got '", v, "'");
+    s.aware = v == "1";
+    s.reason = "SHARDTENSOR_MPI_CUDA_AWARE=" + v;
+#if !SHARDTENSOR_WITH_MPI
+    s.aware = false;
+    s.reason += " (no effect: this build has no MPI)";
+#endif
+    known = true;
+    kept = s;
+    return s;
+  }
+#if !SHARDTENSOR_WITH_MPI
+  s.reason = "this build has no MPI (SHARDTENSOR_WITH_MPI=OFF)";
+#elif defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  if (!mpi_initialized() || mpi_finalized()) {
+    s.reason =
+        "Open MPI was built with CUDA support; MPI is not running, so "
+        "MPIX_Query_cuda_support() was not asked yet";
+    return s;  // not kept: asked again once MPI runs
+  }
+  s.aware = MPIX_Query_cuda_support() == 1;
+  s.reason = s.aware ? "Open MPI: built with CUDA support and MPIX_Query_cuda_support() is 1"
+                     : "Open MPI was built with CUDA support, but MPIX_Query_cuda_support() is 0 "
+                       "at run time";
+#elif defined(MPIX_CUDA_AWARE_SUPPORT)
+  s.reason = "Open MPI was built without CUDA support (MPIX_CUDA_AWARE_SUPPORT is 0 in mpi-ext.h)";
+#else
+  s.reason =
+      "this MPI library declares no CUDA query (no MPIX_CUDA_AWARE_SUPPORT in mpi-ext.h); "
+      "SHARDTENSOR_MPI_CUDA_AWARE=1 says that it takes device memory";
+#endif
+  known = true;
+  kept = s;
+  return s;
 }
 
 void abort(int code) {

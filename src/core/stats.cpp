@@ -1,6 +1,9 @@
+#include <ATen/Context.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/alignment.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <shardtensor/core/stats.h>
 #include "core/channel.h"
@@ -120,15 +123,49 @@ void reset_comm_stats() {
   g_staged_bytes.store(0, std::memory_order_relaxed);
 }
 
+namespace {
+
+/// torch's CUDA caching allocator and the current CUDA device, when torch has
+/// CUDA and the allocator is initialised (so that asking creates no CUDA
+/// context); nullptr otherwise.
+c10::DeviceAllocator* cuda_allocator(c10::DeviceIndex* index) {
+  try {
+    if (!at::hasCUDA()) return nullptr;
+    auto* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+    if (allocator == nullptr || !allocator->initialized()) return nullptr;
+    *index = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice().index();
+    return allocator;
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
+}  // namespace
+
 MemoryStats memory_stats() {
   MemoryStats s;
   s.current_bytes = g_current_bytes.load(std::memory_order_relaxed);
   s.peak_bytes = std::max(g_peak_bytes.load(std::memory_order_relaxed), s.current_bytes);
+  c10::DeviceIndex index = 0;
+  if (auto* allocator = cuda_allocator(&index)) {
+    try {
+      const auto stats = allocator->getDeviceStats(index);
+      const auto& all =
+          stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+      s.device = "cuda:" + std::to_string(index);
+      s.device_current_bytes = all.current;
+      s.device_peak_bytes = all.peak;
+    } catch (const std::exception&) {
+      s.device.clear();
+    }
+  }
   return s;
 }
 
 void reset_peak_memory_stats() {
   g_peak_bytes.store(g_current_bytes.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  c10::DeviceIndex index = 0;
+  if (auto* allocator = cuda_allocator(&index)) allocator->resetPeakStats(index);
 }
 
 IoStats io_stats() {

@@ -105,13 +105,23 @@ def main():
                 traceback.print_exc()
         failed += 0 if ok else 1
         lines.append(line)
+    # memory_stats counts device memory as torch's CUDA allocator does.
+    mem = st.memory_stats()
+    if device.type == "cuda":
+        want = (f"cuda:{torch.cuda.current_device()}", torch.cuda.memory_allocated(),
+                torch.cuda.max_memory_allocated())
+        got = (mem["device"], mem["device_current_bytes"], mem["device_peak_bytes"])
+        ok = got == want and want[2] > 0
+        lines.append(f"memory_stats on {want[0]}: {'OK' if ok else f'WRONG: {got} != {want}'}")
+        failed += 0 if ok else 1
     stats = st.comm_stats()
     if root:
         for line in lines:
             print(line, flush=True)
-        print(f"comm_stats: {stats['bytes_sent']} bytes sent, {stats['messages']} messages", flush=True)
-        verdict = "PASSED" if failed == 0 else f"FAILED ({failed} of {len(cases)} wrong or raised)"
-        print(f"device subset: {verdict} ({len(cases)} checks on {args.device}, {P} ranks)", flush=True)
+        print(f"comm_stats: {stats['bytes_sent']} bytes sent, {stats['messages']} messages, "
+              f"{stats['staged_bytes']} bytes staged through the host", flush=True)
+        verdict = "PASSED" if failed == 0 else f"FAILED ({failed} of {len(lines)} wrong or raised)"
+        print(f"device subset: {verdict} ({len(lines)} checks on {args.device}, {P} ranks)", flush=True)
     return 0 if failed == 0 else 1
 
 

@@ -1,5 +1,10 @@
 """The Python API surface: types, placements, factories, autograd flags, errors, stats."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -204,6 +209,73 @@ def test_mesh_device_type_and_factory_devices(mesh):
                            device=torch.device("cpu"))
     assert_close(sy.full_tensor(), x, 0, 0, "scatter_tensor(device=cpu)")
     assert st.comm_stats()["staged_bytes"] >= 0
+
+
+def test_memory_stats_counts_device_memory(mesh):
+    s = st.memory_stats()
+    assert set(s) == {"current_bytes", "peak_bytes", "device", "device_current_bytes",
+                      "device_peak_bytes"}
+    assert 0 <= s["current_bytes"] <= s["peak_bytes"]
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        assert (s["device"], s["device_current_bytes"], s["device_peak_bytes"]) == ("", 0, 0)
+        return
+    x = torch.empty(1 << 20, device="cuda")
+    s = st.memory_stats()
+    assert s["device"] == f"cuda:{torch.cuda.current_device()}"
+    assert s["device_current_bytes"] == torch.cuda.memory_allocated() >= x.nbytes
+    assert s["device_peak_bytes"] == torch.cuda.max_memory_allocated()
+    del x
+    st.reset_peak_memory_stats()
+    assert st.memory_stats()["device_peak_bytes"] == torch.cuda.max_memory_allocated()
+
+
+_MPI_CUDA_REASONS = (
+    "Open MPI was built without CUDA support (MPIX_CUDA_AWARE_SUPPORT is 0 in mpi-ext.h)",
+    "Open MPI: built with CUDA support and MPIX_Query_cuda_support() is 1",
+    "Open MPI was built with CUDA support, but MPIX_Query_cuda_support() is 0 at run time",
+    "this build has no MPI (SHARDTENSOR_WITH_MPI=OFF)",
+    "this MPI library declares no CUDA query (no MPIX_CUDA_AWARE_SUPPORT in mpi-ext.h); "
+    "SHARDTENSOR_MPI_CUDA_AWARE=1 says that it takes device memory",
+)
+
+
+def _mpi_cuda_support_in_child(value):
+    """mpi_cuda_support() in a fresh single process with SHARDTENSOR_MPI_CUDA_AWARE=value
+    (None: unset); the launcher's variables are left out, so nothing joins this job."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SHARDTENSOR_MPI_CUDA_AWARE"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    if value is not None:
+        env["SHARDTENSOR_MPI_CUDA_AWARE"] = value
+    code = ("import json, shardtensor as st\n"
+            "try:\n    print(json.dumps(st.mpi_cuda_support()))\n"
+            "except RuntimeError as e:\n    print(json.dumps({'error': str(e).splitlines()[0]}))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_mpi_cuda_support_is_decided_and_explained(mesh):
+    # Note [CUDA-aware MPI]: what this process's MPI was found to be, and why.
+    s = st.mpi_cuda_support()
+    if os.environ.get("SHARDTENSOR_MPI_CUDA_AWARE") is None:
+        assert s["reason"] in _MPI_CUDA_REASONS, s
+        assert s["aware"] == s["reason"].endswith("is 1"), s
+    if mesh.get_rank() != 0:
+        return  # the children are local processes; one rank runs them
+    unset = _mpi_cuda_support_in_child(None)
+    assert unset["reason"] in _MPI_CUDA_REASONS, unset
+    if "MPIX_Query_cuda_support" not in unset["reason"]:
+        assert unset["aware"] is False, unset  # nothing says it is aware
+    no_mpi = unset["reason"].startswith("this build has no MPI")
+    assert _mpi_cuda_support_in_child("0") == {
+        "aware": False, "reason": "SHARDTENSOR_MPI_CUDA_AWARE=0"
+        + (" (no effect: this build has no MPI)" if no_mpi else "")}
+    assert _mpi_cuda_support_in_child("1") == {
+        "aware": not no_mpi, "reason": "SHARDTENSOR_MPI_CUDA_AWARE=1"
+        + (" (no effect: this build has no MPI)" if no_mpi else "")}
+    bad = _mpi_cuda_support_in_child("yes")
+    assert "SHARDTENSOR_MPI_CUDA_AWARE must be 0 or 1, got 'yes'" in bad.get("error", ""), bad
 
 
 def test_mpi4py_communicator(mesh):

@@ -1,6 +1,8 @@
 #pragma once
 /// \file Process-wide runtime: MPI initialization and the thread policy.
 
+#include <string>
+
 namespace shardtensor {
 
 /// Collective over MPI_COMM_WORLD (MPI_Init_thread). Idempotent. If MPI is
@@ -31,6 +33,25 @@ int local_rank();
 
 /// Local. The MPI thread level actually provided (MPI_THREAD_*).
 int mpi_thread_level();
+
+/// Whether the MPI library reads and writes CUDA device memory itself, and
+/// how that was decided (Note [CUDA-aware MPI] in src/comm/transport_mpi.cpp).
+struct MpiCudaSupport {
+  bool aware = false;
+  /// One sentence, e.g. "Open MPI was built without CUDA support
+  /// (MPIX_CUDA_AWARE_SUPPORT is 0 in mpi-ext.h)" or
+  /// "SHARDTENSOR_MPI_CUDA_AWARE=1".
+  std::string reason;
+};
+
+/// Local. SHARDTENSOR_MPI_CUDA_AWARE=1 or 0 decides; otherwise Open MPI is
+/// asked (MPIX_CUDA_AWARE_SUPPORT at build time, MPIX_Query_cuda_support()
+/// at run time, once MPI is initialized); any other MPI, or a build without
+/// MPI, is not CUDA-aware. The answer is kept once MPI is initialized. When
+/// it is aware, the MPI transport hands CUDA buffers to MPI without host
+/// copies. Throws c10::Error if SHARDTENSOR_MPI_CUDA_AWARE is set to anything
+/// but 0 or 1.
+MpiCudaSupport mpi_cuda_support();
 
 /// Ends the whole job now (every rank of MPI_COMM_WORLD) with exit code
 /// `code`: MPI_Abort if MPI is initialized and not finalized, otherwise

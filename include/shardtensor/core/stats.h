@@ -3,6 +3,7 @@
 /// bytes instead of seconds. All functions here are **local**.
 
 #include <cstdint>
+#include <string>
 
 namespace shardtensor {
 
@@ -38,16 +39,26 @@ CommStats comm_stats();
 /// Local. Sets all counters to zero.
 void reset_comm_stats();
 
-/// Live CPU tensor memory of this process, seen by a tracking allocator that
-/// is installed as libtorch's CPU allocator when the library is loaded.
+/// Live tensor memory of this process. CPU: seen by a tracking allocator
+/// that is installed as libtorch's CPU allocator when the library is loaded.
+/// CUDA: read from torch's CUDA caching allocator (what
+/// torch.cuda.memory_allocated() and max_memory_allocated() report) for the
+/// current CUDA device, once CUDA is initialised in this process.
 struct MemoryStats {
   int64_t current_bytes = 0;
   int64_t peak_bytes = 0;
+  /// "cuda:N", the device the two counts below are for; empty (and both 0)
+  /// when torch has no CUDA or has not initialised its CUDA allocator.
+  std::string device;
+  int64_t device_current_bytes = 0;
+  int64_t device_peak_bytes = 0;
 };
 
 /// Local. Current and peak bytes since the last reset_peak_memory_stats().
+/// Does not throw.
 MemoryStats memory_stats();
-/// Local. Sets the peak to the current value.
+/// Local. Sets the CPU peak to the current value, and the CUDA allocator's
+/// peak on the current device (torch.cuda.reset_peak_memory_stats()).
 void reset_peak_memory_stats();
 
 /// Bytes this rank moved between files and memory through the io/ layer
