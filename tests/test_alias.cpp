@@ -94,6 +94,79 @@ TEST(Alias, ContiguousOfANonContiguousViewIsACopy) {
   EXPECT_TRUE(u.t().contiguous().is_contiguous());
 }
 
+// Issue 25: the view ops whose rules live outside ops/shape.cpp (real, imag,
+// unfold, detach, alias, _conj, clone) give their wrappers libtorch's strides
+// too. Was: `x.real.contiguous()`, `x.unfold(1, 2, 1).contiguous()` and
+// `x.t().detach().contiguous()` returned the view, so writes through it
+// changed `x` (and writes into `x` changed it), at any number of ranks.
+TEST(Alias, ViewOpsOutsideShapeHaveTorchStrides) {
+  auto mesh = test_mesh();
+  auto x = rnd({7, 5}, 2, 4.0).round();
+  using V = std::vector<at::Tensor>;
+  auto push = [](std::function<at::Tensor(const at::Tensor&)> f) {
+    return Step([f](V& ts) { ts.push_back(f(ts[0])); });
+  };
+  const Step mul_view = [](V& ts) { ts[1].mul_(10); };
+  const Step zero_src = [](V& ts) { ts[0].zero_(); };
+  const Step add_src = [](V& ts) { ts[0].add_(3); };
+  const std::vector<at::ScalarType> complex = {at::kComplexFloat, at::kComplexDouble};
+  check_steps(mesh, "real.contiguous()", x,
+              {push([](const at::Tensor& t) { return at::real(t).contiguous(); }), mul_view,
+               zero_src, mul_view},
+              kLayouts, complex);
+  check_steps(
+      mesh, "imag.contiguous()", x,
+      {push([](const at::Tensor& t) { return at::imag(t).contiguous(); }), add_src, mul_view},
+      kLayouts, complex);
+  // A view of a view: real then slice, still a view in both.
+  check_steps(mesh, "real[:, 1:3] is a view", x,
+              {push([](const at::Tensor& t) { return at::real(t).slice(1, 1, 3); }), mul_view,
+               add_src, mul_view},
+              kLayouts, complex);
+  check_steps(mesh, "unfold(1, 2, 1).contiguous()", x,
+              {push([](const at::Tensor& t) { return t.unfold(1, 2, 1).contiguous(); }), mul_view,
+               zero_src, mul_view},
+              {{S0, S1}, {R, S0}});
+  // Windows along a sharded dim are a copy whose writes are refused; its
+  // contiguous() and reshape() are copies of their own, as in libtorch, and
+  // take writes (they inherit no refusal).
+  check_steps(mesh, "unfold along a sharded dim, then contiguous()", x,
+              {push([](const at::Tensor& t) { return t.unfold(1, 2, 1).contiguous(); }), mul_view,
+               add_src, mul_view},
+              {{S1, R}, {S0, S1}});
+  check_steps(mesh, "unfold along a sharded dim, then reshape(-1)", x,
+              {push([](const at::Tensor& t) { return t.unfold(1, 2, 1).reshape({-1}); }), mul_view,
+               zero_src, mul_view},
+              {{S1, R}, {S0, S1}});
+  check_steps(mesh, "t().detach().contiguous()", x,
+              {push([](const at::Tensor& t) { return t.t().detach().contiguous(); }), mul_view,
+               add_src, mul_view},
+              kLayouts);
+  check_steps(mesh, "t().alias().contiguous()", x,
+              {push([](const at::Tensor& t) { return at::alias(t.t()).contiguous(); }), mul_view,
+               zero_src, mul_view},
+              kLayouts);
+  // detach of a contiguous tensor is a view, and contiguous() keeps it one.
+  check_steps(mesh, "detach().contiguous() is a view", x,
+              {push([](const at::Tensor& t) { return t.detach().contiguous(); }), mul_view, add_src,
+               mul_view},
+              kLayouts);
+  // The strides themselves are libtorch's.
+  const auto p = fit_placements(mesh, {S0, S1});
+  const at::Tensor xc = x.to(at::kComplexDouble);
+  const at::Tensor u = st::distribute_tensor(xc, mesh, p);
+  EXPECT_EQ(at::real(u).strides(), at::real(xc).strides());
+  EXPECT_EQ(at::imag(u).strides(), at::imag(xc).strides());
+  EXPECT_FALSE(at::real(u).is_contiguous());
+  EXPECT_EQ(u.t().detach().strides(), xc.t().detach().strides());
+  EXPECT_EQ(at::alias(u.t()).strides(), xc.t().strides());
+  EXPECT_EQ(u.t().clone().strides(), xc.t().clone().strides());
+  EXPECT_EQ(u.t().conj().strides(), xc.t().conj().strides());
+  const at::Tensor v = st::distribute_tensor(x, mesh, p);
+  EXPECT_EQ(v.unfold(1, 2, 1).strides(), x.unfold(1, 2, 1).strides());
+  EXPECT_FALSE(v.unfold(1, 2, 1).is_contiguous());
+}
+
 // view and reshape decide view or copy from the global strides, on every
 // rank alike: view of a non-contiguous tensor raises everywhere (as in
 // libtorch), reshape of it copies everywhere, reshape of a contiguous one is

@@ -16,6 +16,7 @@
 // naming the op and the arguments' placements. Those
 // decisions depend only on metadata that is identical on every rank, so every
 // rank throws, and none is left in a collective.
+#include <ATen/TensorUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <shardtensor/core/runtime.h>
 #include <shardtensor/dispatch/stats.h>
@@ -73,6 +74,20 @@ void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValu
   if (!comm::diagnostic_agree(mesh, detail::fingerprint(fp)).same) {
     ops::fail(op, args, "SHARDTENSOR_DEBUG: ranks disagree on the op or its layouts");
   }
+}
+
+// Whether libtorch's result of the view op `op` on `self` would be a copy
+// (Note [wrapper strides]): contiguous() of a non-contiguous tensor, and a
+// reshape or flatten that the strides do not allow as a view. Such a result
+// is a tensor of its own: it must not inherit its source's write-back or
+// refusal. Decided from the wrapper's strides (identical on every rank).
+bool torch_copies(const c10::OperatorHandle& op, const at::Tensor& self, const at::Tensor& r) {
+  const std::string& name = op.operator_name().name;
+  if (name == "aten::contiguous") return r.unsafeGetTensorImpl() != self.unsafeGetTensorImpl();
+  if (name == "aten::reshape" || name == "aten::flatten") {
+    return !at::detail::computeStride(self.sizes(), self.strides(), r.sizes()).has_value();
+  }
+  return false;
 }
 
 // Note [view write-back] (tensor/shard_tensor_impl.h): the result of a view op
@@ -240,7 +255,8 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
     for (size_t j = stack->size() - nret; j < stack->size(); ++j) {
       const c10::IValue& r = (*stack)[j];
       if (r.isTensor()) {
-        chain_write_back(view_source, r.toTensor());
+        if (!torch_copies(op, view_source, r.toTensor()))
+          chain_write_back(view_source, r.toTensor());
       } else if (r.isTensorList()) {
         for (const at::Tensor& t : r.toTensorList()) chain_write_back(view_source, t);
       }

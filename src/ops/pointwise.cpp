@@ -453,9 +453,15 @@ const RuleRegistrar pointwise_ops(
      // in-place fills (the random ops: ops/random.cpp)
      "fill_", "zero_",
      // conversions
-     "_to_copy", "clone", "detach", "detach_", "alias", "copy_", "lift_fresh", "resolve_conj",
-     "resolve_neg", "positive", "_conj", "conj_physical", "real", "imag"},
+     "_to_copy", "detach_", "copy_", "conj_physical"},
     pointwise_rule);
+
+// Views (and clone, which keeps its input's layout): their wrappers get
+// libtorch's strides, so that contiguous() of a non-contiguous one copies
+// (Note [wrapper strides]).
+const RuleRegistrar pointwise_view_ops({"clone", "detach", "alias", "lift_fresh", "resolve_conj",
+                                        "resolve_neg", "positive", "_conj", "real", "imag"},
+                                       with_torch_strides(pointwise_rule));
 
 const RuleRegistrar like_ops({"empty_like", "zeros_like", "ones_like", "full_like"}, like_rule);
 

@@ -44,6 +44,13 @@ const Accepts* find_accepts(const c10::OperatorName& op);
 /// Every registered name, "aten::name", "aten::name.overload" or "aten::name." (sorted).
 std::vector<std::string> registered_rule_names();
 
+/// Local. `rule`, after which its results' wrappers get the strides that
+/// libtorch's own results would have (the op run on meta tensors of the
+/// inputs' global sizes and strides), so that contiguous(), view and reshape
+/// decide copy or view as libtorch does (Note [wrapper strides],
+/// ops/shape.cpp). For the rules of view ops. Throws what `rule` throws.
+Rule with_torch_strides(Rule rule);
+
 /// Static registration helper: `static RuleRegistrar r({"relu", "relu_"}, rule);`
 struct RuleRegistrar {
   RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule,

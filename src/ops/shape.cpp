@@ -1087,8 +1087,15 @@ void diagonal_rule(const c10::OperatorHandle& op, Stack* stack) {
 // A non-contiguous wrapper then makes contiguous() reach the dispatcher, whose
 // clone copies the piece, as in libtorch; view and reshape decide view or copy
 // from them (Note [view strides]). The pieces' own strides are unchanged.
-// Results of other rules have contiguous strides: for the view ops elsewhere
-// (alias, detach, real, unfold, ...) that is a known gap.
+// The view ops whose rules live elsewhere get the same wrapping
+// (alias, detach, lift_fresh, positive, resolve_conj, resolve_neg, _conj,
+// real, imag and clone in ops/pointwise.cpp; unfold in ops/unfold.cpp):
+// before, `x.real.contiguous()`, `x.unfold(...).contiguous()` and
+// `x.t().detach().contiguous()` returned the view, so writes through them
+// reached `x`. Results of every other rule have contiguous strides; they are
+// fresh tensors, so only is_contiguous() and stride() can tell.
+}  // namespace
+
 Rule with_torch_strides(Rule rule) {
   return [rule = std::move(rule)](const c10::OperatorHandle& op, Stack* stack) {
     const size_t n = op.schema().arguments().size();
@@ -1123,6 +1130,8 @@ Rule with_torch_strides(Rule rule) {
     }
   };
 }
+
+namespace {
 
 // contiguous(self, memory_format): libtorch returns `self` when self is
 // contiguous in that format and self.clone(memory_format) otherwise, decided

@@ -670,7 +670,8 @@ void diag_rule(const c10::OperatorHandle& op, Stack* stack) {
   diag_embed_impl(op, args, args[0].toTensor(), int_arg(args[1]), 0, 1, stack);
 }
 
-const RuleRegistrar unfold_ops({"unfold", "unfold_copy."}, unfold_rule);
+// Note [wrapper strides]: the windows' wrapper has libtorch's strides.
+const RuleRegistrar unfold_ops({"unfold", "unfold_copy."}, with_torch_strides(unfold_rule));
 const RuleRegistrar im2col_ops({"im2col."}, im2col_rule);
 const RuleRegistrar col2im_ops({"col2im."}, col2im_rule);
 const RuleRegistrar diag_embed_ops({"diag_embed."}, diag_embed_rule);
