@@ -1,4 +1,4 @@
-// Settings that change communication (Note [agreed settings], src/ops/settings.h):
+// Settings that change communication (Note [agreed settings], src/core/settings.h):
 // under SHARDTENSOR_DEBUG=1, ranks that hold different values of
 // set_fft_layout, set_causal_balance or a SHARDTENSOR_*_SPLIT /
 // SHARDTENSOR_CONV_OVERLAP switch all raise the same clear error, naming the

@@ -130,7 +130,11 @@ def timeout():
 def set_strict(on=True):
     """Strict mode: ops without a rule, and rules that would replicate more than a
     rank's piece, raise on every rank instead of gathering (default:
-    SHARDTENSOR_STRICT). Local; set the same value on every rank.
+    SHARDTENSOR_STRICT). Local; set the same value on every rank: strict mode
+    decides whether a rule gathers, so ranks that differ make different
+    collectives. SHARDTENSOR_STRICT is agreed across ranks at init (every rank
+    raises the same error when it differs); a set_strict() on some ranks only is
+    checked, at each use, only under SHARDTENSOR_DEBUG=1 (Note [agreed settings]).
     C++: shardtensor::set_strict (docs/ops.md)."""
     _C.set_strict(bool(on))
 

@@ -9,6 +9,7 @@
 #include "comm/accumulate.h"
 #include "comm/function_output.h"
 #include "comm/plan_cache.h"
+#include "comm/settings.h"
 
 #include <ATen/ATen.h>
 
@@ -184,13 +185,13 @@ at::Tensor run_grad(const at::Tensor& grad_out_rows, const Run& r) {
   return r.dir == 0 ? g.sum(0, /*keepdim=*/true) : g;
 }
 
-/// SHARDTENSOR_HALO_NEIGHBOR=1 (read per call; Note [neighbourhood collectives]),
-/// honoured only where the MPI library takes our datatypes there (Note
-/// [neighbourhood collectives on Open MPI 5.0]); elsewhere the point-to-point
-/// path runs, with one warning per process.
-bool neighbor_requested() {
-  const char* v = std::getenv("SHARDTENSOR_HALO_NEIGHBOR");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "0") == 0) return false;
+/// SHARDTENSOR_HALO_NEIGHBOR=1 (read per call through the registry of Note
+/// [agreed settings], checked across `comm` under SHARDTENSOR_DEBUG; Note
+/// [neighbourhood collectives]), honoured only where the MPI library takes our
+/// datatypes there (Note [neighbourhood collectives on Open MPI 5.0]);
+/// elsewhere the point-to-point path runs, with one warning per process.
+bool neighbor_requested(Comm comm) {
+  if (use_setting(comm, Setting::HaloNeighbor) == 0) return false;
   if (transport::neighbor_collectives_usable()) return true;
   static std::once_flag warned;
   std::call_once(warned, [] {
@@ -277,7 +278,7 @@ PendingHalo& PendingHalo::operator=(PendingHalo&&) noexcept = default;
 bool PendingHalo::test() { return pending_ ? pending_->test() : true; }
 
 PendingHalo HaloPlan::start(const at::Tensor& local, double value) const {
-  if (neighbor_requested() && transport::comm_size(comm) > 1 &&
+  if (neighbor_requested(comm) && transport::comm_size(comm) > 1 &&
       max_range_rows * row_numel(in_shape, dim) * local.element_size() <=
           transport::max_message_bytes()) {
     // Every rank of comm decides alike: the variable is set on all or none,

@@ -2,25 +2,15 @@
 #include <shardtensor/core/policy.h>
 #include <shardtensor/core/stats.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <set>
 #include <string>
 
+#include "core/settings.h"
+
 namespace shardtensor {
 namespace {
-
-// -1: not set (use the environment), 0: off, 1: on.
-std::atomic<int> g_strict{-1};
-
-bool strict_from_env() {
-  static const bool on = [] {
-    const char* e = std::getenv("SHARDTENSOR_STRICT");
-    return e != nullptr && std::string(e) != "0" && std::string(e) != "";
-  }();
-  return on;
-}
 
 struct Warned {
   std::mutex mu;
@@ -34,12 +24,11 @@ Warned& warned() {
 
 }  // namespace
 
-void set_strict(bool on) { g_strict.store(on ? 1 : 0, std::memory_order_relaxed); }
+// Strict mode lives in the registry of settings that change communication
+// (Note [agreed settings], core/settings.h).
+void set_strict(bool on) { detail::store_setting(Setting::Strict, on ? 1 : 0); }
 
-bool strict() {
-  const int s = g_strict.load(std::memory_order_relaxed);
-  return s < 0 ? strict_from_env() : s == 1;
-}
+bool strict() { return detail::setting_value(Setting::Strict) != 0; }
 
 namespace detail {
 

@@ -10,6 +10,7 @@
 
 #include "core/channel.h"
 #include "core/process_groups.h"
+#include "core/settings.h"
 
 #if SHARDTENSOR_WITH_MPI && __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_CUDA_AWARE_SUPPORT (Note [CUDA-aware MPI])
@@ -318,6 +319,27 @@ void register_finalize_hook(std::function<void()> hook) {
 }
 }  // namespace detail
 
+// The end of every init(): Note [agreed settings]. Collective over the world;
+// on disagreement every rank undoes its init (so that nothing is left half
+// started) and throws the same error.
+static void agree_settings_or_undo(RuntimeState& s) {
+  try {
+    detail::agree_settings_at_init();
+  } catch (...) {
+    detail::pg::stop_world();
+#if SHARDTENSOR_WITH_MPI
+    if (s.error_channel != comm_null()) MPI_Comm_free(&s.error_channel);
+    s.error_channel = comm_null();
+    if (s.owns_mpi) {
+      MPI_Finalize();  // every rank is here, so nothing waits
+      s.owns_mpi = false;
+    }
+#endif
+    s.initialized = false;
+    throw;
+  }
+}
+
 void init(int* argc, char*** argv) {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -336,6 +358,7 @@ void init(int* argc, char*** argv) {
     s.transport = transport;
     s.thread_level = kThreadFunneled;  // what the library needs; there is no MPI
     s.initialized = true;
+    agree_settings_or_undo(s);
     return;
   }
 #if !SHARDTENSOR_WITH_MPI
@@ -379,12 +402,14 @@ void init(int* argc, char*** argv) {
     start_c10d_world(rank, size, launch.launcher.c_str());
     s.transport = transport;
     s.initialized = true;
+    agree_settings_or_undo(s);
     return;
   }
   // Every rank calls init(), so the duplicate is collective like MPI_Init itself.
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s.error_channel));
   MPI_Comm_set_name(s.error_channel, "shardtensor error channel");
   s.initialized = true;
+  agree_settings_or_undo(s);
 #endif
 }
 
@@ -403,6 +428,7 @@ void init(const c10::intrusive_ptr<::c10d::ProcessGroup>& group) {
   s.transport = "gloo";
   s.thread_level = kThreadFunneled;  // what the library needs
   s.initialized = true;
+  agree_settings_or_undo(s);
 }
 
 namespace detail {

@@ -21,9 +21,9 @@
 #include "comm/agree.h"
 #include "comm/async_reduce.h"
 #include "comm/grad_sink.h"
+#include "comm/settings.h"
 #include "nn/fully_shard_stats.h"
 #include "nn/module_support.h"
-#include "ops/settings.h"
 
 // Note [fully_shard]
 // ~~~~~~~~~~~~~~~~~~
@@ -534,7 +534,7 @@ class FullyShardUnit : public comm::detail::ReplicatedGradSink,
   /// SHARDTENSOR_FSDP_PREFETCH (on unless "0"; Note [agreed settings]):
   /// off, every gather and reduction completes where it starts.
   bool prefetch_on() const {
-    return d_ > 1 && ops::use_setting(mesh_, ops::Setting::FsdpPrefetch) != 0;
+    return d_ > 1 && comm::use_setting(mesh_, Setting::FsdpPrefetch) != 0;
   }
 
   void allocate() {

@@ -84,17 +84,21 @@
 
 #include "comm/function_output.h"
 #include "comm/ring.h"
+#include "comm/settings.h"
+#include "core/settings.h"
 #include "ops/common.h"
-#include "ops/settings.h"
 
 namespace shardtensor {
-namespace {
-std::atomic<CausalBalance> g_causal_balance{CausalBalance::ZigZag};
-}
+// Held in the registry of Note [agreed settings] (core/settings.h), which spells the values.
+static_assert(static_cast<int>(CausalBalance::Contiguous) == 0 &&
+              static_cast<int>(CausalBalance::ZigZag) == 1);
 CausalBalance set_causal_balance(CausalBalance balance) {
-  return g_causal_balance.exchange(balance);
+  return static_cast<CausalBalance>(
+      detail::store_setting(Setting::CausalBalance, static_cast<int64_t>(balance)));
 }
-CausalBalance causal_balance() { return g_causal_balance.load(); }
+CausalBalance causal_balance() {
+  return static_cast<CausalBalance>(detail::setting_value(Setting::CausalBalance));
+}
 
 namespace detail {
 namespace {
@@ -696,7 +700,8 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     const auto& kv_sizes = sk.shard_sizes(plan->ring_dim);
     // Note [agreed settings]: read only where every rank would use it.
     if (causal && P > 1 && s.Sq == s.Sk &&
-        use_setting(mesh, Setting::CausalBalance) == static_cast<int64_t>(CausalBalance::ZigZag)) {
+        comm::use_setting(mesh, Setting::CausalBalance) ==
+            static_cast<int64_t>(CausalBalance::ZigZag)) {
       // Note [causal balance]: 2P chunks; coordinate c computes on chunks c and 2P-1-c.
       const auto chunks = balanced_sizes(s.Sq, 2 * P);
       const auto off = offsets_of(chunks);

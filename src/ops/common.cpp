@@ -1,5 +1,7 @@
 #include "ops/common.h"
 
+#include "comm/settings.h"
+
 #include <ATen/Dispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <shardtensor/core/policy.h>
@@ -422,7 +424,8 @@ int64_t gathered_bytes(const ShardSpec& src, const ShardSpec& dst, int64_t items
 
 void note_gather(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
                  const DeviceMesh& mesh, int64_t bytes, const std::string& what) {
-  if (strict()) {
+  // Strict mode decides whether the gather runs (Note [agreed settings]).
+  if (comm::use_setting(mesh, Setting::Strict) != 0) {
     fail(op, args,
          what + ", which strict mode (SHARDTENSOR_STRICT / shardtensor::set_strict) refuses");
   }

@@ -98,7 +98,7 @@
 
 #include "comm/exchange.h"
 #include "comm/function_output.h"
-#include "ops/settings.h"
+#include "comm/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -662,7 +662,7 @@ void decide_fast_path(ConvPlan& plan, const ConvCall& c, const std::vector<int64
                       int64_t first_sp, const DeviceMesh& mesh) {
   plan.fast = false;
   // Note [agreed settings]: read where every rank takes the same path.
-  if (plan.plans.empty() || !use_setting(mesh, Setting::ConvOverlap)) return;
+  if (plan.plans.empty() || !comm::use_setting(mesh, Setting::ConvOverlap)) return;
   for (int64_t e : plan.extra_right) {
     if (e != 0) return;
   }

@@ -106,9 +106,9 @@
 #include <optional>
 
 #include "comm/function_output.h"
+#include "comm/settings.h"
 #include "ops/common.h"
 #include "ops/halo_blocks.h"
-#include "ops/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -296,7 +296,7 @@ std::optional<std::vector<SplitTconv>> split_plan(const ShardSpec& spec,
                                                   const TconvArgs& a, int64_t first_sp,
                                                   bool batched) {
   // Note [agreed settings]: read where every rank takes the same path.
-  if (plans.empty() || !use_setting(spec.mesh(), Setting::TconvSplit)) return std::nullopt;
+  if (plans.empty() || !comm::use_setting(spec.mesh(), Setting::TconvSplit)) return std::nullopt;
   for (int64_t e : spec.global_shape()) {
     if (e == 0) return std::nullopt;
   }

@@ -25,16 +25,18 @@
 #include <set>
 #include <sstream>
 
+#include "comm/settings.h"
+#include "core/settings.h"
 #include "ops/common.h"
-#include "ops/settings.h"
 
 namespace shardtensor {
-namespace {
-std::atomic<int> g_layout{static_cast<int>(FftLayout::Spectral)};
-}  // namespace
-
-void set_fft_layout(FftLayout layout) { g_layout.store(static_cast<int>(layout)); }
-FftLayout fft_layout() { return static_cast<FftLayout>(g_layout.load()); }
+// Held in the registry of Note [agreed settings] (core/settings.h), which spells the values.
+static_assert(static_cast<int>(FftLayout::Spectral) == 0 &&
+              static_cast<int>(FftLayout::Input) == 1);
+void set_fft_layout(FftLayout layout) {
+  detail::store_setting(Setting::FftLayout, static_cast<int64_t>(layout));
+}
+FftLayout fft_layout() { return static_cast<FftLayout>(detail::setting_value(Setting::FftLayout)); }
 
 namespace ops {
 namespace {
@@ -257,7 +259,7 @@ void fft_rule(const c10::OperatorHandle& op, Stack* stack, Kind kind) {
   }
   // Note [agreed settings]: every rank has planned alike; nothing sent yet.
   const bool back =
-      use_setting(p.mesh, Setting::FftLayout) == static_cast<int64_t>(FftLayout::Input);
+      comm::use_setting(p.mesh, Setting::FftLayout) == static_cast<int64_t>(FftLayout::Input);
 
   // ---- run ----
   p.local = local_of(x).resolve_conj();  // hfft passes a conj view

@@ -31,9 +31,9 @@
 #include <optional>
 #include <string>
 
+#include "comm/settings.h"
 #include "ops/common.h"
 #include "ops/halo_blocks.h"
-#include "ops/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -376,7 +376,7 @@ std::optional<std::vector<SplitDim>> split_plan(
     const std::vector<Taps>& taps, c10::IntArrayRef shape, const std::vector<int64_t>& out_ext,
     const std::vector<std::optional<double>>& scales, const DeviceMesh& mesh) {
   // Note [agreed settings]: read where every rank takes the same path.
-  if (ac || plans.empty() || !use_setting(mesh, Setting::InterpSplit)) return std::nullopt;
+  if (ac || plans.empty() || !comm::use_setting(mesh, Setting::InterpSplit)) return std::nullopt;
   for (int64_t e : shape) {
     if (e == 0) return std::nullopt;
   }

@@ -32,9 +32,9 @@
 #include <optional>
 #include <string>
 
+#include "comm/settings.h"
 #include "ops/common.h"
 #include "ops/halo_blocks.h"
-#include "ops/settings.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -428,7 +428,7 @@ bool reads_own_piece(const std::vector<stencil::DimPlan>& plans) {
 std::optional<std::vector<SplitDim>> split_plan(const std::vector<stencil::DimPlan>& plans,
                                                 const Setup& st, const WinArgs& w) {
   // Note [agreed settings]: read where every rank takes the same path.
-  if (!use_setting(st.spec.mesh(), Setting::PoolSplit)) return std::nullopt;
+  if (!comm::use_setting(st.spec.mesh(), Setting::PoolSplit)) return std::nullopt;
   // Leading dims (and unsharded spatial ones) must be non-empty globally.
   for (int64_t e : st.spec.global_shape()) {
     if (e == 0) return std::nullopt;
