@@ -10,6 +10,7 @@
 
 #include "core/channel.h"
 #include "core/process_groups.h"
+#include "core/wait_board.h"
 
 #include <algorithm>
 #include <atomic>
@@ -380,6 +381,8 @@ void init(int* argc, char*** argv) {
   // Every rank calls init(), so the duplicate is collective like MPI_Init itself.
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s.error_channel));
   MPI_Comm_set_name(s.error_channel, "shardtensor error channel");
+  // Collective too, before any user collective (Note [flight recorder]).
+  detail::board::start();
   s.initialized = true;
 #endif
 }
