@@ -53,5 +53,21 @@ if [ -n "$WATCHDOG_EXPECT" ] && ! grep -q "$WATCHDOG_EXPECT" "$log"; then
   echo "watchdog_check: FAIL: the output does not contain '$WATCHDOG_EXPECT'"
   fail=1
 fi
+# WATCHDOG_EXPECT_EACH: a pattern that the output must match once for each of
+# the world ranks 0 .. WATCHDOG_EACH-1 (every surviving rank), "@R" standing
+# for the rank.
+if [ -n "$WATCHDOG_EXPECT_EACH" ]; then
+  r=0
+  while [ "$r" -lt "${WATCHDOG_EACH:-0}" ]; do
+    want=$(printf '%s' "$WATCHDOG_EXPECT_EACH" | sed "s/@R/$r/g")
+    if grep -q "$want" "$log"; then
+      echo "watchdog_check: world rank $r printed its line"
+    else
+      echo "watchdog_check: FAIL: no line of world rank $r matches '$want'"
+      fail=1
+    fi
+    r=$((r + 1))
+  done
+fi
 rm -f "$log"
 exit $fail

@@ -461,7 +461,7 @@ CallId enter(Comm comm, const char* name) {
   if (!s.poisoned) resolve(channel);
   if (s.poisoned) throw_poisoned("a shardtensor primitive");
   id.seq = s.next_seq[id.comm_key]++;
-  flight::record(name, id.seq, *world_ranks);
+  flight::record(name, id.seq, id.comm_key, *world_ranks);
   if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
     std::fprintf(stderr, "[carried errors] world rank %d enters call %llu on %llx\n",
                  world_rank_of_me(), static_cast<unsigned long long>(id.seq),

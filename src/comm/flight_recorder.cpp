@@ -8,12 +8,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "core/process_groups.h"
+#include "core/wait_board.h"
 
 namespace shardtensor::comm::flight {
 
@@ -24,6 +27,7 @@ constexpr int kMaxRanks = 16;  // world ranks kept per call / per wait (then "..
 struct Entry {
   const char* name = nullptr;
   uint64_t seq = 0;
+  uint64_t comm_key = 0;
   int n = 0;  // number of world ranks of the communicator
   int ranks[kMaxRanks] = {};
 };
@@ -177,7 +181,8 @@ std::string lost_key(int rank) { return "lost_by/" + std::to_string(rank); }
 
 }  // namespace
 
-void record(const char* name, uint64_t seq, const std::vector<int>& world_ranks) noexcept {
+void record(const char* name, uint64_t seq, uint64_t comm_key,
+            const std::vector<int>& world_ranks) noexcept {
   const uint64_t c = g_count.load(std::memory_order_relaxed);
   if (c == 0) {
     try {
@@ -189,6 +194,7 @@ void record(const char* name, uint64_t seq, const std::vector<int>& world_ranks)
   Entry& e = g_ring[c % kRingSize];
   e.name = name;
   e.seq = seq;
+  e.comm_key = comm_key;
   copy_ranks(world_ranks, e.ranks, e.n);
   g_count.store(c + 1, std::memory_order_relaxed);
 }
@@ -265,6 +271,196 @@ int root_of(int peer) noexcept {
     at = next;
   }
   return at;
+}
+
+// ---- the wait board (MPI; core/wait_board.h) -----------------------------------
+
+namespace {
+
+std::string wait_key(int rank) { return "wait/" + std::to_string(rank); }
+
+// The last recorded call, or false.
+bool last_entry(Entry& out) {
+  const uint64_t c = g_count.load(std::memory_order_relaxed);
+  if (c == 0) return false;
+  out = g_ring[(c - 1) % kRingSize];
+  return true;
+}
+
+std::string call_key(const char* what) {
+  Entry e;
+  if (!last_entry(e)) return "";
+  return std::string(what) + "/" + std::to_string(e.comm_key) + "/" + std::to_string(e.seq);
+}
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// A post: "call\t<comm key>\t<seq>\t<name>\t<step>\t<world ranks>" or
+// "step\t<step>\t<world ranks>"; empty: no long wait.
+struct Post {
+  bool any = false;
+  bool call = false;
+  uint64_t comm_key = 0;
+  uint64_t seq = 0;
+  std::string name, step, ranks;
+};
+
+Post decode(const std::vector<uint8_t>& v) {
+  Post p;
+  std::vector<std::string> f;
+  std::string cur;
+  for (uint8_t ch : v) {
+    if (ch == '\t') {
+      f.push_back(cur);
+      cur.clear();
+    } else {
+      cur += static_cast<char>(ch);
+    }
+  }
+  f.push_back(cur);
+  try {
+    if (f.size() == 6 && f[0] == "call") {
+      p.any = p.call = true;
+      p.comm_key = std::stoull(f[1]);
+      p.seq = std::stoull(f[2]);
+      p.name = f[3];
+      p.step = f[4];
+      p.ranks = f[5];
+    } else if (f.size() == 3 && f[0] == "step") {
+      p.any = true;
+      p.step = f[1];
+      p.ranks = f[2];
+    }
+  } catch (...) {
+    p = Post{};
+  }
+  return p;
+}
+
+}  // namespace
+
+bool post_wait(const char* step, bool in_last_call) noexcept {
+  ::c10d::Store* store = detail::board::store();
+  Entry e;
+  if (store == nullptr || g_world_rank < 0 || !last_entry(e)) return false;
+  try {
+    Buf r;
+    r.list(e.ranks, e.n);
+    std::ostringstream os;
+    if (in_last_call) {
+      os << "call\t" << e.comm_key << "\t" << e.seq << "\t" << (e.name ? e.name : "?") << "\t"
+         << step << "\t" << std::string(r.data, r.len);
+    } else {
+      os << "step\t" << step << "\t" << std::string(r.data, r.len);
+    }
+    store->set(wait_key(g_world_rank), bytes(os.str()));
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+void withdraw_wait() noexcept {
+  ::c10d::Store* store = detail::board::store();
+  if (store == nullptr || g_world_rank < 0) return;
+  try {
+    store->set(wait_key(g_world_rank), std::vector<uint8_t>{});
+  } catch (...) {
+  }
+}
+
+BoardView read_board(const std::vector<int>& world_ranks) noexcept {
+  BoardView view;
+  ::c10d::Store* store = detail::board::store();
+  Entry e;
+  if (store == nullptr || !last_entry(e)) return view;
+  try {
+    std::vector<int> others;
+    std::vector<std::string> keys;
+    for (int r : world_ranks) {
+      if (r == g_world_rank) continue;
+      others.push_back(r);
+      keys.push_back(wait_key(r));
+    }
+    const auto values = keys.empty() ? std::vector<std::vector<uint8_t>>{} : store->multiGet(keys);
+    std::ostringstream os;
+    view.in_call = 1;
+    for (size_t i = 0; i < others.size() && i < values.size(); ++i) {
+      const Post p = decode(values[i]);
+      if (p.call && p.comm_key == e.comm_key && p.seq == e.seq) ++view.in_call;
+      if (p.call && p.comm_key == e.comm_key && p.seq >= e.seq) continue;  // in it, or past it
+      view.missing.push_back(others[i]);
+      os << (os.tellp() == 0 ? "" : "; ") << "world rank " << others[i];
+      if (!p.any) {
+        os << " reported no wait: it is computing, in a wait shorter than the post threshold, "
+              "or dead";
+      } else if (p.call) {
+        os << " waits in " << p.name << " call #" << p.seq << " on world ranks " << p.ranks << " ("
+           << p.step << ")";
+        if (p.comm_key == e.comm_key) os << ", an earlier call of this communicator";
+      } else {
+        os << " waits in " << p.step << " on world ranks " << p.ranks;
+      }
+    }
+    view.detail = os.str();
+    view.ok = true;
+  } catch (...) {
+    view = BoardView{};
+  }
+  return view;
+}
+
+int mark_expiring() noexcept {
+  ::c10d::Store* store = detail::board::store();
+  const std::string key = call_key("expiring");
+  if (store == nullptr || key.empty()) return -1;
+  try {
+    const auto v =
+        store->compareSet(key, std::vector<uint8_t>{}, bytes(std::to_string(g_world_rank)));
+    return std::stoi(std::string(v.begin(), v.end()));
+  } catch (...) {
+    return -1;
+  }
+}
+
+int expiring_by() noexcept {
+  ::c10d::Store* store = detail::board::store();
+  const std::string key = call_key("expiring");
+  if (store == nullptr || key.empty()) return -1;
+  try {
+    if (!store->check({key})) return -1;
+    const auto v = store->get(key);
+    return std::stoi(std::string(v.begin(), v.end()));
+  } catch (...) {
+    return -1;
+  }
+}
+
+void clear_expiring() noexcept {
+  ::c10d::Store* store = detail::board::store();
+  const std::string key = call_key("expiring");
+  if (store == nullptr || key.empty()) return;
+  try {
+    store->deleteKey(key);
+  } catch (...) {
+  }
+}
+
+void printed_and_wait(int n, double seconds) noexcept {
+  ::c10d::Store* store = detail::board::store();
+  const std::string key = call_key("printed");
+  if (store == nullptr || key.empty()) return;
+  try {
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(seconds));
+    int64_t count = store->add(key, 1);
+    while (count < n && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      count = store->add(key, 0);
+    }
+  } catch (...) {
+  }
 }
 
 std::string rank_list(const std::vector<int>& ranks) {

@@ -1113,6 +1113,7 @@ void PendingExchange::abandon() noexcept {
                                : "abandoned exchange (MPI_Cancel + MPI_Waitall)";
   site.comm = comm_;
   site.peers = collective_ ? nullptr : &peers_;  // a collective request cannot be cancelled
+  site.in_last_call = false;
   watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE,
                      site);
 #endif
@@ -1153,6 +1154,7 @@ void PendingExchange::finish_transfers() {
     site.primitive = collective_ ? "neighbourhood exchange finish (MPI_Ineighbor_alltoallw)"
                                  : "exchange finish (MPI_Waitall of MPI_Irecv/MPI_Isend)";
     site.comm = comm_;
+    site.in_last_call = false;
     site.peers = collective_ ? nullptr : &peers_;
     rc = watchdog::wait_all(static_cast<int>(requests_.size()), requests_.data(), statuses.data(),
                             site);
@@ -1320,6 +1322,7 @@ int wait_reduce(MPI_Request* request, Comm comm) {
   watchdog::WaitSite site;
   site.primitive = "pending all-reduce finish (MPI_Iallreduce)";
   site.comm = comm;
+  site.in_last_call = false;
   return watchdog::wait(request, MPI_STATUS_IGNORE, site);
 }
 }  // namespace

@@ -66,17 +66,53 @@ std::vector<int> to_world(Comm comm, const std::vector<int>* ranks) {
   return out;
 }
 
-[[noreturn]] void expire(int n, MPI_Request* requests, const WaitSite& site, double waited,
-                         double limit) {
+// Note [watchdog], continued: under the MPI transport a long wait is posted
+// on the wait board (Note [flight recorder]), and an expiry names the ranks
+// that never joined a collective from it. Timings: a wait is posted once it
+// has lasted post_after(); an expired collective waits grace() for late posts
+// before it names anyone; a posted rank looks every look_every() whether
+// another rank's watchdog expired in its call, and then prints its own line.
+// Every rank posted in the call prints before the first MPI_Abort (bounded).
+double post_after(double limit) { return std::min(1.0, 0.05 * limit); }
+double grace(double limit) { return post_after(limit) + 0.5; }
+double look_every(double limit) { return std::max(0.1, std::min(1.0, 0.01 * limit)); }
+
+bool is_point_to_point(int n, const WaitSite& site) {
+  return site.peers != nullptr && static_cast<int>(site.peers->size()) == n;
+}
+
+// The line's head, up to and including "for ".
+std::string head(const WaitSite& site, double waited, double limit, const std::string& note) {
   int world = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &world);
   std::ostringstream os;
   const char* op = OpLabel::current();
   os << "shardtensor watchdog: world rank " << world << " waited " << waited
-     << " s (SHARDTENSOR_TIMEOUT = " << limit << " s) in " << site.primitive << " during op '"
-     << (*op != '\0' ? op : "<none>") << "' on " << comm_description(site.comm) << " for ";
+     << " s (SHARDTENSOR_TIMEOUT = " << limit << " s" << note << ") in " << site.primitive
+     << " during op '" << (*op != '\0' ? op : "<none>") << "' on " << comm_description(site.comm)
+     << " for ";
+  return os.str();
+}
+
+std::string tail(const std::string& missing) {
+  std::ostringstream os;
+  os << "; its last primitive call: " << flight::last_call() << "; missing: " << missing
+     << " (Note [flight recorder]); aborting the job with exit code " << kWatchdogExitCode;
+  return os.str();
+}
+
+constexpr const char* kCollective =
+    "every rank of the communicator (a collective that some rank has not entered)";
+
+// The whole line (without the flight recorder's): the missing ranks of a
+// point-to-point wait from its requests, those of a collective from the wait
+// board's `view` when given (Note [flight recorder]).
+std::string line_for(int n, MPI_Request* requests, const WaitSite& site, double waited,
+                     double limit, const std::string& note, const flight::BoardView* view) {
+  std::ostringstream os;
+  os << head(site, waited, limit, note);
   std::string missing;
-  if (site.peers != nullptr && static_cast<int>(site.peers->size()) == n) {
+  if (is_point_to_point(n, site)) {
     os << "peers [";
     bool first = true;
     std::vector<int> pending;
@@ -96,14 +132,47 @@ std::vector<int> to_world(Comm comm, const std::vector<int>* ranks) {
     std::sort(world.begin(), world.end());
     world.erase(std::unique(world.begin(), world.end()), world.end());
     missing = "world ranks " + flight::rank_list(world) + " (their messages did not arrive)";
+  } else if (view != nullptr) {
+    os << kCollective;
+    std::ostringstream m;
+    if (view->missing.empty()) {
+      m << "none by the wait board (every rank of the communicator posted this call, yet it has "
+           "not completed)";
+    } else {
+      m << "world ranks " << flight::rank_list(view->missing) << " (not in this call after a "
+        << grace(limit) << " s grace, by the wait board: " << view->detail << ")";
+    }
+    missing = m.str();
   } else {
-    os << "every rank of the communicator (a collective that some rank has not entered)";
+    os << kCollective;
     missing = "one or more of world ranks " + flight::rank_list(to_world(site.comm, nullptr)) +
               " (an MPI collective does not tell a rank which ranks have not joined)";
   }
-  os << "; its last primitive call: " << flight::last_call() << "; missing: " << missing
-     << " (Note [flight recorder]); aborting the job with exit code " << kWatchdogExitCode;
-  flight::fail_job(os.str(), kWatchdogExitCode);
+  return os.str() + tail(missing);
+}
+
+[[noreturn]] void expire(int n, MPI_Request* requests, const WaitSite& site, double waited,
+                         double limit) {
+  flight::fail_job(line_for(n, requests, site, waited, limit, "", nullptr), kWatchdogExitCode);
+}
+
+// Prints the line, waits (bounded) until every rank posted in this call has
+// printed its own, then ends the job: the first MPI_Abort ends the others.
+[[noreturn]] void expire_by_board(int n, MPI_Request* requests, const WaitSite& site, double waited,
+                                  double limit, int author, const flight::BoardView& view) {
+  int world = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world);
+  const std::string note =
+      author < 0 || author == world
+          ? ""
+          : "; world rank " + std::to_string(author) + "'s watchdog expired first in this call";
+  const std::string line =
+      line_for(n, requests, site, waited, limit, note, &view) + "\n" + flight::history_line();
+  std::fputs(line.c_str(), stderr);
+  std::fflush(stderr);
+  flight::printed_and_wait(view.in_call, grace(limit) + 2 * look_every(limit) + 0.5);
+  shardtensor::abort(kWatchdogExitCode);
+  std::_Exit(kWatchdogExitCode);
 }
 
 }  // namespace
@@ -117,12 +186,21 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
   const double limit = shardtensor::timeout();
   const auto start = Clock::now();
   bool recorded = false;
+  bool post_tried = false;
+  bool posted = false;        // on the wait board as the last call (Note [flight recorder])
+  double next_look = 0;       // when to read the board next
+  double expiring_from = -1;  // this call expires (here or on another rank) since then
   struct EndWait {
     bool* recorded;
+    bool* posted;
+    double* expiring_from;
     ~EndWait() {
       if (*recorded) flight::end_wait();
+      if (*posted) flight::withdraw_wait();
+      if (*expiring_from >= 0) flight::clear_expiring();  // completed within the grace
     }
-  } end_wait{&recorded};
+  } end_wait{&recorded, &posted, &expiring_from};
+  int author = -1;  // the rank whose watchdog expired first in this call
   for (;;) {
     int flag = 0;
     const int rc = MPI_Testall(n, requests, &flag, statuses);
@@ -131,15 +209,40 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
     }
     errors::poll(n, requests, site.peers != nullptr, site.primitive);
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-    if (limit > 0 && waited > limit) {
-      expire(n, requests, site, waited, limit);
+    if (expiring_from < 0 && limit > 0 && waited > limit) {
+      if (!(posted && site.in_last_call)) expire(n, requests, site, waited, limit);
+      expiring_from = waited;
+      next_look = waited;
+      author = flight::mark_expiring();
+      if (author < 0) expire(n, requests, site, waited, limit);
+    } else if (expiring_from < 0 && posted && site.in_last_call && waited >= next_look) {
+      // Another rank's watchdog expired in this call: this rank prints its
+      // line too before the first MPI_Abort ends it.
+      next_look = waited + look_every(limit);
+      author = flight::expiring_by();
+      if (author >= 0) {
+        expiring_from = waited;
+        next_look = waited;
+      }
+    }
+    if (expiring_from >= 0 && waited >= next_look) {
+      // A collective gives ranks that joined late the grace to post (and may
+      // still complete meanwhile: then nothing is named); a point-to-point
+      // wait knows its missing ranks and reads the board only for the count
+      // of ranks in this call.
+      next_look = waited + 0.05;
+      const flight::BoardView view = flight::read_board(to_world(site.comm, nullptr));
+      if (!view.ok) expire(n, requests, site, waited, limit);
+      if (is_point_to_point(n, site) || waited >= expiring_from + grace(limit)) {
+        expire_by_board(n, requests, site, waited, limit, author, view);
+      }
     }
     if (waited >= 1e-2 && !recorded) {
       // A long wait: tell the flight recorder what it waits for (Note
       // [flight recorder]; not on the fast path, the translation asks MPI).
       recorded = true;
       std::vector<int> pending;
-      if (site.peers != nullptr && static_cast<int>(site.peers->size()) == n) {
+      if (is_point_to_point(n, site)) {
         for (int i = 0; i < n; ++i) {
           int done = 1;
           if (requests[i] != MPI_REQUEST_NULL) {
@@ -150,6 +253,14 @@ int wait_all(int n, MPI_Request* requests, MPI_Status* statuses, const WaitSite&
       }
       flight::begin_wait(site.primitive, to_world(site.comm, nullptr),
                          pending.empty() ? pending : to_world(site.comm, &pending));
+    }
+    if (limit > 0 && !post_tried && waited >= post_after(limit)) {
+      // Posted for every long wait (also point-to-point ones and those of an
+      // earlier call), so that a rank whose collective expires can say what
+      // this rank does instead.
+      post_tried = true;
+      posted = flight::post_wait(site.primitive, site.in_last_call);
+      next_look = waited + look_every(limit);
     }
     // Poll hard at first (short waits are the common case and latency matters),
     // then back off so that a rank waiting long leaves the core to the others.

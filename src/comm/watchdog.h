@@ -16,6 +16,11 @@ struct WaitSite {
   /// For point-to-point waits: the peer (rank in `comm`) of each request, in
   /// request order; empty for collectives (then every rank of `comm` is awaited).
   const std::vector<int>* peers = nullptr;
+  /// Whether the requests belong to the flight recorder's last call (false
+  /// for requests an earlier call started: a split-phase exchange's finish,
+  /// a pending all-reduce); only then is the wait posted on the wait board as
+  /// that call (Note [flight recorder]).
+  bool in_last_call = true;
 };
 
 #if SHARDTENSOR_WITH_MPI

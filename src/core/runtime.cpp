@@ -11,6 +11,7 @@
 #include "core/channel.h"
 #include "core/process_groups.h"
 #include "core/settings.h"
+#include "core/wait_board.h"
 
 #if SHARDTENSOR_WITH_MPI && __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_CUDA_AWARE_SUPPORT (Note [CUDA-aware MPI])
@@ -408,6 +409,8 @@ void init(int* argc, char*** argv) {
   // Every rank calls init(), so the duplicate is collective like MPI_Init itself.
   SHARDTENSOR_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s.error_channel));
   MPI_Comm_set_name(s.error_channel, "shardtensor error channel");
+  // Collective too, before any user collective (Note [flight recorder]).
+  detail::board::start();
   s.initialized = true;
   agree_settings_or_undo(s);
 #endif
