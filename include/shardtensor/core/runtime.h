@@ -70,6 +70,12 @@ MpiCudaSupport mpi_cuda_support();
 /// peers still outstanding for point-to-point waits, and how long it waited,
 /// then ends the whole job with MPI_Abort(MPI_COMM_WORLD, kWatchdogExitCode),
 /// so that `mpirun`/`srun` return promptly instead of burning an allocation.
+/// For an MPI collective, which ranks never joined it comes from the wait
+/// board (src/core/wait_board.h): a store beside MPI on which waits longer
+/// than min(1 s, 5 % of the timeout) post their call; after a short grace
+/// every rank in the call prints the members that did not post it (Note
+/// [flight recorder], src/comm/flight_recorder.h, says what is exact), then
+/// the first MPI_Abort ends the job.
 /// Typical causes: a rank raised an error (or exited) between collectives that
 /// the others entered, or ranks called collectives in different orders.
 /// The timeout is read from the environment variable `SHARDTENSOR_TIMEOUT`
