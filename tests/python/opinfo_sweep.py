@@ -20,7 +20,11 @@ differently on pieces of other lengths), NaN equal to NaN) and, for float64 samp
 the first tensor's gradient under a fixed random weighting of every floating
 output. Both runs start from the same seed; an op whose plain result changes with
 the seed (a random op: shardtensor draws per piece, not as one process would)
-is compared on shapes and dtypes only, and its gradient is not compared.
+is compared on shapes and dtypes only, and its gradient is not compared. So are
+the ops whose values are uninitialised memory (UNINITIALIZED: empty_like and its
+kin): plain torch can return the same garbage three times in a row (the
+allocator hands back the same freed block), so the seed test cannot tell them,
+and comparing their values made opinfo.np3 fail by chance (CI, 2026-11-29).
 
 Outcomes per (op, dtype, sample, placement): OK; REFUSED (an exception on every
 rank); WRONG (a value or gradient differs on some rank); MIXED (an exception on
@@ -169,6 +173,12 @@ def same_values_at(x, idx, ref_idx):
     return False
 
 
+# Ops whose result values are undefined (torch.empty's memory): only their shapes
+# and dtypes mean anything.
+UNINITIALIZED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                 "empty_permuted"}
+
+
 def seeded(op):
     """Whether OpInfo wraps the op in wrapper_set_seed (a random op that reseeds inside)."""
     from torch.testing._utils import wrapper_set_seed
@@ -220,7 +230,7 @@ def run_one(op, sample, pl, mesh, grad):
         if len(outs) != len(ref_outs):
             return WRONG, f"{len(outs)} outputs vs {len(ref_outs)}"
         full = [gather(o) for o in outs]
-        random = True if seeded(op) else None
+        random = True if seeded(op) or op.name in UNINITIALIZED else None
         for i, (a, b) in enumerate(zip(full, ref_outs)):
             ok, why = close(a.detach(), b.detach())
             if not ok:
