@@ -48,6 +48,16 @@ void check_steps(const DeviceMesh& mesh, const std::string& name, const at::Tens
 
 const std::vector<Placements> kLayouts = {{S0, S1}, {S1, S0}, {S1, R}, {R, S0}};
 
+using V = std::vector<at::Tensor>;
+
+// Steps shared by the tests: take a view (or copy) of the source, write it, write the source.
+Step push(std::function<at::Tensor(const at::Tensor&)> f) {
+  return [f](V& ts) { ts.push_back(f(ts[0])); };
+}
+const Step mul_view = [](V& ts) { ts[1].mul_(10); };
+const Step zero_src = [](V& ts) { ts[0].zero_(); };
+const Step add_src = [](V& ts) { ts[0].add_(3); };
+
 }  // namespace
 
 // Issue 25 item 1: contiguous() of a transposed, permuted or sliced view is a
@@ -57,13 +67,6 @@ const std::vector<Placements> kLayouts = {{S0, S1}, {S1, S0}, {S1, R}, {R, S0}};
 TEST(Alias, ContiguousOfANonContiguousViewIsACopy) {
   auto mesh = test_mesh();
   auto x = rnd({7, 5}, 1, 4.0).round();
-  using V = std::vector<at::Tensor>;
-  auto push = [](std::function<at::Tensor(const at::Tensor&)> f) {
-    return Step([f](V& ts) { ts.push_back(f(ts[0])); });
-  };
-  const Step mul_view = [](V& ts) { ts[1].mul_(10); };
-  const Step zero_src = [](V& ts) { ts[0].zero_(); };
-  const Step add_src = [](V& ts) { ts[0].add_(3); };
   check_steps(
       mesh, "t().contiguous()", x,
       {push([](const at::Tensor& t) { return t.t().contiguous(); }), mul_view, zero_src, mul_view},
@@ -102,13 +105,6 @@ TEST(Alias, ContiguousOfANonContiguousViewIsACopy) {
 TEST(Alias, ViewOpsOutsideShapeHaveTorchStrides) {
   auto mesh = test_mesh();
   auto x = rnd({7, 5}, 2, 4.0).round();
-  using V = std::vector<at::Tensor>;
-  auto push = [](std::function<at::Tensor(const at::Tensor&)> f) {
-    return Step([f](V& ts) { ts.push_back(f(ts[0])); });
-  };
-  const Step mul_view = [](V& ts) { ts[1].mul_(10); };
-  const Step zero_src = [](V& ts) { ts[0].zero_(); };
-  const Step add_src = [](V& ts) { ts[0].add_(3); };
   const std::vector<at::ScalarType> complex = {at::kComplexFloat, at::kComplexDouble};
   check_steps(mesh, "real.contiguous()", x,
               {push([](const at::Tensor& t) { return at::real(t).contiguous(); }), mul_view,

@@ -231,6 +231,23 @@ struct FwdState {
   at::Tensor m, l, acc;  // [B, Hkv, g*n], [B, Hkv, g*n], [B, Hkv, g*n, D]
 };
 
+// Calls `body(kr, c0, cl)` for every chunk [c0, c0 + cl) of every run `kr`
+// of `src`'s K/V block that query run `qr` sees, in key order (a run or
+// chunk fully masked by the causal mask is skipped; the later ones are
+// further ahead). `rows` (query rows of the chunk's scores) sizes the chunks.
+template <typename Body>
+void visible_chunks(const RingPlan& p, const Run& qr, int64_t src, int64_t rows, Body body) {
+  for (const Run& kr : p.kv_runs[src]) {
+    if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
+    const int64_t step = chunk_len(rows, kr.len);
+    for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
+      const int64_t cl = std::min(step, kr.len - c0);
+      if (fully_masked(p, qr, kr.global + c0)) break;
+      body(kr, c0, cl);
+    }
+  }
+}
+
 // Merges one K/V block (`src`'s rows) into the online softmax.
 void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb_in,
                    const at::Tensor& vb_in, int64_t n, int64_t src, FwdState& st,
@@ -244,25 +261,19 @@ void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb
     at::Tensor m = rows5(st.m, g, n, qr), l = rows5(st.l, g, n, qr);
     at::Tensor acc = rows5(st.acc, g, n, qr);
     const int64_t rows = qq.size(0) * qq.size(1) * qq.size(2);
-    for (const Run& kr : p.kv_runs[src]) {
-      if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
-      const int64_t step = chunk_len(rows, kr.len);
-      for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
-        const int64_t cl = std::min(step, kr.len - c0);
-        if (fully_masked(p, qr, kr.global + c0)) break;  // later keys are further ahead
-        at::Tensor s = chunk_scores(p, qq, kb.narrow(2, kr.local + c0, cl), qr, kr.global + c0);
-        at::Tensor s5 = s.view({s.size(0), s.size(1), g, qr.len, cl});
-        at::Tensor m_new = at::maximum(m, s5.amax(-1));
-        at::Tensor m_safe = m_new.masked_fill(m_new.isneginf(), 0.0);
-        s5.sub_(m_safe.unsqueeze(-1)).exp_();
-        at::Tensor alpha = (m - m_safe).exp_();
-        l.mul_(alpha).add_(s5.sum(-1));
-        at::Tensor pv = at::matmul(s, vb.narrow(2, kr.local + c0, cl));
-        acc.mul_(alpha.unsqueeze(-1)).add_(pv.view(acc.sizes()));
-        m.copy_(m_new);
-        progress();
-      }
-    }
+    visible_chunks(p, qr, src, rows, [&](const Run& kr, int64_t c0, int64_t cl) {
+      at::Tensor s = chunk_scores(p, qq, kb.narrow(2, kr.local + c0, cl), qr, kr.global + c0);
+      at::Tensor s5 = s.view({s.size(0), s.size(1), g, qr.len, cl});
+      at::Tensor m_new = at::maximum(m, s5.amax(-1));
+      at::Tensor m_safe = m_new.masked_fill(m_new.isneginf(), 0.0);
+      s5.sub_(m_safe.unsqueeze(-1)).exp_();
+      at::Tensor alpha = (m - m_safe).exp_();
+      l.mul_(alpha).add_(s5.sum(-1));
+      at::Tensor pv = at::matmul(s, vb.narrow(2, kr.local + c0, cl));
+      acc.mul_(alpha.unsqueeze(-1)).add_(pv.view(acc.sizes()));
+      m.copy_(m_new);
+      progress();
+    });
   }
 }
 
@@ -291,19 +302,13 @@ void delta_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4,
     at::Tensor mx = rows4(rs.max, g, n, qr), ls = rows4(rs.log_sum, g, n, qr);
     at::Tensor de = rows5(delta, g, n, qr);
     const int64_t rows = qq.size(0) * qq.size(1) * qq.size(2);
-    for (const Run& kr : p.kv_runs[src]) {
-      if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
-      const int64_t step = chunk_len(rows, kr.len);
-      for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
-        const int64_t cl = std::min(step, kr.len - c0);
-        if (fully_masked(p, qr, kr.global + c0)) break;
-        at::Tensor pr = chunk_scores(p, qq, kb.narrow(2, kr.local + c0, cl), qr, kr.global + c0);
-        probabilities_(pr, mx, ls);
-        pr.mul_(at::matmul(dd, vb.narrow(2, kr.local + c0, cl).transpose(-2, -1)));
-        de.add_(pr.sum(-1).view(de.sizes()));
-        progress();
-      }
-    }
+    visible_chunks(p, qr, src, rows, [&](const Run& kr, int64_t c0, int64_t cl) {
+      at::Tensor pr = chunk_scores(p, qq, kb.narrow(2, kr.local + c0, cl), qr, kr.global + c0);
+      probabilities_(pr, mx, ls);
+      pr.mul_(at::matmul(dd, vb.narrow(2, kr.local + c0, cl).transpose(-2, -1)));
+      de.add_(pr.sum(-1).view(de.sizes()));
+      progress();
+    });
   }
 }
 
@@ -321,24 +326,18 @@ void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& d
     at::Tensor de = rows4(delta, g, n, qr);
     at::Tensor dq = rows5(dq4, g, n, qr);
     const int64_t rows = qq.size(0) * qq.size(1) * qq.size(2);
-    for (const Run& kr : p.kv_runs[src]) {
-      if (kr.len == 0 || fully_masked(p, qr, kr.global)) continue;
-      const int64_t step = chunk_len(rows, kr.len);
-      for (int64_t c0 = 0; c0 < kr.len; c0 += step) {
-        const int64_t cl = std::min(step, kr.len - c0);
-        if (fully_masked(p, qr, kr.global + c0)) break;
-        at::Tensor kc = kb.narrow(2, kr.local + c0, cl), vc = vb.narrow(2, kr.local + c0, cl);
-        at::Tensor pr = chunk_scores(p, qq, kc, qr, kr.global + c0);
-        probabilities_(pr, mx, ls);
-        dkv[1].narrow(2, kr.local + c0, cl).add_(at::matmul(pr.transpose(-2, -1), dd));
-        at::Tensor ds = at::matmul(dd, vc.transpose(-2, -1));
-        ds.sub_(de.unsqueeze(-1)).mul_(pr);
-        pr = at::Tensor();
-        dq.add_(at::matmul(ds, kc).view(dq.sizes()), p.scale);
-        dkv[0].narrow(2, kr.local + c0, cl).add_(at::matmul(ds.transpose(-2, -1), qq), p.scale);
-        progress();
-      }
-    }
+    visible_chunks(p, qr, src, rows, [&](const Run& kr, int64_t c0, int64_t cl) {
+      at::Tensor kc = kb.narrow(2, kr.local + c0, cl), vc = vb.narrow(2, kr.local + c0, cl);
+      at::Tensor pr = chunk_scores(p, qq, kc, qr, kr.global + c0);
+      probabilities_(pr, mx, ls);
+      dkv[1].narrow(2, kr.local + c0, cl).add_(at::matmul(pr.transpose(-2, -1), dd));
+      at::Tensor ds = at::matmul(dd, vc.transpose(-2, -1));
+      ds.sub_(de.unsqueeze(-1)).mul_(pr);
+      pr = at::Tensor();
+      dq.add_(at::matmul(ds, kc).view(dq.sizes()), p.scale);
+      dkv[0].narrow(2, kr.local + c0, cl).add_(at::matmul(ds.transpose(-2, -1), qq), p.scale);
+      progress();
+    });
   }
 }
 
