@@ -113,3 +113,44 @@ foreach(scenario one_rank_bad_piece every_rank_bad_piece)
       TIMEOUT 90 PROCESSORS 2 LABELS "torchrun;watchdog")
   endforeach()
 endforeach()
+# Carried rule errors (Note [carried rule errors]): the rule of an outermost op
+# raises on the last rank only, before its all-reduce (the others wait in it),
+# after it (the others pass the op and meet the culprit at the next one), or
+# in a rule that does not communicate, after which no rank communicates again
+# (finalize finds it); or on every rank alike (the job goes on, exit code 0);
+# or a backward formula raises on the last rank (rule_backward).
+# A hang is killed by carried_check.sh and fails.
+foreach(np 2 3 4)
+  math(EXPR _c "${np} - 1")
+  set(_rule_before "caught: .*simulated rule failure on world rank ${_c};raises at the next op: .*inconsistent")
+  set(_rule_after "1@caught: .*simulated rule failure on world rank ${_c};raises at the next op: .*simulated rule failure on world rank ${_c}")
+  set(_rule_local_last "1@caught: .*simulated rule failure on world rank ${_c};1@ends the job with exit code 86")
+  set(_rule_alike "caught: .*simulated rule failure;continues: the next sum is right")
+  set(_rule_backward "caught: .*simulated rule failure on world rank ${_c};raises at the next op: .*inconsistent")
+  foreach(scenario rule_before rule_after rule_local_last rule_alike rule_backward)
+    if(scenario STREQUAL "rule_alike")
+      set(_rc_mpi 0)
+      set(_rc_torchrun 0)
+    else()
+      set(_rc_mpi 86)
+      set(_rc_torchrun 1)
+    endif()
+    add_test(NAME carried_errors.${scenario}.np${np}
+      COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/carried_check.sh 60 ${np} "${_rc_mpi};${_${scenario}}"
+              ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np ${np}
+              $<TARGET_FILE:watchdog_scenario> ${scenario})
+    set_tests_properties(carried_errors.${scenario}.np${np} PROPERTIES
+      ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=20"
+      TIMEOUT 90 PROCESSORS 2 LABELS "mpi;watchdog")
+    if(np LESS 4)
+      add_test(NAME carried_errors.${scenario}.torchrun.np${np}
+        COMMAND sh ${CMAKE_CURRENT_SOURCE_DIR}/carried_check.sh 60 ${np}
+                "${_rc_torchrun};${_${scenario}}"
+                ${Python3_EXECUTABLE} -m torch.distributed.run --standalone --no-python
+                --nproc-per-node ${np} $<TARGET_FILE:watchdog_scenario> ${scenario})
+      set_tests_properties(carried_errors.${scenario}.torchrun.np${np} PROPERTIES
+        ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_TIMEOUT=20"
+        TIMEOUT 90 PROCESSORS 2 LABELS "torchrun;watchdog")
+    endif()
+  endforeach()
+endforeach()

@@ -16,8 +16,58 @@
 
 #include "comm/agree.h"
 #include "comm/blocking.h"
+#include "ops/common.h"
+#include "ops/registry.h"
 
 namespace st = shardtensor;
+
+namespace {
+
+// A rule that raises on some ranks only (Note [carried rule errors]), for
+// aten::_test_check_tensor, a testing op that no rule of the library uses.
+// "before": raises before the rule's all-reduce (the others wait in it);
+// "after": after it (the others pass the op); "local": a rule that does not
+// communicate. g_culprit < 0: every rank raises.
+std::string g_rule_mode;
+int g_culprit = -1;
+
+void maybe_raise() {
+  if (g_culprit < 0 || st::world_rank() == g_culprit) {
+    TORCH_CHECK(false, "simulated rule failure on world rank ", st::world_rank());
+  }
+}
+
+// An autograd Function whose backward formula raises (mode "backward"),
+// written as the library's own (Note [carried rule errors]): its formula runs
+// through carried_backward; after it, an all-reduce (the others wait in it).
+struct RaisingBackwardFn : torch::autograd::Function<RaisingBackwardFn> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext*,
+                                                const at::Tensor& x) {
+    return {x * 2};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return st::ops::carried_backward("RaisingBackwardFn::backward", ctx, std::move(grads),
+                                     &backward_formula);
+  }
+  static torch::autograd::variable_list backward_formula(torch::autograd::AutogradContext*,
+                                                         torch::autograd::variable_list grads) {
+    maybe_raise();
+    return {grads[0] * 2 + grads[0].mean() * 0};
+  }
+};
+
+const st::ops::RuleRegistrar test_rule({"_test_check_tensor"}, [](const c10::OperatorHandle&,
+                                                                  st::ops::Stack* stack) {
+  at::Tensor x = stack->back().toTensor();
+  stack->pop_back();
+  if (g_rule_mode != "after") maybe_raise();
+  at::Tensor r = g_rule_mode == "local" ? x * 2 : x - x.mean();
+  if (g_rule_mode == "after") maybe_raise();
+  stack->push_back(r);
+});
+
+}  // namespace
 
 int main(int argc, char** argv) {
   st::Runtime runtime(&argc, &argv);
@@ -107,6 +157,57 @@ int main(int argc, char** argv) {
       std::printf("rank %d: unexpected: barrier completed\n", rank);
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(120));
+    }
+  } else if (scenario == "rule_backward") {
+    // A backward formula raises on the culprit only, before the all-reduce
+    // that the others' formulas wait in.
+    g_rule_mode = "backward";
+    g_culprit = culprit;
+    at::Tensor xg = st::distribute_tensor(torch::randn({4 * st::world_size(), 3}), mesh,
+                                          {st::Shard{0}}, /*requires_grad=*/true);
+    at::Tensor y = at::_test_check_tensor(xg);
+    try {
+      y.sum().backward();
+      std::printf("rank %d: unexpected: backward completed\n", rank);
+    } catch (const c10::Error& e) {
+      std::printf("rank %d caught: %s\n", rank, e.what_without_backtrace());
+    }
+    std::fflush(stdout);
+    try {
+      const float s = (x * 2).sum().item<float>();
+      std::printf("rank %d: unexpected: the next op completed (%f)\n", rank, s);
+    } catch (const c10::Error& e) {
+      std::printf("rank %d raises at the next op: %s\n", rank, e.what_without_backtrace());
+    }
+    std::fflush(stdout);
+  } else if (scenario.rfind("rule_", 0) == 0) {
+    // Note [carried rule errors]: an outermost op's rule raises on the culprit
+    // only (or on every rank: rule_alike), before or after the rule's
+    // all-reduce, or in a rule that does not communicate after which no rank
+    // communicates again (rule_local_last: finalize finds it).
+    g_rule_mode = scenario == "rule_after"        ? "after"
+                  : scenario == "rule_local_last" ? "local"
+                                                  : "before";
+    g_culprit = scenario == "rule_alike" ? -1 : culprit;
+    try {
+      at::Tensor r = at::_test_check_tensor(x);
+      std::printf("rank %d: the op completed here (%lld rows)\n", rank,
+                  static_cast<long long>(r.size(0)));
+    } catch (const c10::Error& e) {
+      std::printf("rank %d caught: %s\n", rank, e.what_without_backtrace());
+    }
+    std::fflush(stdout);
+    if (scenario != "rule_local_last") {
+      try {
+        const float s = (x * 2).sum().item<float>();
+        torch::manual_seed(0);
+        const float want = (torch::randn({4 * st::world_size(), 3}) * 2).sum().item<float>();
+        std::printf("rank %d continues: the next sum is %s\n", rank,
+                    std::abs(s - want) <= 1e-4f * (1 + std::abs(want)) ? "right" : "WRONG");
+      } catch (const c10::Error& e) {
+        std::printf("rank %d raises at the next op: %s\n", rank, e.what_without_backtrace());
+      }
+      std::fflush(stdout);
     }
   } else if (scenario == "one_rank_bad_piece" || scenario == "every_rank_bad_piece") {
     // Note [carried errors]: a check of the local tensor fails on the culprit

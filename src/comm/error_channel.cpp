@@ -5,6 +5,7 @@
 #include <shardtensor/core/runtime.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -39,7 +40,17 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kTag = 4242;
-enum Kind : int64_t { kFailed = 1, kPoison = 2 };
+// kOpFailed: an op raised here (Note [carried rule errors]); kFinal: this rank
+// has reached finalize; kEnded: under MPI, a rank of a poisoned job has reached
+// finalize (the ranks end together, as over c10d; see the finalize hook).
+enum Kind : int64_t { kFailed = 1, kPoison = 2, kOpFailed = 3, kFinal = 4, kEnded = 5 };
+
+// The key under which this rank's own op failures are kept (numbered by this
+// rank only); no communicator's fingerprint.
+constexpr uint64_t kOpKey = 0x6f702d6661696cULL;
+
+// The calls a rank had entered on each communicator (its next_seq).
+using Entered = std::map<uint64_t, uint64_t>;
 
 /// What the library caches on each communicator it has seen (an MPI
 /// attribute, so it goes away with the communicator).
@@ -61,12 +72,15 @@ struct Message {
   uint64_t seq = 0;
   int origin = -1;  // world rank
   std::string text;
+  Entered entered;  // kOpFailed: the sender's calls entered when it failed
 };
 
 /// A call that failed here (locally or carried at entry): the world ranks of
 /// its communicator not yet heard from.
 struct Failure {
   std::set<int> waiting;
+  std::string text;
+  Entered entered;  // for an op failure: this rank's calls entered when it failed
 };
 
 struct State {
@@ -90,6 +104,18 @@ struct State {
 #endif
   // Under c10d: messages of the store's list already read.
   int64_t store_seen = 0;
+  // Note [carried rule errors]: this rank's op failures so far, op failures
+  // of other ranks not yet matched by one of this rank (in arrival order), the
+  // ranks that reached finalize, and the world ranks of each communicator key.
+  uint64_t op_failures = 0;
+  std::vector<Message> pending_ops;
+  std::set<int> finals;
+  std::map<uint64_t, std::vector<int>> members;
+  // Under MPI: world ranks that reached finalize in a poisoned job (kEnded).
+  std::set<int> ended;
+  // Errors this library raised that the channel already carries (a rule that
+  // passes one on must not carry it again).
+  uint64_t carried_throws = 0;
 };
 
 State& state() {
@@ -98,6 +124,30 @@ State& state() {
 }
 
 bool over_c10d() { return shardtensor::detail::pg::active(); }
+
+// An op failure's text carries the sender's entered calls on its first line.
+std::string encode_entered(const Entered& entered, const std::string& text) {
+  std::ostringstream os;
+  os << entered.size();
+  for (const auto& kv : entered) os << ' ' << kv.first << ' ' << kv.second;
+  os << '\n' << text;
+  return os.str();
+}
+
+void decode_entered(Message& m) {
+  if (m.kind != kOpFailed) return;
+  const size_t nl = m.text.find('\n');
+  if (nl == std::string::npos) return;
+  std::istringstream is(m.text.substr(0, nl));
+  size_t n = 0;
+  is >> n;
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t key = 0, seq = 0;
+    is >> key >> seq;
+    m.entered[key] = seq;
+  }
+  m.text = m.text.substr(nl + 1);
+}
 
 int world_rank_of_me() {
   if (over_c10d()) return shardtensor::detail::pg::rank(shardtensor::detail::pg::world());
@@ -216,6 +266,7 @@ void drain_store(const std::function<void(const Message&)>& handle) {
     }
     if (!mine || m.origin == me) continue;
     if (nl != std::string::npos) m.text = v.substr(nl + 1);
+    decode_entered(m);
     handle(m);
   }
 }
@@ -292,6 +343,11 @@ void drain(Comm channel, const std::function<void(const Message&)>& handle) {
     if (buf.size() > sizeof(header)) {
       m.text.assign(buf.data() + sizeof(header), buf.size() - sizeof(header));
     }
+    if (m.kind == kEnded) {  // for the finalize hook only
+      state().ended.insert(m.origin);
+      continue;
+    }
+    decode_entered(m);
     handle(m);
   }
 #endif
@@ -318,9 +374,22 @@ void poison(Comm channel, int origin, const std::string& text, bool tell_everyon
   }
 }
 
+/// Whether the sender of the op failure `m` had entered the same calls as
+/// `mine` on every communicator this rank has used that both belong to.
+bool same_calls(const Entered& mine, const Message& m) {
+  for (const auto& kv : state().members) {
+    const auto& ranks = kv.second;
+    if (std::find(ranks.begin(), ranks.end(), m.origin) == ranks.end()) continue;
+    const auto a = mine.find(kv.first);
+    const auto b = m.entered.find(kv.first);
+    if ((a == mine.end() ? 0 : a->second) != (b == m.entered.end() ? 0 : b->second)) return false;
+  }
+  return true;
+}
+
 /// True if `m` is handled without poisoning the job: a verdict on one of
-/// this rank's own failures, or a failure of a call this rank has not entered
-/// yet (kept for then).
+/// this rank's own failures, or a failure of a call (or an op) this rank has
+/// not passed yet (kept for then).
 bool settle_verdict(const Message& m) {
   auto& s = state();
   if (m.kind == kFailed) {
@@ -335,12 +404,73 @@ bool settle_verdict(const Message& m) {
       s.early.emplace(std::make_pair(m.key, m.seq), m);
       return true;
     }
+  } else if (m.kind == kOpFailed) {
+    // Note [carried rule errors]: the oldest failure of this rank still
+    // waiting for the sender's verdict must be at the same calls.
+    for (auto& kv : s.failures) {
+      if (kv.first.first != kOpKey || kv.second.waiting.count(m.origin) == 0) continue;
+      if (!same_calls(kv.second.entered, m)) return false;
+      kv.second.waiting.erase(m.origin);
+      return true;
+    }
+    s.pending_ops.push_back(m);
+    return true;
   }
   return false;
 }
 
+/// An op failure of another rank that this rank cannot wait out: since it
+/// failed, this rank has entered (or is entering) a call on a communicator of
+/// both that the failed rank had not entered, and will never enter.
+const Message* blocking_op_failure() {
+  auto& s = state();
+  for (const Message& m : s.pending_ops) {
+    for (const auto& kv : s.members) {
+      const auto& ranks = kv.second;
+      if (std::find(ranks.begin(), ranks.end(), m.origin) == ranks.end()) continue;
+      const auto mine = s.next_seq.find(kv.first);
+      const auto theirs = m.entered.find(kv.first);
+      if ((mine == s.next_seq.end() ? 0 : mine->second) >
+          (theirs == m.entered.end() ? 0 : theirs->second)) {
+        return &m;
+      }
+    }
+  }
+  return nullptr;
+}
+
+/// One message read from the channel: settled, or it poisons the job. Returns
+/// whether it poisoned (or found this rank blocked by a failed rank).
+bool handle(Comm channel, const Message& m) {
+  auto& s = state();
+  if (m.kind == kFinal) {
+    // Its sender has finalized: a verdict it has not given on a failure of
+    // this rank will never come (it would have come first), so that rank
+    // passed the failed call or op.
+    s.finals.insert(m.origin);
+    for (const auto& kv : s.failures) {
+      if (kv.second.waiting.count(m.origin) != 0) {
+        poison(channel, world_rank_of_me(), kv.second.text, /*tell_everyone=*/true);
+        return true;
+      }
+    }
+    return false;
+  }
+  if (settle_verdict(m)) {
+    if (const Message* b = blocking_op_failure()) {
+      const Message copy = *b;
+      poison(channel, copy.origin, copy.text, /*tell_everyone=*/true);
+      return true;
+    }
+    return false;
+  }
+  poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
+  return true;
+}
+
 [[noreturn]] void throw_poisoned(const char* where) {
   auto& s = state();
+  ++s.carried_throws;
   TORCH_CHECK(false, "shardtensor: ", where, ": communication is inconsistent since world rank ",
               s.poison_origin, " raised an error that other ranks were waiting on: ", s.poison_text,
               " (Note [carried errors]: every shardtensor call now raises; end the job; finalize "
@@ -362,10 +492,7 @@ void resolve(Comm channel) {
   const auto start = Clock::now();
   const double limit = shardtensor::timeout();
   while (unresolved()) {
-    drain(channel, [&](const Message& m) {
-      if (settle_verdict(m)) return;
-      poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
-    });
+    drain(channel, [&](const Message& m) { handle(channel, m); });
     if (s.poisoned || !unresolved()) break;
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
     if (limit > 0 && waited > limit) {
@@ -386,6 +513,43 @@ void resolve(Comm channel) {
   }
 }
 
+/// The channel to post on: the MPI duplicate, or comm_null() under c10d (the store).
+Comm current_channel() { return over_c10d() ? comm_null() : shardtensor::detail::error_channel(); }
+
+// How long finalize waits for the other ranks to reach it (Note [carried rule
+// errors]) when the watchdog allows longer or is off.
+constexpr double kFinalWaitSeconds = 30.0;
+
+/// Note [carried rule errors]: at finalize every rank tells the others it got
+/// here and waits (bounded) until each has, or the job is poisoned. An op
+/// that failed on some ranks while the others passed it and never
+/// communicated again is found here: its failure reaches the others before
+/// its ranks' kFinal does.
+void exchange_finals(Comm channel) {
+  auto& s = state();
+  const std::vector<int> world = all_world_ranks();
+  if (world.size() > 1) {
+    post(channel, kFinal, 0, 0, "", world);
+    const double t = shardtensor::timeout();
+    const double limit = t > 0 ? std::min(t, kFinalWaitSeconds) : kFinalWaitSeconds;
+    const auto start = Clock::now();
+    while (!s.poisoned && s.finals.size() + 1 < world.size()) {
+      drain(channel, [&](const Message& m) { handle(channel, m); });
+      if (s.poisoned || s.finals.size() + 1 >= world.size()) break;
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (waited > limit) break;  // a rank that never finalizes: nothing more to learn
+      std::this_thread::sleep_for(std::chrono::microseconds(over_c10d() ? 1000 : 100));
+    }
+  }
+  // Failures of ops this rank has passed without failing them.
+  if (!s.poisoned && !s.pending_ops.empty()) {
+    const Message m = s.pending_ops.front();
+    poison(channel, m.origin, m.text, /*tell_everyone=*/true);
+  }
+  s.pending_ops.clear();
+  s.finals.clear();
+}
+
 void register_hook() {
   auto& s = state();
   if (s.hook_registered) return;
@@ -393,6 +557,7 @@ void register_hook() {
   shardtensor::detail::register_finalize_hook([] {
     const Comm channel = shardtensor::detail::error_channel();
     if (channel == comm_null() && !over_c10d()) return;
+    if (!state().poisoned) exchange_finals(channel);
     resolve(channel);
     auto& st = state();
     if (st.poisoned && over_c10d()) {
@@ -412,6 +577,23 @@ void register_hook() {
           }
         }
       } catch (...) {
+      }
+    }
+    if (st.poisoned && !over_c10d()) {
+      // Under MPI too, the first MPI_Abort ends every rank at once, perhaps
+      // before a slower one has raised the error (its lines were missing,
+      // 1 run in ~40 of carried_errors.one_rank_bad_piece.np3): end together,
+      // once every rank got here, told over the error channel (point-to-point
+      // on its own communicator, untouched by the abandoned collectives);
+      // bounded by the watchdog, else 10 s.
+      const std::vector<int> everyone = all_world_ranks();
+      post(channel, kEnded, 0, 0, "", everyone);
+      const double limit = shardtensor::timeout() > 0 ? shardtensor::timeout() : 10.0;
+      const auto start = Clock::now();
+      while (st.ended.size() + 1 < everyone.size() &&
+             std::chrono::duration<double>(Clock::now() - start).count() < limit) {
+        drain(channel, [&](const Message& m) { handle(channel, m); });
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
     }
     if (st.poisoned) {
@@ -453,14 +635,21 @@ CallId enter(Comm comm, const char* name) {
   // Before this call is numbered, so that failures of it by ranks ahead of
   // this one count as early (they are taken below, not as a poison).
   if (!c10d) {
-    drain(channel, [&](const Message& m) {
-      if (settle_verdict(m)) return;
-      poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
-    });
+    drain(channel, [&](const Message& m) { handle(channel, m); });
   }
   if (!s.poisoned) resolve(channel);
   if (s.poisoned) throw_poisoned("a shardtensor primitive");
+  if (s.members.count(id.comm_key) == 0) s.members[id.comm_key] = *world_ranks;
   id.seq = s.next_seq[id.comm_key]++;
+  // A rank whose op failed before it entered this call will never enter it
+  // (Note [carried rule errors]).
+  if (!s.pending_ops.empty()) {
+    if (const Message* b = blocking_op_failure()) {
+      const Message copy = *b;
+      poison(channel, copy.origin, copy.text, /*tell_everyone=*/true);
+      throw_poisoned("a shardtensor primitive");
+    }
+  }
   flight::record(name, id.seq, id.comm_key, *world_ranks);
   if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
     std::fprintf(stderr, "[carried errors] world rank %d enters call %llu on %llx\n",
@@ -486,6 +675,7 @@ CallId enter(Comm comm, const char* name) {
     it = s.early.erase(it);
   }
   if (carried != nullptr) {
+    ++s.carried_throws;
     TORCH_CHECK(false, first_carried.text, " [raised on world rank ", first_carried.origin,
                 " and carried to world rank ", world_rank_of_me(),
                 " before it communicated (Note [carried errors])]");
@@ -513,7 +703,92 @@ void fail(const CallId& call, const std::string& message) {
       post(channel, kFailed, call.comm_key, call.seq, message, world_ranks);
     }
   }
+  ++state().carried_throws;
   TORCH_CHECK(false, message);
+}
+
+// ---- outermost ops (Note [carried rule errors]) ----------------------------------
+
+namespace {
+
+uint64_t op_begin() {
+  auto& s = state();
+  if (!s.hook_registered) register_hook();
+  return s.carried_throws;
+}
+
+void op_failed(uint64_t token, const char* op_name, const std::string& what) {
+  auto& s = state();
+  // Raised by the channel itself (already carried), or a poisoned job.
+  if (s.poisoned || s.carried_throws != token) return;
+  const Comm channel = current_channel();
+  if (!over_c10d() && channel == comm_null()) return;
+  const std::vector<int> world = all_world_ranks();
+  if (world.size() <= 1) return;
+  const int me = world_rank_of_me();
+  Failure f;
+  f.waiting.insert(world.begin(), world.end());
+  f.waiting.erase(me);
+  f.text =
+      std::string("op '") + op_name + "' raised on world rank " + std::to_string(me) + ": " + what;
+  f.entered = s.next_seq;
+  if (std::getenv("SHARDTENSOR_TRACE_CALLS") != nullptr) {
+    std::fprintf(stderr, "[carried errors] world rank %d fails in op %s\n", me, op_name);
+  }
+  // The oldest op failure of each rank that failed before this one did: at
+  // the same calls, it failed alike; else they went apart.
+  std::set<int> seen;
+  for (auto it = s.pending_ops.begin(); it != s.pending_ops.end();) {
+    if (!seen.insert(it->origin).second) {
+      ++it;
+      continue;
+    }
+    if (!same_calls(f.entered, *it)) {
+      const Message copy = *it;
+      poison(channel, copy.origin, copy.text, /*tell_everyone=*/true);
+      return;
+    }
+    f.waiting.erase(it->origin);
+    it = s.pending_ops.erase(it);
+  }
+  post(channel, kOpFailed, kOpKey, s.op_failures, encode_entered(f.entered, f.text), world);
+  s.failures[{kOpKey, s.op_failures++}] = std::move(f);
+}
+
+// The text of the exception being handled.
+std::string current_what() {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+// How many run_as_op brackets are open on this thread.
+thread_local int t_nesting = 0;
+
+}  // namespace
+
+void run_as_op(const char* name, c10::function_ref<void()> body) {
+  if (t_nesting > 0) {
+    body();
+    return;
+  }
+  const uint64_t token = op_begin();
+  ++t_nesting;
+  struct Leave {
+    ~Leave() { --t_nesting; }
+  } leave;
+  try {
+    body();
+  } catch (...) {
+    op_failed(token, name, current_what());
+    throw;
+  }
 }
 
 #if SHARDTENSOR_WITH_MPI
@@ -522,16 +797,25 @@ void poll(int n, MPI_Request* requests, bool p2p, const char* what) {
   if (channel == comm_null()) return;
   auto& s = state();
   bool abandon = false;
-  Message why;
-  drain(channel, [&](const Message& m) {
-    if (settle_verdict(m)) return;
-    if (!abandon) {
-      abandon = true;
-      why = m;
-    }
-    poison(channel, culprit(m), m.text, /*tell_everyone=*/m.kind != kPoison);
-  });
+  drain(channel, [&](const Message& m) { abandon = handle(channel, m) || abandon; });
   if (!abandon) return;
+  // A wait whose requests have all completed meanwhile is not abandoned: its
+  // call completed on every rank it involves (the messages it waited for were
+  // sent before the error that poisoned the job, and the probe above
+  // progressed them), so it returns normally and the job, now poisoned,
+  // raises at this rank's next primitive. Otherwise a rank still leaving an
+  // earlier call (a warm-up barrier) would raise outside the code that made
+  // the failing call. MPI_Request_get_status leaves the requests (and their
+  // statuses) to the caller's MPI_Testall.
+  bool all_done = true;
+  for (int i = 0; i < n && all_done; ++i) {
+    int done = 1;
+    if (requests[i] != MPI_REQUEST_NULL) {
+      MPI_Request_get_status(requests[i], &done, MPI_STATUS_IGNORE);
+    }
+    all_done = done != 0;
+  }
+  if (all_done) return;
   // Cancel what can be cancelled (point-to-point); collective requests cannot
   // be, and are left to MPI (the job ends at finalize).
   for (int i = 0; i < n; ++i) {
@@ -547,6 +831,7 @@ void poll(int n, MPI_Request* requests, bool p2p, const char* what) {
     }
     requests[i] = MPI_REQUEST_NULL;
   }
+  ++s.carried_throws;
   const char* op = OpLabel::current();
   TORCH_CHECK(false, "shardtensor: world rank ", world_rank_of_me(), " stopped waiting in ", what,
               " during op '", (*op != '\0' ? op : "<none>"), "' because world rank ",
@@ -615,11 +900,7 @@ void watch_loop() {
     // The waiting thread is blocked in Gloo until this poll ends (its
     // ~StoreWatch takes the lock), so the state is not shared meanwhile.
     bool abandon = false;
-    drain(comm_null(), [&](const Message& msg) {
-      if (settle_verdict(msg)) return;
-      abandon = true;
-      poison(comm_null(), culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
-    });
+    drain(comm_null(), [&](const Message& msg) { abandon = handle(comm_null(), msg) || abandon; });
     if (abandon) StoreWatchAccess::interrupt(w);
   }
 }
@@ -653,10 +934,7 @@ bool poll_store() {
   if (!over_c10d()) return poisoned();
   WatchMonitor& m = watch_monitor();
   std::lock_guard<std::mutex> lock(m.mu);  // not while the monitor reads
-  drain(comm_null(), [&](const Message& msg) {
-    if (settle_verdict(msg)) return;
-    poison(comm_null(), culprit(msg), msg.text, /*tell_everyone=*/msg.kind != kPoison);
-  });
+  drain(comm_null(), [&](const Message& msg) { handle(comm_null(), msg); });
   return state().poisoned;
 }
 
@@ -664,6 +942,7 @@ void StoreWatch::raise(const char* what) const { raise_poisoned(what); }
 
 void raise_poisoned(const char* what) {
   auto& s = state();
+  ++s.carried_throws;
   const char* op = OpLabel::current();
   TORCH_CHECK(false, "shardtensor: world rank ", world_rank_of_me(), " stopped waiting in ", what,
               " during op '", (*op != '\0' ? op : "<none>"), "' because world rank ",
@@ -682,7 +961,8 @@ size_t tracked_entries() {
   reap_sends();
   sends = s.sends.size();
 #endif
-  return s.next_seq.size() + s.failures.size() + s.early.size() + sends;
+  return s.next_seq.size() + s.failures.size() + s.early.size() + s.pending_ops.size() +
+         s.finals.size() + sends;
 }
 
 }  // namespace comm::errors

@@ -1,6 +1,7 @@
 #pragma once
 /// \file Carried errors: a validation that fails on some ranks only becomes an
-/// error on every rank (private to comm/).
+/// error on every rank (private to comm/; run_as_op is also the dispatcher's
+/// and the backward formulas').
 ///
 /// Note [carried errors]
 /// ~~~~~~~~~~~~~~~~~~~~~
@@ -59,6 +60,8 @@
 /// raised a carried error and left is reported by its error, not as dead.
 
 #include <shardtensor/core/comm.h>
+
+#include <c10/util/FunctionRef.h>
 
 #include <atomic>
 #include <cstdint>
@@ -139,9 +142,55 @@ bool poll_store();
 /// Local. True once the job is poisoned (Note [carried errors]).
 bool poisoned();
 
+/// Note [carried rule errors]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// Note [carried errors] covers the checks of primitives. Code above them (a
+/// rule, a decomposition, the generic fallback, the write-back of a view, a
+/// backward formula) can raise on some ranks only as well: a check of a local
+/// piece, an error of libtorch on this rank's data, a Python decomposition.
+/// The dispatcher runs every outermost op (none running on its thread) through
+/// run_as_op, and so do the backward formulas of the library's autograd
+/// Functions (ops::carried_backward). A failure is named by the point in
+/// communication where it happened: how many calls its rank had entered on
+/// each communicator (Note [collective discipline]: every rank of a
+/// communicator calls its primitives in the same order). Ops are not counted:
+/// a rank may run autograd Functions on its local piece that another rank,
+/// whose piece is empty, does not.
+///  - A rank whose op raised an error that the channel does not already carry
+///    posts it (kind kOpFailed, with its entered calls) to every other world
+///    rank, then rethrows the original exception. Like a failed primitive, it
+///    waits for the others' verdicts at its next primitive (or at finalize).
+///  - Another rank that fails at the same point (the same calls entered on
+///    every communicator both belong to) failed alike: nothing was started
+///    that the first one left, and the job goes on (every rank raised; this is
+///    how every bad argument is refused).
+///  - A rank that enters a call on a communicator of the failed rank that the
+///    failed rank had not entered (it would wait for it forever), or that
+///    fails at another point, or that reaches finalize without failing,
+///    poisons the job: it raises the failed rank's error naming it, and so
+///    does every rank from then on, as in Note [carried errors]. It reads the
+///    channel at the entry of a primitive (MPI), in waits (MPI probe, or the
+///    c10d store monitor), and at finalize.
+///  - At finalize every rank posts kFinal to every other and waits (bounded
+///    by min(timeout, 30 s)) until each has, so an op that failed on one rank
+///    while the others passed it and never communicated again still reaches
+///    them: the job ends with kCarriedErrorExitCode on every rank.
+/// The success path costs a thread-local counter per outermost op and, once
+/// per job, P - 1 messages at finalize.
+
+/// Runs `body`. When no op is running on this thread, `body` runs as an
+/// outermost op named `name` (Note [carried rule errors]): an error it raises
+/// that the channel does not already carry is posted to the other world ranks
+/// and rethrown, and an error another rank raised in this op makes this one
+/// throw c10::Error too (the job is then poisoned). For the dispatcher's
+/// intercepted calls and for backward formulas. Local unless an error is
+/// carried.
+void run_as_op(const char* name, c10::function_ref<void()> body);
+
 /// Local. Entries the error channel keeps (communicators numbered, failures
-/// awaiting verdicts, early failures, sends in flight); constant in steady
-/// state (the long-run test asserts it).
+/// awaiting verdicts, early failures, op failures of other ranks, finalize
+/// notices, sends in flight); constant in steady state (the long-run test
+/// asserts it).
 size_t tracked_entries();
 
 }  // namespace shardtensor::comm::errors

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "comm/diagnostic.h"
+#include "comm/error_channel.h"
 #include "comm/grad_sink.h"
 #include "core/debug.h"
 #include "core/fingerprint.h"
@@ -194,11 +195,8 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stac
   generic_fallback(op, stack);
 }
 
-void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
-            const Handler& h, int64_t t_enter) {
-  // Names the op in watchdog messages (Note [watchdog]); the schema's name lives
-  // as long as the operator registration.
-  const OpLabel label(op.operator_name().name.c_str());
+void kernel_body(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
+                 const Handler& h, int64_t t_enter) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   if (detail::debug_enabled()) {
@@ -263,6 +261,17 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::S
     }
   }
   c.boundary_ns.fetch_add((t_run - t_enter) + (now_ns() - t_ran), std::memory_order_relaxed);
+}
+
+void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
+            const Handler& h, int64_t t_enter) {
+  // Names the op in watchdog messages (Note [watchdog]); the schema's name lives
+  // as long as the operator registration.
+  const char* name = op.operator_name().name.c_str();
+  const OpLabel label(name);
+  // An error raised on some ranks only reaches every rank (Note [carried rule
+  // errors] in comm/error_channel.h).
+  comm::errors::run_as_op(name, [&] { kernel_body(op, ks, stack, h, t_enter); });
 }
 
 // One per op and dispatch key (Note [rule cache]).

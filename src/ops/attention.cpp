@@ -439,7 +439,13 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("RingAttentionFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
     const RowStats rs{saved[4], saved[5]};

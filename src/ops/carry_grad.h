@@ -8,6 +8,8 @@
 #include <string>
 #include <utility>
 
+#include "ops/common.h"
+
 namespace shardtensor::ops {
 
 /// Hand-written: it attaches a value computed outside autograd to a carrier's
@@ -23,6 +25,12 @@ struct CarryGrad : public torch::autograd::Function<CarryGrad> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("CarryGrad::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static torch::autograd::variable_list backward_formula(torch::autograd::AutogradContext* ctx,
+                                                         torch::autograd::variable_list grads) {
     const std::string inexact = ctx->saved_data.at("inexact").toStringRef();
     // The same graph, hence the same verdict, on every rank.
     TORCH_CHECK(inexact.empty() || !at::GradMode::is_enabled(),

@@ -1,5 +1,6 @@
 #include "ops/common.h"
 
+#include "comm/error_channel.h"
 #include "comm/settings.h"
 
 #include <ATen/Dispatch.h>
@@ -504,6 +505,13 @@ void call_plain(const c10::OperatorHandle& op, std::vector<c10::IValue> args, St
     if (!out) out = plain_output_spec(in, v.toTensor().sizes());
     stack->push_back(wrap(v.toTensor(), out));
   }
+}
+
+std::vector<at::Tensor> carried_backward(const char* name, torch::autograd::AutogradContext* ctx,
+                                         std::vector<at::Tensor> grads, BackwardFormula formula) {
+  std::vector<at::Tensor> out;
+  comm::errors::run_as_op(name, [&] { out = formula(ctx, std::move(grads)); });
+  return out;
 }
 
 }  // namespace shardtensor::ops

@@ -13,6 +13,10 @@
 #include "ops/registry.h"
 #include "tensor/shard_tensor_impl.h"
 
+namespace torch::autograd {
+struct AutogradContext;
+}  // namespace torch::autograd
+
 namespace shardtensor::ops {
 
 using SpecPtr = std::shared_ptr<const ShardSpec>;
@@ -226,5 +230,15 @@ void call_plain(const c10::OperatorHandle& op, std::vector<c10::IValue> args, St
 /// (Partial -> Replicate), global extent and sizes kept on dims that a mesh
 /// dim of size > 1 shards, the result's own extent elsewhere.
 SpecPtr plain_output_spec(const ShardSpec& in, c10::IntArrayRef out_local);
+
+/// The backward of the autograd Function `name` (`Fn::backward` calls this
+/// with its formula): runs `formula` as an outermost op when no op is running
+/// on this thread, so that an error it raises on some ranks only reaches
+/// every rank (Note [carried rule errors] in comm/error_channel.h). Throws
+/// what `formula` throws, or c10::Error when another rank's formula raised.
+using BackwardFormula = std::vector<at::Tensor> (*)(torch::autograd::AutogradContext*,
+                                                    std::vector<at::Tensor>);
+std::vector<at::Tensor> carried_backward(const char* name, torch::autograd::AutogradContext* ctx,
+                                         std::vector<at::Tensor> grads, BackwardFormula formula);
 
 }  // namespace shardtensor::ops

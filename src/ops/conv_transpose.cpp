@@ -184,7 +184,13 @@ struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
     return comm::function_output(out, {local, weight, bias});
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("ConvTransposeFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor& local = saved[0];
     const at::Tensor& weight = saved[1];

@@ -336,7 +336,13 @@ struct ScatterCombineFn : torch::autograd::Function<ScatterCombineFn> {
     return result;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("ScatterCombineFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     const at::Tensor& g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
     auto& sd = ctx->saved_data;

@@ -493,7 +493,13 @@ struct AssembleFn : torch::autograd::Function<AssembleFn> {
     ctx->saved_data["base"] = base.defined();
     return out;
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("AssembleFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     const auto boxes = ctx->saved_data.at("boxes").toIntVector();
     const auto ties = ctx->saved_data.at("ties").toIntVector();
     const int64_t nvals = ctx->saved_data.at("nvals").toInt();

@@ -468,7 +468,13 @@ struct RingMatmulFn : torch::autograd::Function<RingMatmulFn> {
     return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("RingMatmulFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &la = saved[0], &lb = saved[1];
     auto holder = ctx->saved_data.at("plan").toCapsule();

@@ -342,7 +342,13 @@ struct NormFn : torch::autograd::Function<NormFn> {
     return comm::function_output(y, {x, w, b});
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("NormFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &shift = saved[2], &delta = saved[3],
                      &rstd = saved[4];

@@ -281,7 +281,13 @@ struct PoolFn : torch::autograd::Function<PoolFn> {
     return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("PoolFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     const auto& d = ctx->saved_data;
     PoolArgs a;
     a.is_max = d.at("is_max").toBool();

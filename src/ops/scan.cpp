@@ -126,6 +126,12 @@ struct LogcumsumexpFn : torch::autograd::Function<LogcumsumexpFn> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("LogcumsumexpFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static torch::autograd::variable_list backward_formula(torch::autograd::AutogradContext* ctx,
+                                                         torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     const at::Tensor& y = saved[1];

@@ -86,7 +86,13 @@ struct SoftmaxFn : torch::autograd::Function<SoftmaxFn> {
     return y;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return ::shardtensor::ops::carried_backward("SoftmaxFn::backward", ctx, std::move(grads),
+                                                &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
     const at::Tensor saved = ctx->get_saved_variables()[0];
     const at::ScalarType acc = acc_dtype(saved.scalar_type());
     const at::Tensor y = saved.to(acc);
