@@ -211,61 +211,148 @@ TEST(Alias, ChainsOfViews) {
               kLayouts);
 }
 
-// Issue 25 item 2: a copy view (diagonal, unbind, select along a sharded
-// dim, a view that moves data) whose source was written after the view was
-// taken refuses writes on every rank (Note [stale copy views]) instead of
-// writing its old values back over the source; the source is unchanged by the
-// refused write. Writes into a fresh copy view still go back.
-TEST(Alias, StaleCopyViewsRefuseWrites) {
+// Issue 25: a copy view (diagonal, unbind, select along a sharded dim, a
+// view that moves data) follows its source as libtorch's view does (Note
+// [stale copy views]): reads after a write into the source show the new
+// values, and a write through the copy lands on them (its write-back puts
+// nothing stale over the source). Was: reads showed the values of the time the
+// view was taken, and writes were refused once the source had been written.
+TEST(Alias, CopyViewsFollowTheirSource) {
   st::set_strict(false);
   auto mesh = test_mesh();
   auto x = rnd({5, 5}, 4, 4.0).round();
+  using F = std::function<at::Tensor(const at::Tensor&)>;
+  for (const auto& [name, f] : std::vector<std::pair<std::string, F>>{
+           {"diagonal", [](const at::Tensor& t) { return t.diagonal(); }},
+           {"diagonal(1)", [](const at::Tensor& t) { return t.diagonal(1); }},
+           {"unbind(0)[2]", [](const at::Tensor& t) { return t.unbind(0)[2]; }},
+           {"unbind(1)[4]", [](const at::Tensor& t) { return t.unbind(1)[4]; }},
+           {"x[2]", [](const at::Tensor& t) { return t[2]; }},
+           {"select(1, 3)", [](const at::Tensor& t) { return t.select(1, 3); }},
+           {"slice(0, 1, 2).squeeze(0)",
+            [](const at::Tensor& t) { return t.slice(0, 1, 2).squeeze(0); }}}) {
+    check_steps(mesh, name + ": write the source, read, write the view", x,
+                {push(f), zero_src, mul_view, add_src, mul_view, add_src}, kLayouts);
+    check_steps(mesh, name + ": write the view, then the source", x,
+                {push(f), mul_view, add_src, add_src, mul_view}, kLayouts);
+  }
+  // A view that moves data (Note [view merge]): [5, 4] sharded on dim 1 -> [20].
+  check_steps(mesh, "view(-1) that moves data", rnd({5, 4}, 6, 4.0).round(),
+              {push([](const at::Tensor& t) { return t.view({-1}); }), add_src, mul_view, zero_src,
+               mul_view},
+              kLayouts);
+  // Chains: a true view of a copy view, and a copy view of a copy view.
+  check_steps(
+      mesh, "unsqueeze of diagonal", x,
+      {push([](const at::Tensor& t) { return t.diagonal(); }),
+       [](V& ts) { ts.push_back(ts[1].unsqueeze(0)); }, add_src, [](V& ts) { ts[2].mul_(10); },
+       zero_src, [](V& ts) { ts[1].add_(2); }, [](V& ts) { ts[2].mul_(3); }},
+      kLayouts);
+  check_steps(
+      mesh, "select of select", x,
+      {push([](const at::Tensor& t) { return t.select(0, 2); }),
+       [](V& ts) { ts.push_back(ts[1].select(0, 3)); }, add_src, [](V& ts) { ts[2].mul_(10); },
+       zero_src, [](V& ts) { ts[1].add_(2); }, [](V& ts) { ts[2].mul_(3); }, add_src},
+      kLayouts);
+  // Siblings made together (unbind) and apart (two selects): a write through
+  // one is seen by the others and by the source.
+  check_steps(mesh, "unbind siblings", x,
+              {[](V& ts) {
+                 auto rows = ts[0].unbind(0);
+                 ts.push_back(rows[1]);
+                 ts.push_back(rows[3]);
+               },
+               [](V& ts) { ts.push_back(ts[0].select(1, 1)); }, add_src,
+               [](V& ts) { ts[1].mul_(10); }, [](V& ts) { ts[3].sub_(1); },
+               [](V& ts) { ts[2].mul_(2); }, zero_src, [](V& ts) { ts[1].add_(5); }},
+              kLayouts);
+  // The source written through a view of it, and by an op writing a list.
+  check_steps(mesh, "write through a slice of the source", x,
+              {push([](const at::Tensor& t) { return t.diagonal(); }),
+               [](V& ts) { ts[0].slice(0, 1, 4).fill_(7); }, mul_view,
+               [](V& ts) { ts[0].select(1, 2).fill_(-1); }, mul_view},
+              kLayouts);
+  // Used by ops that take a list (cat, stack).
   for (const auto& wanted : kLayouts) {
     const auto p = fit_placements(mesh, wanted);
-    const std::string where = " on " + st::to_string(p);
-    using F = std::function<at::Tensor(const at::Tensor&)>;
-    for (const auto& [name, f] : std::vector<std::pair<std::string, F>>{
-             {"diagonal", [](const at::Tensor& t) { return t.diagonal(); }},
-             {"unbind", [](const at::Tensor& t) { return t.unbind(0)[2]; }},
-             {"select", [](const at::Tensor& t) { return t.select(0, 2); }},
-             {"select", [](const at::Tensor& t) { return t.select(1, 3); }}}) {
-      at::Tensor u = st::distribute_tensor(x, mesh, p);
-      at::Tensor d = f(u);
-      u.zero_();
-      const bool copy = !st::ShardTensor(d).local().is_alias_of(st::ShardTensor(u).local());
-      bool sharded_copy = false;
-      for (const auto& pl : p) sharded_copy = sharded_copy || st::is_shard(pl);
-      at::Tensor want = at::zeros_like(x);
-      at::Tensor wd = f(want);
-      // all ranks agree on `copy`: the decision is metadata (checked here).
-      ASSERT_TRUE(all_ranks(copy) || all_ranks(!copy)) << name << where;
-      if (all_ranks(copy)) {
-        EXPECT_TRUE(throws_everywhere([&] { d.add_(1); }, {name, "source was written", "Shard"}))
-            << name << where;
-      } else {
-        d.add_(1);
-        wd.add_(1);
-      }
-      EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << name << where;
-      (void)sharded_copy;
-    }
-    // Fresh: writes through every unbind result go back (one generation).
     at::Tensor u = st::distribute_tensor(x, mesh, p);
     at::Tensor want = x.clone();
-    auto rows = u.unbind(1);
-    auto wrows = want.unbind(1);
-    for (int64_t i : {0, 3, 4}) {
-      rows[i].mul_(2);
-      wrows[i].mul_(2);
-    }
-    EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << "unbind" << where;
+    auto rows = u.unbind(0);
+    auto wrows = want.unbind(0);
+    u.add_(1);
+    want.add_(1);
+    EXPECT_TRUE(
+        all_close(gathered(at::stack({rows[0], rows[4]})), at::stack({wrows[0], wrows[4]}), 0, 0))
+        << st::to_string(p);
+    // The source's layout changed in place: the copy cannot follow it.
     at::Tensor d = u.diagonal();
-    d.add_(1);
-    want.diagonal().add_(1);
-    d.add_(1);
-    want.diagonal().add_(1);
-    EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << "diagonal" << where;
+    const bool copy = !st::ShardTensor(d).local().is_alias_of(st::ShardTensor(u).local());
+    ASSERT_TRUE(all_ranks(copy) || all_ranks(!copy)) << st::to_string(p);
+    u.t_();
+    if (all_ranks(copy)) {
+      EXPECT_TRUE(throws_everywhere([&] { d.add(1); }, {"diagonal", "take the view again"}))
+          << st::to_string(p);
+    }
   }
+}
+
+// Issue 25: a pointwise result has libtorch's strides where an operand's
+// wrapper is not contiguous (its piece follows the operand's layout, as in
+// libtorch), so view decides like libtorch on every rank. Was: `(x.t() * 2)`
+// reported contiguous strides, so `.view(-1)` of it viewed the piece on ranks
+// whose piece allowed it and copied it on the others (a later write reached the
+// result on some ranks only), and `.t().view(-1)` of it raised where libtorch
+// gives a view.
+TEST(Alias, PointwiseResultsOfStridedOperandsHaveTorchStrides) {
+  auto mesh = test_mesh();
+  auto x = rnd({7, 5}, 7, 4.0).round();
+  using F = std::function<at::Tensor(const at::Tensor&)>;
+  const std::vector<std::pair<std::string, F>> ops = {
+      {"t() * 2", [](const at::Tensor& t) { return t.t() * 2; }},
+      {"t() + t()", [](const at::Tensor& t) { return t.t() + t.t(); }},
+      {"t().neg()", [](const at::Tensor& t) { return t.t().neg(); }},
+      {"[:, 1:4].abs()", [](const at::Tensor& t) { return t.slice(1, 1, 4).abs(); }},
+      {"permute().eq()",
+       [](const at::Tensor& t) {
+         return t.unsqueeze(2).permute({1, 2, 0}) == 1;
+       }},
+      {"t().to(double)", [](const at::Tensor& t) { return t.t().to(at::kDouble); }}};
+  for (const auto& wanted : kLayouts) {
+    const auto p = fit_placements(mesh, wanted);
+    const at::Tensor u = st::distribute_tensor(x, mesh, p);
+    for (const auto& [name, f] : ops) {
+      EXPECT_EQ(f(u).strides(), f(x).strides()) << name << " on " << st::to_string(p);
+      EXPECT_EQ(f(u).is_contiguous(), f(x).is_contiguous()) << name << " on " << st::to_string(p);
+    }
+    // libtorch refuses view(-1) of a transposed result: so does every rank.
+    EXPECT_TRUE(throws_everywhere([&] { (u.t() * 2).view({-1}); }, {"view", "stride"}))
+        << st::to_string(p);
+  }
+  // Views of such results, written through and at their source.
+  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kLong, at::kComplexDouble};
+  check_steps(mesh, "(t() * 2).t().view(-1)", x,
+              {push([](const at::Tensor& t) { return t.t() * 2; }),
+               [](V& ts) { ts.push_back(ts[1].t().view({-1})); }, [](V& ts) { ts[2].mul_(10); },
+               [](V& ts) { ts[1].add_(1); }, [](V& ts) { ts[2].sub_(3); }},
+              kLayouts, dtypes);
+  check_steps(
+      mesh, "(t() * 2).view(5, 7, 1)", x,
+      {push([](const at::Tensor& t) { return t.t() * 2; }),
+       [](V& ts) {
+         ts.push_back(ts[1].view({5, 7, 1}));
+       },
+       [](V& ts) { ts[2].mul_(10); }, [](V& ts) { ts[1].add_(1); }, [](V& ts) { ts[2].sub_(3); }},
+      kLayouts, dtypes);
+  check_steps(mesh, "(t().contiguous() + 1).view(-1)", x,
+              {push([](const at::Tensor& t) { return t.t().contiguous() + 1; }),
+               [](V& ts) { ts.push_back(ts[1].view({-1})); }, [](V& ts) { ts[2].mul_(10); },
+               [](V& ts) { ts[1].add_(1); }, [](V& ts) { ts[2].sub_(3); }},
+              kLayouts, dtypes);
+  check_steps(mesh, "(t() * 2).reshape(-1) copies", x,
+              {push([](const at::Tensor& t) { return t.t() * 2; }),
+               [](V& ts) { ts.push_back(ts[1].reshape({-1})); }, [](V& ts) { ts[2].mul_(10); },
+               [](V& ts) { ts[1].add_(1); }, [](V& ts) { ts[2].sub_(3); }},
+              kLayouts, dtypes);
 }
 
 // Issue 25 item 7: unbind and diagonal along a sharded dim replicate the whole

@@ -92,15 +92,23 @@ bool torch_copies(const c10::OperatorHandle& op, const at::Tensor& self, const a
 }
 
 // Note [view write-back] (tensor/shard_tensor_impl.h): the result of a view op
-// on a source that writes back writes back through it too.
+// on a source that writes back writes back through it too. Note [stale copy
+// views] (ops/shape.cpp): a result that is a true view of its source (the
+// rule gave it no write-back of its own) shares the source wrapper's version
+// counter, as libtorch's views share their base's; a view of a copy view is
+// brought up to date through its source.
 void chain_write_back(const at::Tensor& self, const at::Tensor& r) {
   auto* ri = detail::shard_impl(r);
   auto* si = detail::shard_impl(self);
-  if (!ri || !si || ri == si || !si->write_back()) return;
-  const auto parent = si->write_back();
+  if (!ri || !si || ri == si) return;
   const auto own = ri->write_back();
-  auto wb = std::make_shared<detail::WriteBack>();
+  if (!own && si->version_counter().enabled() && !ri->is_inference()) {
+    ri->set_version_counter(si->version_counter());
+  }
+  if (!si->write_back()) return;
+  const auto parent = si->write_back();
   if (own && !own->fn) return;  // already refused
+  auto wb = std::make_shared<detail::WriteBack>();
   if (!parent->fn) {
     wb->refusal = parent->refusal;
   } else if (own) {
@@ -110,6 +118,14 @@ void chain_write_back(const at::Tensor& self, const at::Tensor& r) {
     };
   } else {
     wb->fn = [parent, self](const at::Tensor&) { parent->fn(self); };
+  }
+  if (own) {
+    // A copy of its own, whose refresh brings its source up to date first.
+    wb->refresh = own->refresh;
+    wb->refreshes = own->refreshes;
+  } else if (parent->refresh) {
+    wb->refresh = [parent, self](const at::Tensor&) { parent->refresh(self); };
+    wb->refreshes = parent->refreshes;
   }
   ri->set_write_back(std::move(wb));
 }
@@ -128,6 +144,7 @@ struct Handler {
   const ops::Rule* rule = nullptr;
   const ops::Accepts* accepts = nullptr;  // null: the rule takes every call
   bool decomposes = false;                // the op has a CompositeImplicitAutograd kernel
+  bool returns_view = false;              // ops::returns_view(schema)
 };
 
 // Note [integer arguments of decompositions]: some decompositions read the
@@ -203,26 +220,38 @@ void kernel_body(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
     std::vector<c10::IValue> args(stack->end() - n, stack->end());
     check_agreement(op, args);
   }
-  // Written ShardTensor arguments that are views needing a write-back, and the
-  // source of a view op (Note [view write-back]).
-  std::vector<at::Tensor> written;
+  // Written ShardTensor arguments (their wrappers' versions are bumped), those
+  // of them that are views needing a write-back, and the source of a view op
+  // (Note [view write-back], Note [stale copy views]). Copy views among the
+  // arguments are brought up to date first.
+  std::vector<at::Tensor> written, bumped;
   at::Tensor view_source;
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[stack->size() - n + i];
+    const auto* a = schema.arguments()[i].alias_info();
+    const bool writes = a && a->isWrite();
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) {
+        detail::refresh_copy_view(t);
+        if (writes && detail::shard_impl(t)) bumped.push_back(t);
+      }
+      continue;
+    }
     if (!v.isTensor()) continue;
     auto* impl = detail::shard_impl(v.toTensor());
-    if (!impl || !impl->write_back()) continue;
-    const auto* a = schema.arguments()[i].alias_info();
-    if (a && a->isWrite()) {
+    if (!impl) continue;
+    if (i == 0 && h.returns_view) view_source = v.toTensor();
+    if (writes) bumped.push_back(v.toTensor());
+    if (!impl->write_back()) continue;
+    if (writes) {
       if (!impl->write_back()->fn) {
         std::vector<c10::IValue> args(stack->end() - n, stack->end());
         ops::fail(op, args,
                   "cannot write in place into this ShardTensor: " + impl->write_back()->refusal);
       }
       written.push_back(v.toTensor());
-    } else if (i == 0 && ops::returns_view(schema)) {
-      view_source = v.toTensor();
     }
+    detail::refresh_copy_view(v.toTensor());
   }
   if (comm::detail::before_use_enabled()) {
     // fully_shard gathers a unit's parameters at their first use with a
@@ -247,6 +276,7 @@ void kernel_body(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
   run(op, ks, stack, h);
   const int64_t t_ran = now_ns();
   if (depth == 1) c.handler_ns.fetch_add(t_ran - t_run, std::memory_order_relaxed);
+  for (const auto& t : bumped) detail::bump_alias_version(t);
   for (const auto& t : written) detail::shard_impl(t)->write_back()->fn(t);
   if (view_source.defined()) {
     const size_t nret = schema.returns().size();
@@ -290,6 +320,7 @@ class CachedKernel final : public c10::OperatorKernel {
         handler_.accepts = ops::find_accepts(op.operator_name());
       }
       handler_.decomposes = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+      handler_.returns_view = ops::returns_view(op.schema());
     });
     c.lookup_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     kernel(op, ks, stack, handler_, t0);

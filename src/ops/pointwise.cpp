@@ -425,6 +425,28 @@ void like_rule(const c10::OperatorHandle& op, Stack* stack) {
   push_results(op, args, &results, spec, stack);
 }
 
+// Note [wrapper strides] (ops/shape.cpp): a pointwise result's piece follows
+// the memory layout of its operands' pieces (TensorIterator keeps a transposed
+// input's order), so where an operand's wrapper is not contiguous the
+// result's wrapper gets libtorch's strides (one call on meta tensors), as
+// libtorch's result would have them; else it keeps contiguous strides, which
+// then are libtorch's too, at no cost. Was: `(x.t() + 1).view(-1)` viewed the
+// piece on ranks whose piece allowed it and copied it on the others, so a
+// write through the view reached the result on some ranks only.
+Rule pointwise_following_strides() {
+  static const Rule strided = with_torch_strides(pointwise_rule);
+  return [](const c10::OperatorHandle& op, Stack* stack) {
+    const size_t n = op.schema().arguments().size();
+    for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n); it != stack->end(); ++it) {
+      if (it->isTensor() && it->toTensor().defined() && !it->toTensor().is_contiguous()) {
+        strided(op, stack);
+        return;
+      }
+    }
+    pointwise_rule(op, stack);
+  };
+}
+
 const RuleRegistrar pointwise_ops(
     {// arithmetic
      "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "rsub", "neg", "neg_", "abs",
@@ -454,7 +476,7 @@ const RuleRegistrar pointwise_ops(
      "fill_", "zero_",
      // conversions
      "_to_copy", "detach_", "copy_", "conj_physical"},
-    pointwise_rule);
+    pointwise_following_strides());
 
 // Views (and clone, which keeps its input's layout): their wrappers get
 // libtorch's strides, so that contiguous() of a non-contiguous one copies

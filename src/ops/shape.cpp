@@ -181,50 +181,98 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
 // [view layout]) writes in-place changes of the result back into its source
 // (Note [view write-back]). The decision to copy depends on metadata only, so
 // every rank holds such a copy or none does. The copy is exact only while the
-// source is unchanged: libtorch's view would see later writes into the source,
-// and writing the whole copy back would put its old values over them (even
-// over elements the view never covered: unbind writes back its whole
-// replicated block). So each copy records the version counter of its source's
-// piece (libtorch bumps it on every in-place op through any alias of that
-// piece, the write-backs included), shared by the copies made together
-// (unbind's results: a write-back through one keeps the others exact). A
-// write through a copy after its source's piece was written by anything else
-// is refused, on every rank (one uncounted all-reduce of a flag: a rank whose
-// piece of a written slice is empty may not have seen the write), and nothing
-// is written back. Reads of such a stale copy are not re-derived (yet): they
-// see the values of the time the view was taken.
+// source is unchanged: libtorch's view would show later writes into the
+// source, and writing the whole copy back would put its old values over them
+// (even over elements the view never covered: unbind writes back its whole
+// replicated block). So the copy follows its source, as libtorch's view does:
+//  - Every wrapper has a version counter (libtorch's own). The dispatcher
+//    bumps it on every in-place write into a ShardTensor, and a view op's
+//    result that is a true view of its source shares the source's counter
+//    (Note [view write-back], dispatch/dispatcher.cpp), so a write through any
+//    alias is seen by all of them. Every rank runs the same ops, so the
+//    counters are identical on every rank: unlike the local pieces' counters
+//    (a rank whose piece of a written slice is empty, or whose rule skips an
+//    empty piece, may not see a write), and unlike them they need no
+//    communication to agree. A write-back bumps its source's counter too.
+//  - Each copy records its source's version (alias_version) when it was made:
+//    its Generation, shared by the copies made together (unbind's results view
+//    one replicated block). Before any op uses the copy, or a view of it, as
+//    an input or as the written tensor, the dispatcher calls WriteBack::refresh
+//    (detail::refresh_copy_view; so do full_tensor() and redistribute()):
+//    when the source's version moved on, the copy is made anew from the
+//    source (the same collective that made it: a replication or a
+//    redistribution of the current piece) into the same memory, so that the
+//    copy and every view of it show the current values. A write through the
+//    copy therefore lands on the current values, and its write-back puts
+//    nothing stale over the source. A copy of a copy (a select of a select,
+//    each along a sharded dim) brings its source up to date first; the number
+//    of times a copy was made anew is part of alias_version, so its own copies
+//    see that.
+//  - In-place view ops (t_, squeeze_, ...) change the source's layout; a copy
+//    taken before cannot be made anew from it and its use is refused, on
+//    every rank, naming the view op (take the view again).
+// The cost where nothing is stale is a comparison of two integers per use of a
+// copy view; plain tensors and true views pay nothing but the version bump
+// of written arguments. Writes that bypass the dispatcher (into local()
+// directly) are not seen, and local() (which never communicates) shows the
+// copy as of its last refresh.
 struct Generation {
-  int64_t seen = 0;  // the source piece's version after the last write-back
-  std::string what;  // the view op, its input's and its result's layouts
+  int64_t seen = 0;                    // the source's alias_version when the copy was last made
+  std::string what;                    // the view op, its input's and its result's layouts
+  SpecPtr spec;                        // the source's layout when the copy was made
+  std::function<at::Tensor()> derive;  // collective: the copy, made anew from the source
+  std::shared_ptr<int64_t> refreshes = std::make_shared<int64_t>(0);
 };
 
-int64_t version_of(const at::Tensor& base) {
-  const at::Tensor& l = local_of(base);
-  return l.is_inference() ? 0 : static_cast<int64_t>(l._version());
-}
-
 std::shared_ptr<Generation> generation(const std::string& view_op, const at::Tensor& base,
-                                       const SpecPtr& result) {
+                                       const SpecPtr& result, std::function<at::Tensor()> derive) {
   auto g = std::make_shared<Generation>();
-  g->seen = version_of(base);
+  g->seen = detail::alias_version(base);
+  g->spec = spec_ptr_of(base);
   g->what = view_op + " of " + spec_of(base)->to_string() + " (a copy laid out as " +
             result->to_string() + ")";
+  g->derive = std::move(derive);
   return g;
 }
 
-// Collective over every rank of the source's mesh (uncounted).
-// A copy that is in fact the source's own piece (a mesh dim of one
-// coordinate replicates nothing) is always fresh.
-void check_fresh(const Generation& gen, const at::Tensor& base, const at::Tensor& rep,
-                 const at::Tensor& r) {
-  const bool fresh = rep.is_alias_of(local_of(base)) || version_of(base) == gen.seen;
-  const bool all = comm::diagnostic_agree(spec_of(base)->mesh(), 0, fresh).all_ok;
-  TORCH_CHECK(all, "cannot write in place into the result of ", gen.what,
-              ": the result is a copy (libtorch's would be a view) and its source was written "
-              "after the view was taken, so writing the copy back would undo that write "
-              "(Note [stale copy views]); take the view again after writing the source. "
-              "The written tensor: ",
+// Collective over every rank of the source's mesh where the source changed
+// (every rank alike). `rep` is the copy (the result's piece views it, or is a
+// contiguous copy of it when `copied`).
+void refresh_copy(Generation& gen, const at::Tensor& base, const at::Tensor& rep, bool copied,
+                  const at::Tensor& r) {
+  if (auto* bi = detail::shard_impl(base); bi->write_back() && bi->write_back()->refresh) {
+    bi->write_back()->refresh(base);  // a copy of a copy: its source first
+  }
+  if (detail::alias_version(base) == gen.seen) return;
+  TORCH_CHECK(spec_ptr_of(base) == gen.spec, "cannot use the result of ", gen.what,
+              ": it is a copy (libtorch's would be a view) and its source was changed in place "
+              "to the layout ",
+              spec_of(base)->to_string(),
+              " (an in-place view op) after the view was taken, so the copy cannot be made "
+              "anew from it (Note [stale copy views]); take the view again. The used tensor: ",
               spec_of(r)->to_string());
+  const at::Tensor fresh = gen.derive();
+  // A copy that is in fact the source's own piece (a mesh dim of one
+  // coordinate replicates nothing) is up to date already.
+  if (!rep.is_alias_of(fresh)) rep.copy_(fresh);
+  if (copied) local_of(r).copy_(rep.reshape(local_of(r).sizes()));
+  gen.seen = detail::alias_version(base);
+  ++*gen.refreshes;
+}
+
+void set_refresh(detail::WriteBack& wb, const at::Tensor& base, const at::Tensor& rep, bool copied,
+                 const std::shared_ptr<Generation>& gen) {
+  if (!gen) return;
+  wb.refresh = [base, rep, copied, gen](const at::Tensor& r) {
+    refresh_copy(*gen, base, rep, copied, r);
+  };
+  wb.refreshes = gen->refreshes;
+}
+
+// After a write-back into `base`'s piece.
+void wrote_back(const at::Tensor& base, const std::shared_ptr<Generation>& gen) {
+  detail::bump_alias_version(base);
+  if (gen) gen->seen = detail::alias_version(base);
 }
 
 // Note [view write-back] (tensor/shard_tensor_impl.h) for a view result whose
@@ -238,18 +286,18 @@ void check_fresh(const Generation& gen, const at::Tensor& base, const at::Tensor
 // owner's part is used, so it goes through comm::use_replicated (its gradient
 // is summed over them: Note [replicated gradients]), and ranks that own none
 // of it still copy an empty slice so that every rank's backward makes that
-// all-reduce. Forward is local.
+// all-reduce. Forward is local. With `gen` the copy follows its source
+// (Note [stale copy views]).
 void set_write_back(const at::Tensor& result, const at::Tensor& base, const at::Tensor& rep,
                     std::vector<std::pair<int64_t, int64_t>> dims, bool copied,
                     const std::shared_ptr<Generation>& gen) {
   auto wb = std::make_shared<detail::WriteBack>();
   wb->fn = [base, rep, dims, copied, gen](const at::Tensor& r) {
-    if (gen) check_fresh(*gen, base, rep, r);
     if (copied) rep.copy_(local_of(r).reshape(rep.sizes()));
     const ShardSpec& bs = *spec_of(base);
     at::Tensor dst = local_of(base);
     if (dst.is_same(rep)) {
-      if (gen) gen->seen = version_of(base);
+      wrote_back(base, gen);
       return;
     }
     const auto offs = bs.local_offsets();
@@ -272,8 +320,9 @@ void set_write_back(const at::Tensor& result, const at::Tensor& base, const at::
       }
     }
     dst.copy_(src);
-    if (gen) gen->seen = version_of(base);
+    wrote_back(base, gen);
   };
+  set_refresh(*wb, base, rep, copied, gen);
   detail::shard_impl(result)->set_write_back(std::move(wb));
 }
 
@@ -466,12 +515,12 @@ void set_moved_write_back(const at::Tensor& result, const at::Tensor& base, cons
                           SpecPtr mid, bool copied, const std::shared_ptr<Generation>& gen) {
   auto wb = std::make_shared<detail::WriteBack>();
   wb->fn = [base, rep, mid, copied, gen](const at::Tensor& r) {
-    if (gen) check_fresh(*gen, base, rep, r);
     if (copied) rep.copy_(local_of(r).reshape(rep.sizes()));
     const ShardSpec& bs = *spec_of(base);
     local_of(base).copy_(detail::redistribute_local(rep, *mid, bs));
-    if (gen) gen->seen = version_of(base);
+    wrote_back(base, gen);
   };
+  set_refresh(*wb, base, rep, copied, gen);
   detail::shard_impl(result)->set_write_back(std::move(wb));
 }
 
@@ -501,20 +550,32 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
   const auto shape = out->local_shape();
   if (is_view) {
     // Note [view strides]: the global strides allow the view, and so do the
-    // piece's in every layout plan_view produces; a piece whose strides still
-    // refuse it (a piece of a view made outside this file, whose wrapper
-    // reports contiguous strides) is copied to contiguous memory, and writes
-    // through the result go back to the source (Note [view write-back]).
-    try {
-      const auto strides =
-          at::detail::computeStride(local.sizes(), local.strides(), c10::IntArrayRef(shape));
-      copied = !strides;
-      local = strides ? local.view(shape) : local.contiguous().view(shape);
-    } catch (const c10::Error& e) {
+    // piece's in every layout plan_view produces, as long as the piece's
+    // strides follow its wrapper's. Where they may not (the wrapper is not
+    // contiguous: a piece of one row of a transposed tensor is contiguous on
+    // one rank and not on another) the ranks agree (one uncounted all-reduce
+    // of a flag; never for a contiguous wrapper, the common case): if any
+    // piece refuses the view, every rank copies its piece to contiguous
+    // memory, and writes through the result go back to the source (Note
+    // [view write-back]), reads follow it (Note [stale copy views]). After a
+    // move (`mid`) the result is a copy on every rank anyway, and only the
+    // local steps differ. A contiguous wrapper over a piece that refuses the
+    // view is refused (on that rank: its rule gave the wrapper wrong strides).
+    const bool piece_ok =
+        at::detail::computeStride(local.sizes(), local.strides(), c10::IntArrayRef(shape))
+            .has_value();
+    if (mid) {
+      copied = !piece_ok;
+    } else if (!self.is_contiguous()) {
+      copied = !comm::diagnostic_agree(s.mesh(), 0, piece_ok).all_ok;
+    } else if (!piece_ok) {
       fail(op, args,
-           std::string("the local piece's sizes and strides do not allow this view (") +
-               e.what_without_backtrace() + "); use reshape");
+           "the local piece's sizes " + shape_str(local.sizes()) + " and strides " +
+               shape_str(local.strides()) +
+               " do not allow this view while its wrapper's contiguous strides do (a rule gave "
+               "the wrapper strides its pieces do not follow); use reshape");
     }
+    local = copied ? local.clone(at::MemoryFormat::Contiguous).view(shape) : local.view(shape);
   } else if (kind == ViewKind::Reshape) {
     // libtorch copies: so does every rank, even where its piece could be viewed.
     local = at::_unsafe_view(local.clone(at::MemoryFormat::Contiguous), shape);
@@ -539,10 +600,11 @@ at::Tensor view_impl(const c10::OperatorHandle& op, const std::vector<c10::IValu
         }
       }
     }
-    // A copy made by `mid` is made on every rank (Note [stale copy views]);
-    // one made because this piece's strides refuse the view is this rank's
-    // alone, and cannot be checked collectively.
-    auto gen = mid ? generation(kind_name(kind), self, out) : nullptr;
+    // Made on every rank alike (Note [stale copy views]).
+    const SpecPtr from = spec_ptr_of(self);
+    auto gen = generation(kind_name(kind), self, out, [self, from, mid = mid] {
+      return mid ? detail::redistribute_local(local_of(self), *from, *mid) : local_of(self);
+    });
     if (only_replicates) {
       set_write_back(result, self, rep, back, copied, gen);
     } else {
@@ -730,8 +792,11 @@ void squeeze_rule(const c10::OperatorHandle& op, Stack* stack) {
     for (int64_t d : dims) {
       if (s.mesh_dim_of(d) >= 0) back.emplace_back(d, 0);
     }
-    set_write_back(out, args[0].toTensor(), x.local, back, /*copied=*/false,
-                   generation("squeeze", args[0].toTensor(), spec_ptr_of(out)));
+    const at::Tensor base = args[0].toTensor();
+    set_write_back(out, base, x.local, back, /*copied=*/false,
+                   generation("squeeze", base, spec_ptr_of(out), [base, rep] {
+                     return replicate_mesh_dims(piece_of(base), rep).local;
+                   }));
   }
   stack->push_back(out);
 }
@@ -922,7 +987,11 @@ void select_rule(const c10::OperatorHandle& op, Stack* stack) {
   shape.erase(shape.begin() + dim);
   at::Tensor out = wrap(rep.local.select(dim, 0), drop_dims(*rep.spec, {dim}, shape));
   set_write_back(out, self, rep.local, {{dim, index}}, /*copied=*/false,
-                 generation("select", self, spec_ptr_of(out)));
+                 generation("select", self, spec_ptr_of(out), [self, dim, index, m] {
+                   return replicate_mesh_dims(slice_piece(piece_of(self), dim, index, index + 1, 1),
+                                              {m})
+                       .local;
+                 }));
   stack->push_back(out);
 }
 
@@ -1028,7 +1097,9 @@ void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
     // them go back to the owners (Note [view write-back]).
     // One generation for all of them: a write-back through one writes the
     // whole replicated block, which the others view (Note [stale copy views]).
-    const auto gen = generation("unbind", args[0].toTensor(), spec);
+    const at::Tensor base = args[0].toTensor();
+    const auto gen = generation(
+        "unbind", base, spec, [base, m] { return replicate_mesh_dims(piece_of(base), {m}).local; });
     for (const auto& t : out) {
       set_write_back(t, args[0].toTensor(), x.local, {{dim, 0}}, /*copied=*/false, gen);
     }
@@ -1069,7 +1140,9 @@ void diagonal_rule(const c10::OperatorHandle& op, Stack* stack) {
            drop_dims(*x.spec, {std::min(d1, d2), std::max(d1, d2)}, meta.sizes().vec()));
   if (!rep_dims.empty()) {
     set_write_back(out, self, x.local, back, /*copied=*/false,
-                   generation("diagonal", self, spec_ptr_of(out)));
+                   generation("diagonal", self, spec_ptr_of(out), [self, rep_dims] {
+                     return replicate_mesh_dims(piece_of(self), rep_dims).local;
+                   }));
   }
   stack->push_back(out);
 }
@@ -1101,7 +1174,8 @@ Rule with_torch_strides(Rule rule) {
     const size_t n = op.schema().arguments().size();
     Stack meta(stack->end() - n, stack->end());
     for (auto& v : meta) {
-      if (!v.isTensor() || !spec_of(v.toTensor())) continue;
+      // Plain tensor operands too: a meta call refuses to mix devices.
+      if (!v.isTensor() || !v.toTensor().defined()) continue;
       const at::Tensor& t = v.toTensor();
       v = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
     }

@@ -80,6 +80,26 @@ ShardTensorImpl* shard_impl(const at::Tensor& t) {
   return dynamic_cast<ShardTensorImpl*>(t.unsafeGetTensorImpl());
 }
 
+int64_t alias_version(const at::Tensor& t) {
+  const auto* impl = shard_impl(t);
+  if (impl == nullptr) return 0;
+  const auto& vc = impl->version_counter();
+  int64_t v = vc.enabled() ? static_cast<int64_t>(vc.current_version()) : 0;
+  const auto& wb = impl->write_back();
+  if (wb && wb->refreshes) v += *wb->refreshes;
+  return v;
+}
+
+void bump_alias_version(const at::Tensor& t) {
+  auto* impl = shard_impl(t);
+  if (impl != nullptr && impl->version_counter().enabled()) impl->bump_version();
+}
+
+void refresh_copy_view(const at::Tensor& t) {
+  auto* impl = shard_impl(t);
+  if (impl && impl->write_back() && impl->write_back()->refresh) impl->write_back()->refresh(t);
+}
+
 at::Tensor make_shard_tensor(at::Tensor local, std::shared_ptr<const ShardSpec> spec) {
   TORCH_CHECK(local.defined(), "ShardTensor: the local tensor is undefined");
   TORCH_CHECK(!shard_impl(local), "ShardTensor: the local tensor is itself a ShardTensor");
@@ -368,6 +388,7 @@ ShardTensor ShardTensor::from_local_unchecked(at::Tensor local,
 }
 
 at::Tensor ShardTensor::full_tensor() const {
+  detail::refresh_copy_view(*this);  // Note [stale copy views]
   const ShardSpec& s = spec();
   ShardSpec dst(s.mesh(), Placements(s.mesh().ndim(), Replicate{}), s.global_shape());
   return detail::redistribute_local(local(), s, dst);
@@ -378,6 +399,7 @@ at::Tensor ShardTensor::redistribute(Placements placements, std::optional<ShardS
   auto dst = std::make_shared<const ShardSpec>(s.mesh(), std::move(placements), s.global_shape(),
                                                std::move(sizes));
   if (*dst == s) return *this;
+  detail::refresh_copy_view(*this);  // Note [stale copy views]
   return from_local_unchecked(detail::redistribute_local(local(), s, *dst), dst);
 }
 

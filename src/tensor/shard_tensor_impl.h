@@ -32,6 +32,16 @@ namespace shardtensor::detail {
 struct WriteBack {
   std::function<void(const at::Tensor& result)> fn;
   std::string refusal;
+  /// Note [stale copy views] (ops/shape.cpp): set on a copy view and on every
+  /// view of one. Brings the copy's values up to date with its source when the
+  /// source was written since the copy was made (or last brought up to date).
+  /// Collective over the source's mesh; every rank decides alike, from
+  /// alias_version(). The dispatcher calls it before the tensor is used by any
+  /// op, as an input or as the written tensor.
+  std::function<void(const at::Tensor& self)> refresh;
+  /// How often the copy was made anew by `refresh` (shared by the views of
+  /// one copy); part of alias_version().
+  std::shared_ptr<int64_t> refreshes;
 };
 
 /// A TensorImpl with the global sizes, no storage (access throws), dispatch
@@ -78,6 +88,24 @@ class ShardTensorImpl final : public c10::TensorImpl {
 
 /// Local. The impl of `t` if it is a ShardTensor, else nullptr.
 ShardTensorImpl* shard_impl(const at::Tensor& t);
+
+/// Local. Note [stale copy views] (ops/shape.cpp): the version of the values
+/// the ShardTensor `t` shows: its wrapper's version counter (shared by the
+/// wrappers that are true views of one another, bumped by the dispatcher on
+/// every in-place write, so identical on every rank) plus the number of times
+/// the copy it views was made anew. 0 without a version counter (inference
+/// tensors).
+int64_t alias_version(const at::Tensor& t);
+
+/// Local. Bumps the version counter of `t`'s wrapper (no-op without one).
+void bump_alias_version(const at::Tensor& t);
+
+/// Note [stale copy views] (ops/shape.cpp): brings `t` up to date with its
+/// source if it is a copy view (or a view of one) whose source was written
+/// since; nothing otherwise. Collective over the source's mesh where it acts,
+/// and every rank decides alike. The dispatcher calls it for every operand;
+/// full_tensor() and redistribute() too.
+void refresh_copy_view(const at::Tensor& t);
 
 /// Local. Note [wrapper autograd]: mirrors local().requires_grad() on the
 /// wrapper's own (libtorch) autograd meta, and for a leaf piece that requires
