@@ -30,6 +30,7 @@ namespace {
 // communicate. g_culprit < 0: every rank raises.
 std::string g_rule_mode;
 int g_culprit = -1;
+const st::DeviceMesh* g_mesh = nullptr;
 
 void maybe_raise() {
   if (g_culprit < 0 || st::world_rank() == g_culprit) {
@@ -39,7 +40,7 @@ void maybe_raise() {
 
 // An autograd Function whose backward formula raises (mode "backward"),
 // written as the library's own (Note [carried rule errors]): its formula runs
-// through carried_backward; after it, an all-reduce (the others wait in it).
+// through carried_backward; after it, an all-gather (the others wait in it).
 struct RaisingBackwardFn : torch::autograd::Function<RaisingBackwardFn> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext*,
                                                 const at::Tensor& x) {
@@ -53,7 +54,10 @@ struct RaisingBackwardFn : torch::autograd::Function<RaisingBackwardFn> {
   static torch::autograd::variable_list backward_formula(torch::autograd::AutogradContext*,
                                                          torch::autograd::variable_list grads) {
     maybe_raise();
-    return {grads[0] * 2 + grads[0].mean() * 0};
+    // The pieces have 4 rows on every rank: an all-gather over the mesh.
+    std::vector<int64_t> sizes(st::world_size(), 4);
+    at::Tensor all = st::comm::all_gather(grads[0].detach(), *g_mesh, 0, 0, sizes);
+    return {grads[0] * 2 + all.sum() * 0};
   }
 };
 
@@ -61,6 +65,13 @@ const st::ops::RuleRegistrar test_rule({"_test_check_tensor"}, [](const c10::Ope
                                                                   st::ops::Stack* stack) {
   at::Tensor x = stack->back().toTensor();
   stack->pop_back();
+  if (g_rule_mode == "backward") {
+    // As the library's rules do: the Function works on the local piece.
+    const st::ShardSpec& spec = *st::ops::spec_of(x);
+    at::Tensor local = st::ops::to_layout(x, spec, spec);
+    stack->push_back(st::ops::wrap(RaisingBackwardFn::apply(local)[0], st::ops::spec_ptr_of(x)));
+    return;
+  }
   if (g_rule_mode != "after") maybe_raise();
   at::Tensor r = g_rule_mode == "local" ? x * 2 : x - x.mean();
   if (g_rule_mode == "after") maybe_raise();
@@ -163,6 +174,7 @@ int main(int argc, char** argv) {
     // that the others' formulas wait in.
     g_rule_mode = "backward";
     g_culprit = culprit;
+    g_mesh = &mesh;
     at::Tensor xg = st::distribute_tensor(torch::randn({4 * st::world_size(), 3}), mesh,
                                           {st::Shard{0}}, /*requires_grad=*/true);
     at::Tensor y = at::_test_check_tensor(xg);
