@@ -33,22 +33,3 @@ foreach(np 2 3)
     endforeach()
   endforeach()
 endforeach()
-
-# The per-use check under SHARDTENSOR_DEBUG (Note [agreed settings]): the last
-# rank sets SHARDTENSOR_HALO_NEIGHBOR after init; a halo exchange along each
-# mesh dim of the 2x2 mesh must raise on every rank (the check covers the whole
-# mesh, not only the halo's mesh dim), within the watchdog's timeout.
-if(SHARDTENSOR_WITH_MPI)
-  add_test(NAME settings_init.HALO_NEIGHBOR.after_init.mesh2x2
-    COMMAND ${SHARDTENSOR_MPIEXEC} ${SHARDTENSOR_MPIEXEC_FLAGS} -np 4
-            $<TARGET_FILE:settings_init> SHARDTENSOR_HALO_NEIGHBOR 1 after)
-  set_tests_properties(settings_init.HALO_NEIGHBOR.after_init.mesh2x2 PROPERTIES
-    ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_DEBUG=1;SHARDTENSOR_TIMEOUT=20"
-    TIMEOUT 90 PROCESSORS 2 LABELS mpi)
-endif()
-add_test(NAME settings_init.HALO_NEIGHBOR.after_init.torchrun.mesh2x2
-  COMMAND ${Python3_EXECUTABLE} -m torch.distributed.run --standalone --no-python
-          --nproc-per-node 4 $<TARGET_FILE:settings_init> SHARDTENSOR_HALO_NEIGHBOR 1 after)
-set_tests_properties(settings_init.HALO_NEIGHBOR.after_init.torchrun.mesh2x2 PROPERTIES
-  ENVIRONMENT "${SHARDTENSOR_TEST_ENV};SHARDTENSOR_DEBUG=1;SHARDTENSOR_TIMEOUT=20"
-  TIMEOUT 120 PROCESSORS 2 LABELS torchrun)

@@ -186,20 +186,12 @@ at::Tensor run_grad(const at::Tensor& grad_out_rows, const Run& r) {
 }
 
 /// SHARDTENSOR_HALO_NEIGHBOR=1 (read per call through the registry of Note
-/// [agreed settings]; Note [neighbourhood collectives]), honoured only where
-/// the MPI library takes our datatypes there (Note [neighbourhood collectives
-/// on Open MPI 5.0]); elsewhere the point-to-point path runs, with one warning
-/// per process. Checked under SHARDTENSOR_DEBUG across the whole mesh
-/// (`mesh_comm`), not only the halo's mesh dim (`comm`): on a 2-D mesh a halo
-/// along mesh dim 0 runs on every line of ranks along it at once, each on its
-/// own communicator, and the op's next halo (along mesh dim 1) or its next
-/// collective joins those lines. A check over the halo's communicator alone
-/// makes only the line of the rank that changed the setting raise; the other
-/// lines go on and wait for it at the next exchange (the watchdog, not an
-/// error). Every rank of the mesh makes the call (each rank runs the same op
-/// on its piece), so the check is collective over the mesh.
-bool neighbor_requested(Comm mesh_comm) {
-  if (use_setting(mesh_comm, Setting::HaloNeighbor) == 0) return false;
+/// [agreed settings], checked across `comm` under SHARDTENSOR_DEBUG; Note
+/// [neighbourhood collectives]), honoured only where the MPI library takes our
+/// datatypes there (Note [neighbourhood collectives on Open MPI 5.0]);
+/// elsewhere the point-to-point path runs, with one warning per process.
+bool neighbor_requested(Comm comm) {
+  if (use_setting(comm, Setting::HaloNeighbor) == 0) return false;
   if (transport::neighbor_collectives_usable()) return true;
   static std::once_flag warned;
   std::call_once(warned, [] {
@@ -232,7 +224,6 @@ std::shared_ptr<const HaloPlan> HaloPlan::build(
   HaloPlan& plan = *holder;
   plan.dim = dim;
   plan.comm = a.comm;
-  plan.mesh_comm = a.mesh.comm();
   plan.layout_key.push_back(static_cast<int64_t>(mode));
   plan.layout_key.push_back(static_cast<int64_t>(sizes.size()));
   plan.layout_key.insert(plan.layout_key.end(), sizes.begin(), sizes.end());
@@ -287,7 +278,7 @@ PendingHalo& PendingHalo::operator=(PendingHalo&&) noexcept = default;
 bool PendingHalo::test() { return pending_ ? pending_->test() : true; }
 
 PendingHalo HaloPlan::start(const at::Tensor& local, double value) const {
-  if (neighbor_requested(mesh_comm) && transport::comm_size(comm) > 1 &&
+  if (neighbor_requested(comm) && transport::comm_size(comm) > 1 &&
       max_range_rows * row_numel(in_shape, dim) * local.element_size() <=
           transport::max_message_bytes()) {
     // Every rank of comm decides alike: the variable is set on all or none,

@@ -105,9 +105,6 @@ class HaloPlan {
   // Runs of my range owned by `peer`, and runs of `peer`'s range owned by me.
   std::vector<std::pair<int, std::vector<Run>>> recv, send;
   Comm comm = comm_null();  // the mesh dim's communicator
-  // The whole mesh's: where SHARDTENSOR_HALO_NEIGHBOR is checked under
-  // SHARDTENSOR_DEBUG (neighbor_requested in halo.cpp).
-  Comm mesh_comm = comm_null();
   // (mode, sizes, ranges): what every coordinate's peers follow from; the same
   // on every rank for one call (the key of the neighbourhood graph).
   std::vector<int64_t> layout_key;
