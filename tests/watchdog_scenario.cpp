@@ -78,6 +78,22 @@ const st::ops::RuleRegistrar test_rule({"_test_check_tensor"}, [](const c10::Ope
   stack->push_back(r);
 });
 
+// The next collective after a carried error (`x` as main made it): right
+// when every rank failed alike (nothing was started), an error everywhere
+// when some ranks had started theirs.
+void next_sum(const at::Tensor& x, int rank) {
+  try {
+    const float s = (x * 2).sum().item<float>();
+    torch::manual_seed(0);
+    const float want = (torch::randn({4 * st::world_size(), 3}) * 2).sum().item<float>();
+    std::printf("rank %d continues: the next sum is %s\n", rank,
+                std::abs(s - want) <= 1e-4f * (1 + std::abs(want)) ? "right" : "WRONG");
+  } catch (const c10::Error& e) {
+    std::printf("rank %d raises at the next op: %s\n", rank, e.what_without_backtrace());
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -210,16 +226,7 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
     if (scenario != "rule_local_last") {
-      try {
-        const float s = (x * 2).sum().item<float>();
-        torch::manual_seed(0);
-        const float want = (torch::randn({4 * st::world_size(), 3}) * 2).sum().item<float>();
-        std::printf("rank %d continues: the next sum is %s\n", rank,
-                    std::abs(s - want) <= 1e-4f * (1 + std::abs(want)) ? "right" : "WRONG");
-      } catch (const c10::Error& e) {
-        std::printf("rank %d raises at the next op: %s\n", rank, e.what_without_backtrace());
-      }
-      std::fflush(stdout);
+      next_sum(x, rank);
     }
   } else if (scenario == "one_rank_bad_piece" || scenario == "every_rank_bad_piece") {
     // Note [carried errors]: a check of the local tensor fails on the culprit
@@ -237,18 +244,7 @@ int main(int argc, char** argv) {
       std::printf("rank %d caught: %s\n", rank, e.what_without_backtrace());
     }
     std::fflush(stdout);
-    // The next collective: fine when every rank failed alike (nothing was
-    // started), an error everywhere when some ranks had started theirs.
-    try {
-      const float s = (x * 2).sum().item<float>();
-      torch::manual_seed(0);
-      const float want = (torch::randn({4 * st::world_size(), 3}) * 2).sum().item<float>();
-      std::printf("rank %d continues: the next sum is %s\n", rank,
-                  std::abs(s - want) <= 1e-4f * (1 + std::abs(want)) ? "right" : "WRONG");
-    } catch (const c10::Error& e) {
-      std::printf("rank %d raises at the next op: %s\n", rank, e.what_without_backtrace());
-    }
-    std::fflush(stdout);
+    next_sum(x, rank);
   } else {
     std::fprintf(stderr, "unknown scenario '%s'\n", scenario.c_str());
     return 2;
