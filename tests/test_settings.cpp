@@ -12,6 +12,8 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "testing.h"
 
@@ -130,6 +132,44 @@ TEST_F(Settings, InterpSplit) {
   check_switch("SHARDTENSOR_INTERP_SPLIT", [&] {
     (void)at::upsample_bilinear2d(sx, {24, 20}, /*align_corners=*/false);
   });
+}
+
+// SHARDTENSOR_HALO_NEIGHBOR changed after init on the last rank only (a
+// setenv in rank-dependent code, which the init agreement cannot see). The
+// halo's own check covers its mesh dim's line of ranks only, and on the 2x2
+// mesh the other line went on; the check at the op's entry covers the whole
+// mesh (Note [settings at op entry]): every rank raises the same error, naming
+// every mesh rank's value, and the job goes on once the ranks agree again.
+TEST_F(Settings, HaloNeighborChangedAfterInit) {
+  auto sx = image();
+  auto w = rnd({4, 3, 3, 3}, 8);
+  // max_pool2d reads the setting in its halos (HaloPlan::start), one line of
+  // the mesh at a time; conv2d's own block exchange never reads it.
+  const std::vector<std::pair<std::string, std::function<at::Tensor(const at::Tensor&)>>> ops = {
+      {"aten::max_pool2d",
+       [](const at::Tensor& t) {
+         return at::max_pool2d(t, {3, 3}, {1, 1}, {1, 1});
+       }},
+      {"aten::conv2d", [&](const at::Tensor& t) { return at::conv2d(t, w, {}, 1, 1); }}};
+  for (const auto& [name, op] : ops) {
+    SCOPED_TRACE(name);
+    {
+      EnvGuard all_on("SHARDTENSOR_HALO_NEIGHBOR", "1");
+      EXPECT_NO_THROW((void)op(sx));
+    }
+    std::vector<std::string> want = {"ranks disagree on the setting SHARDTENSOR_HALO_NEIGHBOR",
+                                     "(" + name + ")", "set the same value on every rank"};
+    for (int64_t r = 0; r < mesh.size(); ++r) {
+      want.push_back("mesh rank " + std::to_string(r) + ": " +
+                     (r == mesh.size() - 1 ? std::string("on") : std::string("off")));
+    }
+    {
+      EnvGuard odd("SHARDTENSOR_HALO_NEIGHBOR", odd_rank() ? "1" : nullptr);
+      EXPECT_TRUE(throws_everywhere([&] { (void)op(sx); }, want));
+    }
+    // Agreeing again, the job goes on and is right.
+    EXPECT_TRUE(at::allclose(gathered(op(sx)), op(gathered(sx))));
+  }
 }
 
 // The check is uncounted: agreeing ranks see the same CommStats with and

@@ -41,7 +41,10 @@
 ///    change made on some ranks only after init (set_fft_layout on one rank,
 ///    a setenv in rank-dependent code), which the init check cannot see and
 ///    which, without SHARDTENSOR_DEBUG, is still not checked (no message per
-///    op is spent on it).
+///    op is spent on it). The dispatcher's per-op check agrees every setting
+///    over the whole mesh at each op's entry as well (Note [settings at op
+///    entry], comm/settings.cpp): a setting used on one line of the mesh
+///    (a halo) would otherwise be checked on that line only.
 ///
 /// Why nothing else without SHARDTENSOR_DEBUG: a change on one rank is
 /// invisible to the others (an agreement "when it changes" would be entered

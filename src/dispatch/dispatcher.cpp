@@ -33,6 +33,7 @@
 #include "comm/diagnostic.h"
 #include "comm/error_channel.h"
 #include "comm/grad_sink.h"
+#include "comm/settings.h"
 #include "core/debug.h"
 #include "core/fingerprint.h"
 #include "dispatch/fallback.h"
@@ -72,7 +73,12 @@ void check_agreement(const c10::OperatorHandle& op, const std::vector<c10::IValu
   const DeviceMesh& mesh = ops::spec_of(shards[0])->mesh();
   // Uncounted (Note [traffic accounting]): CommStats are the same with and
   // without SHARDTENSOR_DEBUG. FNV-1a, identical on every rank (std::hash is not).
-  if (!comm::diagnostic_agree(mesh, detail::fingerprint(fp)).same) {
+  // The settings that decide collectives are agreed here too, over the whole
+  // mesh (Note [settings at op entry], comm/settings.cpp).
+  const uint64_t with_settings =
+      detail::Fingerprint().add(fp).add(static_cast<int64_t>(comm::settings_fingerprint())).value();
+  if (!comm::diagnostic_agree(mesh, with_settings).same) {
+    comm::check_settings(mesh);  // raises on every rank when a setting differs
     ops::fail(op, args, "SHARDTENSOR_DEBUG: ranks disagree on the op or its layouts");
   }
 }
