@@ -380,11 +380,32 @@ TEST(Alias, UnbindAndDiagonalAlongShardedDimsAreVisibleGathers) {
     EXPECT_TRUE(all_close(gathered(d), x.diagonal(), 0, 0));
     if (s0 && mesh.size() > 1) EXPECT_TRUE(all_ranks(after_unbind > 0)) << st::to_string(p);
     if (any) EXPECT_TRUE(all_ranks(after_diag > 0)) << st::to_string(p);
+    // After a write into the source, the copies are made anew at their next
+    // use (Note [stale copy views]): the same gather again, counted again.
+    u.add_(1);
+    st::reset_comm_stats();
+    EXPECT_TRUE(all_close(gathered(rows[1] * 1), x[1] + 1, 0, 0)) << st::to_string(p);
+    EXPECT_TRUE(all_ranks(st::comm_stats().gathered_bytes == after_unbind)) << st::to_string(p);
+    st::reset_comm_stats();
+    EXPECT_TRUE(all_close(gathered(d * 1), x.diagonal() + 1, 0, 0)) << st::to_string(p);
+    EXPECT_TRUE(all_ranks(st::comm_stats().gathered_bytes == after_diag)) << st::to_string(p);
     st::set_strict(true);
     if (s0 && mesh.size() > 1) {
       EXPECT_TRUE(throws_everywhere([&] { u.unbind(0); }, {"unbind", "strict"}));
     }
     if (any) EXPECT_TRUE(throws_everywhere([&] { u.diagonal(); }, {"diagonal", "strict"}));
+    // ... and in strict mode their refresh is refused, on every rank.
+    u.add_(1);
+    if (s0 && mesh.size() > 1) {
+      EXPECT_TRUE(throws_everywhere([&] { (void)(rows[1] * 1); },
+                                    {"unbind", "strict", "made anew after a write"}));
+    }
+    if (any) {
+      EXPECT_TRUE(throws_everywhere([&] { (void)(d * 1); },
+                                    {"diagonal", "strict", "made anew after a write"}));
+    }
     st::set_strict(false);
+    EXPECT_TRUE(all_close(gathered(rows[1]), x[1] + 2, 0, 0)) << st::to_string(p);
+    EXPECT_TRUE(all_close(gathered(d), x.diagonal() + 2, 0, 0)) << st::to_string(p);
   }
 }

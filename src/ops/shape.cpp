@@ -95,6 +95,11 @@ void note_replication(const c10::OperatorHandle& op, const std::vector<c10::IVal
               what + " replicates the whole input " + s.to_string() + " over " + held);
 }
 
+// What note_replication says of unbind along the sharded dim `dim`.
+std::string unbind_what(int64_t dim) {
+  return "unbind along the sharded dim " + std::to_string(dim);
+}
+
 // The layout after removing tensor dims `removed` (sorted ascending, none of
 // them sharded) from `s`, with the new global shape `shape`.
 SpecPtr drop_dims(const ShardSpec& s, const std::vector<int64_t>& removed,
@@ -201,7 +206,9 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
 //    (detail::refresh_copy_view; so do full_tensor() and redistribute()):
 //    when the source's version moved on, the copy is made anew from the
 //    source (the same collective that made it: a replication or a
-//    redistribution of the current piece) into the same memory, so that the
+//    redistribution of the current piece; a replication is a visible gather
+//    again, counted and refused in strict mode like the first: Note [visible
+//    gathers]) into the same memory, so that the
 //    copy and every view of it show the current values. A write through the
 //    copy therefore lands on the current values, and its write-back puts
 //    nothing stale over the source. A copy of a copy (a select of a select,
@@ -1084,7 +1091,7 @@ void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t m = s.mesh_dim_of(dim);
   Piece x = piece_of(args[0].toTensor());
   if (m >= 0) {
-    note_replication(op, args, x, {m}, "unbind along the sharded dim " + std::to_string(dim));
+    note_replication(op, args, x, {m}, unbind_what(dim));
     x = replicate_mesh_dims(x, {m});
   }
   std::vector<int64_t> shape = s.global_shape();
@@ -1098,8 +1105,12 @@ void unbind_rule(const c10::OperatorHandle& op, Stack* stack) {
     // One generation for all of them: a write-back through one writes the
     // whole replicated block, which the others view (Note [stale copy views]).
     const at::Tensor base = args[0].toTensor();
-    const auto gen = generation(
-        "unbind", base, spec, [base, m] { return replicate_mesh_dims(piece_of(base), {m}).local; });
+    const auto gen = generation("unbind", base, spec, [op, args, base, m, dim] {
+      const Piece src = piece_of(base);
+      note_replication(op, args, src, {m},
+                       "made anew after a write into its source, " + unbind_what(dim));
+      return replicate_mesh_dims(src, {m}).local;
+    });
     for (const auto& t : out) {
       set_write_back(t, args[0].toTensor(), x.local, {{dim, 0}}, /*copied=*/false, gen);
     }
@@ -1129,9 +1140,9 @@ void diagonal_rule(const c10::OperatorHandle& op, Stack* stack) {
       back.emplace_back(d, 0);
     }
   }
-  note_replication(op, args, piece_of(self), rep_dims,
-                   "diagonal over the dims " + std::to_string(d1) + " and " + std::to_string(d2) +
-                       ", at least one of them sharded,");
+  const std::string what = "diagonal over the dims " + std::to_string(d1) + " and " +
+                           std::to_string(d2) + ", at least one of them sharded,";
+  note_replication(op, args, piece_of(self), rep_dims, what);
   Piece x = replicate_mesh_dims(piece_of(self), rep_dims);
   const auto meta =
       at::empty(s.global_shape(), self.options().device(at::kMeta)).diagonal(offset, d1, d2);
@@ -1140,8 +1151,11 @@ void diagonal_rule(const c10::OperatorHandle& op, Stack* stack) {
            drop_dims(*x.spec, {std::min(d1, d2), std::max(d1, d2)}, meta.sizes().vec()));
   if (!rep_dims.empty()) {
     set_write_back(out, self, x.local, back, /*copied=*/false,
-                   generation("diagonal", self, spec_ptr_of(out), [self, rep_dims] {
-                     return replicate_mesh_dims(piece_of(self), rep_dims).local;
+                   generation("diagonal", self, spec_ptr_of(out), [op, args, self, rep_dims, what] {
+                     const Piece src = piece_of(self);
+                     note_replication(op, args, src, rep_dims,
+                                      "made anew after a write into its source, " + what);
+                     return replicate_mesh_dims(src, rep_dims).local;
                    }));
   }
   stack->push_back(out);
