@@ -355,6 +355,50 @@ TEST(Alias, PointwiseResultsOfStridedOperandsHaveTorchStrides) {
               kLayouts, dtypes);
 }
 
+// local() never communicates, so it cannot bring a stale copy view up to
+// date (Note [stale copy views]): it raises on every rank instead of showing
+// old values; any op (clone) brings the copy up to date, and then local()
+// holds this rank's piece of libtorch's current values. A result whose piece
+// is its source's own memory (a true view, or a mesh dim of one coordinate)
+// never raises.
+TEST(Alias, LocalOfAStaleCopyViewRaises) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({5, 5}, 4, 4.0).round();
+  using F = std::function<at::Tensor(const at::Tensor&)>;
+  for (const auto& [name, f] : std::vector<std::pair<std::string, F>>{
+           {"x[2]", [](const at::Tensor& t) { return t[2]; }},
+           {"diagonal", [](const at::Tensor& t) { return t.diagonal(); }},
+           {"unbind(1)[4]", [](const at::Tensor& t) { return t.unbind(1)[4]; }},
+           {"x[2].unsqueeze(0)", [](const at::Tensor& t) { return t[2].unsqueeze(0); }}}) {
+    for (const auto& wanted : kLayouts) {
+      const auto p = fit_placements(mesh, wanted);
+      const std::string where = name + " of " + st::to_string(p);
+      at::Tensor u = st::distribute_tensor(x, mesh, p);
+      at::Tensor y = f(u);
+      const bool own = st::ShardTensor(y).local().is_alias_of(st::ShardTensor(u).local());
+      u.add_(1);
+      const at::Tensor want = f(x + 1);
+      if (all_ranks(own)) {
+        EXPECT_NO_THROW((void)st::ShardTensor(y).local()) << where;
+      } else {
+        EXPECT_TRUE(
+            throws_everywhere([&] { (void)st::ShardTensor(y).local(); },
+                              {"ShardTensor::local()", "Note [stale copy views]", "clone()"}))
+            << where;
+      }
+      (void)y.clone();  // any op brings it up to date
+      const st::ShardTensor ys(y);
+      const at::Tensor mine =
+          st::ShardTensor(st::distribute_tensor(want, mesh, ys.placements(), false,
+                                                ys.spec().all_shard_sizes()))
+              .local();
+      EXPECT_TRUE(all_ranks(ys.local().equal(mine))) << where;
+      EXPECT_TRUE(all_close(gathered(y), want, 0, 0)) << where;
+    }
+  }
+}
+
 // Issue 25 item 7: unbind and diagonal along a sharded dim replicate the whole
 // tensor: counted in gathered_bytes, refused in strict mode.
 TEST(Alias, UnbindAndDiagonalAlongShardedDimsAreVisibleGathers) {

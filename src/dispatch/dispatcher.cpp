@@ -129,9 +129,12 @@ void chain_write_back(const at::Tensor& self, const at::Tensor& r) {
     // A copy of its own, whose refresh brings its source up to date first.
     wb->refresh = own->refresh;
     wb->refreshes = own->refreshes;
+    wb->stale = own->stale;
   } else if (parent->refresh) {
     wb->refresh = [parent, self](const at::Tensor&) { parent->refresh(self); };
     wb->refreshes = parent->refreshes;
+    if (parent->stale)
+      wb->stale = [parent, self](const at::Tensor&) { return parent->stale(self); };
   }
   ri->set_write_back(std::move(wb));
 }

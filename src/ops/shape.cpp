@@ -221,8 +221,11 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
 // The cost where nothing is stale is a comparison of two integers per use of a
 // copy view; plain tensors and true views pay nothing but the version bump
 // of written arguments. Writes that bypass the dispatcher (into local()
-// directly) are not seen, and local() (which never communicates) shows the
-// copy as of its last refresh.
+// directly) are not seen. ShardTensor::local() never communicates, so it
+// cannot make a stale copy anew: it raises instead (WriteBack::stale, local
+// and identical on every rank), pointing to clone() or to taking the view
+// again; I/O that reads pieces through local() raises alike rather than
+// save old values.
 struct Generation {
   int64_t seen = 0;                    // the source's alias_version when the copy was last made
   std::string what;                    // the view op, its input's and its result's layouts
@@ -272,6 +275,13 @@ void set_refresh(detail::WriteBack& wb, const at::Tensor& base, const at::Tensor
   if (!gen) return;
   wb.refresh = [base, rep, copied, gen](const at::Tensor& r) {
     refresh_copy(*gen, base, rep, copied, r);
+  };
+  wb.stale = [base, rep, copied, gen](const at::Tensor&) {
+    if (detail::stale_copy_view(base)) return true;
+    // A "copy" that is the source's own piece (a mesh dim of one coordinate
+    // replicates nothing) shows the current values already.
+    if (!copied && rep.is_alias_of(local_of(base))) return false;
+    return detail::alias_version(base) != gen->seen;
   };
   wb.refreshes = gen->refreshes;
 }

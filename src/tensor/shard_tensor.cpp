@@ -100,6 +100,11 @@ void refresh_copy_view(const at::Tensor& t) {
   if (impl && impl->write_back() && impl->write_back()->refresh) impl->write_back()->refresh(t);
 }
 
+bool stale_copy_view(const at::Tensor& t) {
+  auto* impl = shard_impl(t);
+  return impl && impl->write_back() && impl->write_back()->stale && impl->write_back()->stale(t);
+}
+
 at::Tensor make_shard_tensor(at::Tensor local, std::shared_ptr<const ShardSpec> spec) {
   TORCH_CHECK(local.defined(), "ShardTensor: the local tensor is undefined");
   TORCH_CHECK(!shard_impl(local), "ShardTensor: the local tensor is itself a ShardTensor");
@@ -371,6 +376,13 @@ bool ShardTensor::is_shard_tensor(const at::Tensor& t) { return detail::shard_im
 const at::Tensor& ShardTensor::local() const {
   auto* impl = detail::shard_impl(*this);
   TORCH_CHECK(impl, "ShardTensor::local(): undefined ShardTensor");
+  // Note [stale copy views]: local() never communicates, so it cannot make a
+  // stale copy anew; its old values would be a silently wrong answer.
+  TORCH_CHECK(!detail::stale_copy_view(*this), "ShardTensor::local(): this ", spec().to_string(),
+              " is a copy (libtorch's result would be a view) and its source was written after "
+              "it was made, so its piece holds old values (Note [stale copy views]). Any op "
+              "brings it up to date (collective, on every rank): use x.clone().local() (Python: "
+              "x.clone().to_local()), or take the view again");
   return impl->local();
 }
 
@@ -653,7 +665,7 @@ std::pair<at::Tensor, at::Tensor> seed(const char* what, const at::Tensor& outpu
     TORCH_CHECK(spec.numel() == 1, "shardtensor::", what,
                 ": grad_output can be omitted only for a single-element output, got ",
                 spec.to_string());
-    g = at::ones_like(out.local());
+    g = at::ones_like(detail::shard_impl(output)->local());
   } else if (ShardTensor::is_shard_tensor(grad_output)) {
     ShardTensor go(grad_output);
     TORCH_CHECK(go.spec().global_shape() == spec.global_shape(), "shardtensor::", what,
@@ -667,7 +679,9 @@ std::pair<at::Tensor, at::Tensor> seed(const char* what, const at::Tensor& outpu
                 spec.to_string());
     g = detail::local_slice(grad_output, spec);
   }
-  return {out.local(), keep_graph ? g : g.detach()};
+  // The piece as autograd's root (its values are not read): a stale copy
+  // view is no obstacle here.
+  return {detail::shard_impl(output)->local(), keep_graph ? g : g.detach()};
 }
 
 c10::optional<bool> to_c10(std::optional<bool> b) {
@@ -700,7 +714,8 @@ std::vector<at::Tensor> grad(const std::vector<at::Tensor>& outputs,
   }
   for (const at::Tensor& t : inputs) {
     TORCH_CHECK(t.defined(), "shardtensor::grad: an input is undefined");
-    ins.push_back(ShardTensor::is_shard_tensor(t) ? ShardTensor(t).local() : t);
+    auto* impl = detail::shard_impl(t);
+    ins.push_back(impl ? impl->local() : t);  // graph identity only
   }
   auto local =
       torch::autograd::grad(outs, ins, seeds, to_c10(retain_graph), create_graph, allow_unused);

@@ -39,6 +39,10 @@ struct WriteBack {
   /// alias_version(). The dispatcher calls it before the tensor is used by any
   /// op, as an input or as the written tensor.
   std::function<void(const at::Tensor& self)> refresh;
+  /// Local. Whether `refresh` would make the copy anew now (its source, or
+  /// a source further up, was written since): identical on every rank.
+  /// ShardTensor::local() refuses a stale copy (Note [stale copy views]).
+  std::function<bool(const at::Tensor& self)> stale;
   /// How often the copy was made anew by `refresh` (shared by the views of
   /// one copy); part of alias_version().
   std::shared_ptr<int64_t> refreshes;
@@ -106,6 +110,12 @@ void bump_alias_version(const at::Tensor& t);
 /// and every rank decides alike. The dispatcher calls it for every operand;
 /// full_tensor() and redistribute() too.
 void refresh_copy_view(const at::Tensor& t);
+
+/// Local. Whether `t` is a copy view (or a view of one) whose source was
+/// written since the copy was last made: its local piece shows old values
+/// until an op or full_tensor() brings it up to date (refresh_copy_view).
+/// Identical on every rank. Does not throw.
+bool stale_copy_view(const at::Tensor& t);
 
 /// Local. Note [wrapper autograd]: mirrors local().requires_grad() on the
 /// wrapper's own (libtorch) autograd meta, and for a leaf piece that requires

@@ -57,7 +57,11 @@ class ShardTensor : public at::Tensor {
   /// Local. Wraps `local` under `spec` without validation beyond local shape == spec.local_shape().
   static ShardTensor from_local_unchecked(at::Tensor local, std::shared_ptr<const ShardSpec> spec);
 
-  /// Local. This rank's piece; autograd history lives here.
+  /// Local. This rank's piece; autograd history lives here. Throws
+  /// c10::Error when the tensor is a copy that libtorch would make a view
+  /// (select or unbind of a sharded dim, ...) and its source was written since
+  /// (Note [stale copy views]): the piece would show old values; any op, such
+  /// as clone(), brings it up to date.
   const at::Tensor& local() const;
   /// Local. Layout metadata (identical on every rank).
   const ShardSpec& spec() const;
