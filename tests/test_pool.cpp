@@ -810,6 +810,34 @@ TEST_F(Pool, ChannelShardedConvTranspose) {
   }
 }
 
+// aten::convolution and aten::_convolution with transposed=true run the
+// transposed convolution rule (before: refused on every rank, "transposed
+// convolution is not supported on ShardTensors"): spatial, batch and channel
+// sharding, empty pieces, groups 1 and 2, float64.
+TEST_F(Pool, ConvolutionWithTransposedFlag) {
+  using V = std::vector<int64_t>;
+  const auto x = rnd({2, 4, 7, 6}, 96).to(at::kDouble);
+  for (int64_t groups : {1, 2}) {
+    auto w = rnd({4, 6 / groups, 3, 2}, 97).to(at::kDouble);
+    auto b = rnd({6}, 98).to(at::kDouble);
+    auto fc = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& pr) {
+      return at::convolution(in[0], pr[0], pr[1], V{2, 1}, V{1, 0}, V{1, 2}, true, V{1, 0}, groups);
+    };
+    auto f_ = [=](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>& pr) {
+      return at::_convolution(in[0], pr[0], pr[1], V{2, 1}, V{1, 0}, V{1, 2}, true, V{1, 0}, groups,
+                              false, false, true, true);
+    };
+    for (const P& layout : {P{S2, S3}, P{S1, S2}, P{S0, S1}, P{S3, R}}) {
+      const std::string name = "groups=" + std::to_string(groups) + " " + st::to_string(layout);
+      EXPECT_TRUE(reference_check(fc, {sh(x, layout)}, mesh, {w, b}, kRtol, kAtol)) << name;
+      EXPECT_TRUE(reference_check(fc, {empty(x, layout)}, mesh, {w, b}, kRtol, kAtol))
+          << "empty " << name;
+      EXPECT_TRUE(reference_check(f_, {sh(x, layout)}, mesh, {w, b}, kRtol, kAtol))
+          << "_convolution " << name;
+    }
+  }
+}
+
 // Note [channel-sharded transposed convolution]: the output is Shard(channel)
 // on the channel mesh dim (the other placements kept), nothing is gathered
 // and strict mode allows it; the forward sends at most the partial output

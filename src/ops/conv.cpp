@@ -1,6 +1,8 @@
 // Convolution on inputs sharded along spatial (and batch) dims: conv1d/2d/3d
 // (integer padding and 'same'/'valid'), convolution, _convolution,
 // _convolution_mode. See DESIGN.md "Halo arithmetic" and Note [output-first halos].
+// convolution / _convolution with transposed=true go to the transposed
+// convolution rule (src/ops/conv_transpose.cpp, transposed_convolution_rule).
 //
 // Note [conv layout]: the computation keeps the input's Shard placements on
 // the batch dim (data parallel, purely local) and on spatial dims (halo
@@ -104,6 +106,7 @@
 #include "comm/settings.h"
 #include "ops/channel_conv.h"
 #include "ops/common.h"
+#include "ops/conv_transpose.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -709,6 +712,11 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
     const auto* a = op.schema().arguments()[i].alias_info();
     if (a && a->isWrite()) fail(op, args, "out= variants of convolution are not supported");
   }
+  const bool string_padding = name == "aten::_convolution_mode" || overload == "padding";
+  if (!string_padding && (name == "aten::convolution" || name == "aten::_convolution") &&
+      args[6].toBool()) {
+    return transposed_convolution_rule(op, std::move(args), stack);
+  }
   ConvCall c;
   c.input = args[0].toTensor();
   c.weight = args[1].toTensor();
@@ -752,7 +760,6 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t first_sp = batched ? 2 : 1;
   const int64_t cdim = first_sp - 1;
 
-  const bool string_padding = name == "aten::_convolution_mode" || overload == "padding";
   c.stride = expand_list(args[3], nsp);
   std::string padding_str;
   if (string_padding) {
@@ -763,8 +770,6 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
     c.pad_left = expand_list(args[4], nsp);
     c.dilation = expand_list(args[5], nsp);
     if (name == "aten::convolution" || name == "aten::_convolution") {
-      if (args[6].toBool())
-        fail(op, args, "transposed convolution is not supported on ShardTensors");
       c.groups = args[8].toInt();
     } else {
       c.groups = args[6].toInt();

@@ -1,6 +1,7 @@
 // Sharding rule for transposed convolution: conv_transpose1d,
 // conv_transpose2d.input, conv_transpose3d.input (composite ops, intercepted
-// before they decompose into aten::convolution).
+// before they decompose into aten::convolution), and aten::convolution /
+// aten::_convolution with transposed=true (handed over by src/ops/conv.cpp).
 //
 // Note [transposed convolution halos]: output o receives input i through tap j
 // when o = i*s - p + j*d. The output is partitioned first
@@ -137,6 +138,7 @@
 #include "comm/settings.h"
 #include "ops/channel_conv.h"
 #include "ops/common.h"
+#include "ops/conv_transpose.h"
 #include "ops/halo_blocks.h"
 #include "ops/stencil.h"
 
@@ -536,8 +538,18 @@ std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10
   return v;
 }
 
-void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd) {
-  auto args = pop_args(op, stack);
+// Where a transposed convolution's arguments sit: conv_transpose{1,2,3}d
+// (input, weight, bias, stride, padding, output_padding, groups, dilation) or
+// convolution / _convolution (input, weight, bias, stride, padding, dilation,
+// transposed, output_padding, groups, ...).
+struct TconvArgIndex {
+  size_t stride, pad, opad, groups, dil;
+};
+constexpr TconvArgIndex kConvTransposeArgs{3, 4, 5, 6, 7};
+constexpr TconvArgIndex kConvolutionArgs{3, 4, 7, 8, 5};
+
+void conv_transpose_rule(const c10::OperatorHandle& op, std::vector<c10::IValue> args, Stack* stack,
+                         int64_t nd, const TconvArgIndex& ix) {
   const at::Tensor& x = args[0].toTensor();
   const at::Tensor& w = args[1].toTensor();
   const at::Tensor b = args[2].isNone() ? at::Tensor() : args[2].toTensor();
@@ -565,11 +577,11 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
         return at::convolution(probe_ones(xs, t[0], rg), probe_ones(ws, t[1]),
                                probe_ones({2}, t[2]), one, zero, one, true, zero, 1);
       });
-  const auto stride = expand(op, args, int_list(args[3]), nd, "stride");
-  const auto pad = expand(op, args, int_list(args[4]), nd, "padding");
-  const auto opad = expand(op, args, int_list(args[5]), nd, "output_padding");
-  const int64_t groups = args[6].toInt();
-  const auto dil = expand(op, args, int_list(args[7]), nd, "dilation");
+  const auto stride = expand(op, args, int_list(args[ix.stride]), nd, "stride");
+  const auto pad = expand(op, args, int_list(args[ix.pad]), nd, "padding");
+  const auto opad = expand(op, args, int_list(args[ix.opad]), nd, "output_padding");
+  const int64_t groups = args[ix.groups].toInt();
+  const auto dil = expand(op, args, int_list(args[ix.dil]), nd, "dilation");
 
   const std::vector<int64_t>& shape = xs->global_shape();
   const int64_t ndim = static_cast<int64_t>(shape.size());
@@ -700,14 +712,22 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
 }
 
 const RuleRegistrar r1({"conv_transpose1d"}, [](const c10::OperatorHandle& op, Stack* s) {
-  conv_transpose_rule(op, s, 1);
+  conv_transpose_rule(op, pop_args(op, s), s, 1, kConvTransposeArgs);
 });
 const RuleRegistrar r2({"conv_transpose2d"}, [](const c10::OperatorHandle& op, Stack* s) {
-  conv_transpose_rule(op, s, 2);
+  conv_transpose_rule(op, pop_args(op, s), s, 2, kConvTransposeArgs);
 });
 const RuleRegistrar r3({"conv_transpose3d"}, [](const c10::OperatorHandle& op, Stack* s) {
-  conv_transpose_rule(op, s, 3);
+  conv_transpose_rule(op, pop_args(op, s), s, 3, kConvTransposeArgs);
 });
 
 }  // namespace
+
+void transposed_convolution_rule(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                                 Stack* stack) {
+  const int64_t wdim = args[1].toTensor().dim();
+  if (wdim < 3 || wdim > 5) fail(op, args, "expected a 3-d, 4-d or 5-d weight");
+  conv_transpose_rule(op, std::move(args), stack, wdim - 2, kConvolutionArgs);
+}
+
 }  // namespace shardtensor::ops
