@@ -623,11 +623,18 @@ TEST_F(Conv, UnsupportedCasesThrowEverywhere) {
     EXPECT_TRUE(threw && named) << needle;
     EXPECT_TRUE(all_ranks(threw && named)) << needle;  // a collective: nothing hangs
   };
+  // transposed=true runs the transposed convolution rule (tests/test_pool.cpp,
+  // Pool.ConvolutionWithTransposedFlag); its refusals name aten::convolution.
   expect_throw(
       [&] {
-        at::convolution(sx, w, {}, {1, 1}, {0, 0}, {1, 1}, true, {0, 0}, 1);
+        at::convolution(sx, w, {}, {1, 1}, {0, 0}, {1, 1}, true, {1, 1}, 1);
       },
-      "transposed");
+      "aten::convolution");
+  expect_throw(
+      [&] {
+        at::convolution(sx, w, {}, {1, 1}, {0, 0}, {1, 1}, true, {1, 1}, 1);
+      },
+      "output_padding");
   expect_throw([&] { at::conv2d(sx, rnd({2, 3, 3, 3}, 92)); }, "conv2d");
   expect_throw([&] { at::conv2d(sx, w, {}, {2, 2}, "same"); }, "same");
   expect_throw([&] { at::conv2d(sx, rnd({2, 2, 12, 3}, 93)); }, "conv2d");

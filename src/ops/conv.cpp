@@ -1,6 +1,8 @@
 // Convolution on inputs sharded along spatial (and batch) dims: conv1d/2d/3d
 // (integer padding and 'same'/'valid'), convolution, _convolution,
 // _convolution_mode. See DESIGN.md "Halo arithmetic" and Note [output-first halos].
+// convolution / _convolution with transposed=true go to the transposed
+// convolution rule (src/ops/conv_transpose.cpp, transposed_convolution_rule).
 //
 // Note [conv layout]: the computation keeps the input's Shard placements on
 // the batch dim (data parallel, purely local) and on spatial dims (halo
@@ -25,6 +27,9 @@
 // of an all-gather of the input, no operand replicated (no gathered bytes,
 // allowed in strict mode). Grouped convolutions over a channel-sharded input
 // still replicate the channels (a visible gather, Note [visible gathers]).
+// The layouts, the weight slice and the reduce-scatter with the bias live in
+// ops/channel_conv.h, shared with the transposed convolution (Note
+// [channel-sharded transposed convolution], src/ops/conv_transpose.cpp).
 //
 // Note [conv memory]: a rule built from gather + at::convolution would keep
 // the gathered (halo-extended) copy of the input alive for backward, on top of
@@ -99,7 +104,9 @@
 #include "comm/exchange.h"
 #include "comm/function_output.h"
 #include "comm/settings.h"
+#include "ops/channel_conv.h"
 #include "ops/common.h"
+#include "ops/conv_transpose.h"
 #include "ops/stencil.h"
 
 namespace shardtensor::ops {
@@ -705,6 +712,11 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
     const auto* a = op.schema().arguments()[i].alias_info();
     if (a && a->isWrite()) fail(op, args, "out= variants of convolution are not supported");
   }
+  const bool string_padding = name == "aten::_convolution_mode" || overload == "padding";
+  if (!string_padding && (name == "aten::convolution" || name == "aten::_convolution") &&
+      args[6].toBool()) {
+    return transposed_convolution_rule(op, std::move(args), stack);
+  }
   ConvCall c;
   c.input = args[0].toTensor();
   c.weight = args[1].toTensor();
@@ -748,7 +760,6 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t first_sp = batched ? 2 : 1;
   const int64_t cdim = first_sp - 1;
 
-  const bool string_padding = name == "aten::_convolution_mode" || overload == "padding";
   c.stride = expand_list(args[3], nsp);
   std::string padding_str;
   if (string_padding) {
@@ -759,8 +770,6 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
     c.pad_left = expand_list(args[4], nsp);
     c.dilation = expand_list(args[5], nsp);
     if (name == "aten::convolution" || name == "aten::_convolution") {
-      if (args[6].toBool())
-        fail(op, args, "transposed convolution is not supported on ShardTensors");
       c.groups = args[8].toInt();
     } else {
       c.groups = args[6].toInt();
@@ -829,20 +838,14 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
     return call_plain(op, std::move(args), stack);
   }
 
-  // Note [conv layout]: the compute layout.
-  Placements cp;
-  ShardSizes csizes;
-  for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    const auto& pl = in_spec.placements()[m];
-    if (is_shard(pl) && shard_dim(pl) != cdim) {
-      cp.push_back(pl);
-      csizes.push_back(in_spec.shard_sizes(m));
-    } else {
-      cp.push_back(Replicate{});
-      csizes.push_back({});
-    }
-  }
-  const ShardSpec compute(mesh, cp, c.input.sizes().vec(), csizes);
+  // Note [conv layout]: the compute layout; Note [channel-sharded conv]: the
+  // channel mesh dim, if the input channels are split over more than one rank
+  // and the convolution is not grouped. Otherwise a channel-sharded input is
+  // replicated along channels: a visible gather (Note [visible gathers]).
+  const ChannelLayout layout =
+      channel_layout(op, args, in_spec, cdim, c.groups, c.input.element_size(),
+                     "conv replicates a channel-sharded input");
+  const ShardSpec& compute = layout.compute;
   const ShardSpec w_rep(mesh, Placements(mesh.ndim(), Replicate{}), c.weight.sizes().vec());
 
   auto plan = std::make_shared<ConvPlan>();
@@ -870,57 +873,14 @@ void conv_rule(const c10::OperatorHandle& op, Stack* stack) {
   plan->out_local_shape = out_spec->local_shape();
   if (!batched) plan->out_local_shape.insert(plan->out_local_shape.begin(), 1);
 
-  // Note [channel-sharded conv]: the channel mesh dim, if the input channels
-  // are split over more than one rank and the convolution is not grouped.
-  int64_t ch_dim = -1;
-  for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    const auto& pl = in_spec.placements()[m];
-    if (is_shard(pl) && shard_dim(pl) == cdim && mesh.size(m) > 1 && c.groups == 1) ch_dim = m;
-  }
-
-  // Otherwise a channel-sharded input is replicated along channels: a visible
-  // gather (Note [visible gathers]).
-  if (ch_dim < 0) {
-    const ShardSpec own = without_partial(in_spec);
-    if (gathers(own, compute)) {
-      note_gather(op, args, mesh, gathered_bytes(own, compute, c.input.element_size()),
-                  "conv replicates a channel-sharded input");
-    }
-  }
-
   // Communication starts here (all validation above is metadata only).
-  if (ch_dim >= 0) {
-    Placements in_p = compute.placements(), w_p(mesh.ndim(), Replicate{});
-    ShardSizes in_s = compute.all_shard_sizes(), w_s(mesh.ndim());
-    in_p[ch_dim] = Shard{cdim};
-    in_s[ch_dim] = in_spec.shard_sizes(ch_dim);
-    w_p[ch_dim] = Shard{1};
-    w_s[ch_dim] = in_spec.shard_sizes(ch_dim);
-    const ShardSpec in_ch(mesh, in_p, c.input.sizes().vec(), in_s);
-    at::Tensor local = to_layout(c.input, in_ch, in_ch);
-    at::Tensor weight =
-        to_layout(c.weight, ShardSpec(mesh, w_p, c.weight.sizes().vec(), w_s), in_ch);
+  if (layout.ch_dim >= 0) {
+    at::Tensor local = to_layout(c.input, layout.input, layout.input);
+    at::Tensor weight = channel_weight(c.weight, layout, /*w_in_dim=*/1);
     plan->has_bias = false;
     at::Tensor partial = ConvFn::apply(local, weight, at::empty({0}, weight.options()),
                                        std::shared_ptr<const ConvPlan>(plan));
-    Placements o_p = out_spec->placements();
-    ShardSizes o_s = out_spec->all_shard_sizes();
-    o_p[ch_dim] = Shard{cdim};
-    o_s[ch_dim] = balanced_sizes(ws[0], mesh.size(ch_dim));
-    SpecPtr final_spec = make_spec(mesh, o_p, out_shape, o_s);
-    at::Tensor out = comm::reduce_scatter(partial, mesh, ch_dim, cdim, o_s[ch_dim]);
-    if (c.bias.defined()) {
-      Placements b_p(mesh.ndim(), Replicate{});
-      ShardSizes b_s(mesh.ndim());
-      b_p[ch_dim] = Shard{0};
-      b_s[ch_dim] = o_s[ch_dim];
-      at::Tensor b =
-          to_layout(c.bias, ShardSpec(mesh, b_p, c.bias.sizes().vec(), b_s), *final_spec);
-      std::vector<int64_t> bshape(nsp + 1, 1);
-      bshape[0] = -1;
-      out = out + b.view(bshape);
-    }
-    stack->push_back(wrap(out, final_spec));
+    stack->push_back(channel_output(partial, c.bias, *out_spec, layout, cdim));
     return;
   }
   at::Tensor local = to_layout(c.input, compute, compute);

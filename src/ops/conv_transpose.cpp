@@ -1,6 +1,7 @@
 // Sharding rule for transposed convolution: conv_transpose1d,
 // conv_transpose2d.input, conv_transpose3d.input (composite ops, intercepted
-// before they decompose into aten::convolution).
+// before they decompose into aten::convolution), and aten::convolution /
+// aten::_convolution with transposed=true (handed over by src/ops/conv.cpp).
 //
 // Note [transposed convolution halos]: output o receives input i through tap j
 // when o = i*s - p + j*d. The output is partitioned first
@@ -12,7 +13,35 @@
 // narrowed out. Inputs outside [0, n) are gathered as zeros and contribute
 // nothing. Each output element is computed on exactly one rank, so the bias is
 // added once; weight and bias are replicated and marked with use_replicated
-// (via to_layout) so their gradients are summed over the sharded mesh dims.
+// (via to_layout) so their gradients are summed over the sharded mesh dims
+// (a channel-sharded input: Note [channel-sharded transposed convolution]).
+//
+// Note [channel-sharded transposed convolution]: as Note [channel-sharded
+// conv] (src/ops/conv.cpp), with the helpers of ops/channel_conv.h. The
+// weight is [C_in, C_out/groups, k...]: with the input channels split over
+// mesh dim m (groups == 1), each rank runs the transposed convolution above
+// (spatial halos, split-phase or general path) on its channels with the
+// matching slice w[c0:c1] (a local slice of the replicated weight; its
+// gradient is all-gathered over m in backward) and no bias. That is this
+// rank's share of a sum over m, with every output channel;
+// comm::reduce_scatter sums it and splits the output channels (balanced):
+// the output is Shard(channel) on m, the input's placements elsewhere. The
+// bias is added after the sum, to this rank's output channels. An empty
+// channel piece convolves nothing (a zero share, general path). Cost on m
+// per rank, for a local output block of V = C_out x (spatial block) elements:
+// forward a reduce-scatter of (P-1)/P V, backward its adjoint (an all-gather
+// of the output gradient, the same bytes) and the all-gather of the weight
+// (and bias) gradient slices; no operand is replicated, so nothing is
+// counted in gathered_bytes and strict mode allows it. A transposed
+// convolution upsamples: V is about C_out/C_in x prod(stride) times the
+// input's spatial block over all C_in channels, so for C_out/C_in x
+// prod(stride) > 1 (a U-Net up-convolution, C_out = C_in/2, stride 2 in 2-D:
+// 2) this moves more bytes than replicating the input channels would (an
+// all-gather of (P-1)/P of that block), in exchange for activation memory
+// that stays 1/P and no gather. A grouped transposed convolution over a
+// channel-sharded input
+// replicates the channels instead (a visible gather, Note [visible gathers]:
+// counted, refused in strict mode).
 //
 // Note [transposed convolution memory]: the general path (everything that
 // Note [split-phase transposed convolution] does not take). As for the
@@ -107,7 +136,9 @@
 
 #include "comm/function_output.h"
 #include "comm/settings.h"
+#include "ops/channel_conv.h"
 #include "ops/common.h"
+#include "ops/conv_transpose.h"
 #include "ops/halo_blocks.h"
 #include "ops/stencil.h"
 
@@ -507,8 +538,18 @@ std::vector<int64_t> expand(const c10::OperatorHandle& op, const std::vector<c10
   return v;
 }
 
-void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd) {
-  auto args = pop_args(op, stack);
+// Where a transposed convolution's arguments sit: conv_transpose{1,2,3}d
+// (input, weight, bias, stride, padding, output_padding, groups, dilation) or
+// convolution / _convolution (input, weight, bias, stride, padding, dilation,
+// transposed, output_padding, groups, ...).
+struct TconvArgIndex {
+  size_t stride, pad, opad, groups, dil;
+};
+constexpr TconvArgIndex kConvTransposeArgs{3, 4, 5, 6, 7};
+constexpr TconvArgIndex kConvolutionArgs{3, 4, 7, 8, 5};
+
+void conv_transpose_rule(const c10::OperatorHandle& op, std::vector<c10::IValue> args, Stack* stack,
+                         int64_t nd, const TconvArgIndex& ix) {
   const at::Tensor& x = args[0].toTensor();
   const at::Tensor& w = args[1].toTensor();
   const at::Tensor b = args[2].isNone() ? at::Tensor() : args[2].toTensor();
@@ -536,11 +577,11 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
         return at::convolution(probe_ones(xs, t[0], rg), probe_ones(ws, t[1]),
                                probe_ones({2}, t[2]), one, zero, one, true, zero, 1);
       });
-  const auto stride = expand(op, args, int_list(args[3]), nd, "stride");
-  const auto pad = expand(op, args, int_list(args[4]), nd, "padding");
-  const auto opad = expand(op, args, int_list(args[5]), nd, "output_padding");
-  const int64_t groups = args[6].toInt();
-  const auto dil = expand(op, args, int_list(args[7]), nd, "dilation");
+  const auto stride = expand(op, args, int_list(args[ix.stride]), nd, "stride");
+  const auto pad = expand(op, args, int_list(args[ix.pad]), nd, "padding");
+  const auto opad = expand(op, args, int_list(args[ix.opad]), nd, "output_padding");
+  const int64_t groups = args[ix.groups].toInt();
+  const auto dil = expand(op, args, int_list(args[ix.dil]), nd, "dilation");
 
   const std::vector<int64_t>& shape = xs->global_shape();
   const int64_t ndim = static_cast<int64_t>(shape.size());
@@ -555,10 +596,7 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
   }
   const int64_t cout = w.size(1) * groups;
   if (b.defined() && (b.dim() != 1 || b.size(0) != cout)) fail(op, args, "bad bias shape");
-  ShardSpec in_spec = without_partial(*xs);
-  if (in_spec.mesh_dim_of(cdim) >= 0) {
-    fail(op, args, "sharding the channel dim of a transposed convolution is not supported");
-  }
+  const ShardSpec in_spec = without_partial(*xs);
   std::vector<int64_t> spatial, in_ext, out_ext, kernel;
   for (int64_t i = 0; i < nd; ++i) {
     const int64_t d = ndim - nd + i;
@@ -584,6 +622,14 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
     return call_plain(op, std::move(args), stack);
   }
 
+  // Note [channel-sharded transposed convolution]: the compute layout (the
+  // channel dim replicated) and, when the input channels are split and
+  // groups == 1, the channel mesh dim; a grouped one replicates the channels
+  // (a visible gather).
+  const ChannelLayout layout = channel_layout(op, args, in_spec, cdim, groups, x.element_size(),
+                                              "conv_transpose replicates a channel-sharded input");
+  const ShardSpec& compute = layout.compute;
+
   // Plans (Note [transposed convolution halos]).
   std::vector<stencil::DimPlan> plans;
   for (int64_t i = 0; i < nd; ++i) {
@@ -605,17 +651,23 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
     plans.push_back(std::move(pl));
   }
 
-  at::Tensor local = xs->has_partial() ? to_layout(x, in_spec, in_spec) : local_of(x);
+  // Communication starts here (all validation above is metadata only).
+  const bool channel = layout.ch_dim >= 0;
+  at::Tensor local = to_layout(x, layout.input, layout.input);
   const DeviceMesh& mesh = in_spec.mesh();
   const Placements rep(mesh.ndim(), Replicate{});
-  at::Tensor wl = to_layout(w, ShardSpec(mesh, rep, w.sizes().vec()), in_spec);
-  at::Tensor bl =
-      b.defined() ? to_layout(b, ShardSpec(mesh, rep, b.sizes().vec()), in_spec) : at::Tensor();
+  at::Tensor wl = channel ? channel_weight(w, layout, /*w_in_dim=*/0)
+                          : to_layout(w, ShardSpec(mesh, rep, w.sizes().vec()), compute);
+  // Note [channel-sharded transposed convolution]: the bias is added after the sum.
+  at::Tensor bl = b.defined() && !channel
+                      ? to_layout(b, ShardSpec(mesh, rep, b.sizes().vec()), compute)
+                      : at::Tensor();
 
   std::vector<int64_t> oshape = shape;
   oshape[cdim] = cout;
   for (int64_t i = 0; i < nd; ++i) oshape[spatial[i]] = out_ext[i];
-  SpecPtr out_spec = stencil::output_spec(in_spec, oshape, plans);
+  // Every output channel (with the channels split: this rank's partial sum).
+  SpecPtr out_spec = stencil::output_spec(compute, oshape, plans);
   const auto out_off = out_spec->local_offsets();
 
   // Note [transposed convolution memory].
@@ -638,34 +690,44 @@ void conv_transpose_rule(const c10::OperatorHandle& op, Stack* stack, int64_t nd
   }
   // Note [split-phase transposed convolution].
   TconvArgs targs{stride, pad, opad, dil, kernel, groups};
-  if (auto sp = split_plan(in_spec, plans, targs, ndim - nd, plan->batched)) {
+  at::Tensor out;
+  if (auto sp = split_plan(layout.input, plans, targs, ndim - nd, plan->batched)) {
     std::vector<int64_t> bshape = plan->out_local;
     if (!plan->batched) bshape.insert(bshape.begin(), 1);
-    at::Tensor out =
+    out =
         split_forward(plan->batched ? local : local.unsqueeze(0), wl, bl, *sp, targs, mesh, bshape);
-    stack->push_back(wrap(plan->batched ? out : out.squeeze(0), out_spec));
-    return;
+    if (!plan->batched) out = out.squeeze(0);
+  } else {
+    plan->plans = std::move(plans);
+    // torch::autograd::Function cannot take an undefined tensor: no bias is an
+    // empty placeholder (the plan says whether there is one).
+    plan->has_bias = bl.defined();
+    plan->bias_size = bl.defined() ? bl.size(0) : 0;
+    if (!bl.defined()) bl = at::empty({0}, wl.options());
+    out = ConvTransposeFn::apply(local, wl, bl, std::shared_ptr<const TransposedPlan>(plan));
   }
-  plan->plans = std::move(plans);
-  // torch::autograd::Function cannot take an undefined tensor: no bias is an
-  // empty placeholder (the plan says whether there is one).
-  plan->has_bias = bl.defined();
-  plan->bias_size = bl.defined() ? bl.size(0) : 0;
-  if (!bl.defined()) bl = at::empty({0}, wl.options());
-  at::Tensor out =
-      ConvTransposeFn::apply(local, wl, bl, std::shared_ptr<const TransposedPlan>(plan));
-  stack->push_back(wrap(out, out_spec));
+  // Note [channel-sharded transposed convolution]: sum over the channel
+  // pieces, split the output channels, then the bias.
+  stack->push_back(channel ? channel_output(out, b, *out_spec, layout, cdim) : wrap(out, out_spec));
 }
 
 const RuleRegistrar r1({"conv_transpose1d"}, [](const c10::OperatorHandle& op, Stack* s) {
-  conv_transpose_rule(op, s, 1);
+  conv_transpose_rule(op, pop_args(op, s), s, 1, kConvTransposeArgs);
 });
 const RuleRegistrar r2({"conv_transpose2d"}, [](const c10::OperatorHandle& op, Stack* s) {
-  conv_transpose_rule(op, s, 2);
+  conv_transpose_rule(op, pop_args(op, s), s, 2, kConvTransposeArgs);
 });
 const RuleRegistrar r3({"conv_transpose3d"}, [](const c10::OperatorHandle& op, Stack* s) {
-  conv_transpose_rule(op, s, 3);
+  conv_transpose_rule(op, pop_args(op, s), s, 3, kConvTransposeArgs);
 });
 
 }  // namespace
+
+void transposed_convolution_rule(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                                 Stack* stack) {
+  const int64_t wdim = args[1].toTensor().dim();
+  if (wdim < 3 || wdim > 5) fail(op, args, "expected a 3-d, 4-d or 5-d weight");
+  conv_transpose_rule(op, std::move(args), stack, wdim - 2, kConvolutionArgs);
+}
+
 }  // namespace shardtensor::ops

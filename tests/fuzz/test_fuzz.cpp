@@ -170,9 +170,10 @@ bool sharded(const at::Tensor& t) { return st::ShardTensor::is_shard_tensor(t); 
 
 // Note [fuzz whole dims]: some ops refuse, by design, a tensor sharded along
 // certain dims (tests/python/opinfo_expected.py lists them as decisions): the
-// channel dim of batch/instance/group norm and of a transposed convolution,
-// the class dim of cross_entropy, the head and feature dims (and Partial
-// inputs) of attention, a size-1 dim that expand enlarges. The generator
+// channel dim of batch/instance/group norm, the class dim of cross_entropy,
+// the head and feature dims (and Partial inputs) of attention, a size-1 dim
+// that expand enlarges (a transposed convolution took its channel dim whole
+// too until Note [channel-sharded transposed convolution]). The generator
 // cannot see the sharded layout an op receives (it builds the program on the
 // plain tensor), so the sharded run does what the refusal tells a user: it
 // makes just those dims whole (and, where asked, sums Partial mesh dims)
@@ -416,7 +417,9 @@ Maybe op_conv_transpose(Gen& g, const at::Tensor& cur) {
   os << "conv_transpose" << nd << "d(co=" << co << ",k=" << str(k) << ",s=" << str(s)
      << ",d=" << str(d) << ",p=" << str(pd) << ",op=" << str(op) << ")";
   StepFn fn = [=](const at::Tensor& x0, const Tensors&, const Tensors& p) {
-    const at::Tensor x = whole(x0, {1});  // the channel dim (Note [fuzz whole dims])
+    // A sharded channel dim is taken as it is (Note [channel-sharded
+    // transposed convolution]).
+    const at::Tensor& x = x0;
     at::Tensor bt = bias ? p[b] : at::Tensor();
     if (nd == 1) return at::conv_transpose1d(x, p[w], bt, s, pd, op, 1, d);
     if (nd == 2) return at::conv_transpose2d(x, p[w], bt, s, pd, op, 1, d);

@@ -16,6 +16,9 @@ MODULE_CASES = [
     ("conv_dilated", lambda: torch.nn.Conv2d(3, 2, 3, dilation=2, padding=2), None, (2, 3, 12, 5), 2),
     ("conv1d", lambda: torch.nn.Conv1d(3, 4, 5, padding=2), None, (2, 3, 17), 2),
     ("conv_transpose", lambda: torch.nn.ConvTranspose2d(3, 2, 2, stride=2), None, (2, 3, 9, 4), 2),
+    # Note [channel-sharded transposed convolution]: the channel dim sharded (3 over 4: an empty piece).
+    ("conv_transpose_channels", lambda: torch.nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1,
+                                                                 output_padding=1), None, (2, 3, 9, 4), 1),
     ("maxpool", lambda: torch.nn.MaxPool2d(2), None, (2, 3, 12, 6), 2),
     ("avgpool", lambda: torch.nn.AvgPool2d(3, stride=1, padding=1), None, (2, 3, 11, 6), 2),
     ("groupnorm", lambda: torch.nn.GroupNorm(2, 4), None, (2, 4, 11, 5), 2),
@@ -65,7 +68,8 @@ def test_module(mesh, name, factory, _fn, shape, dim):
     _run_module_case(mesh, factory, shape, dim)
 
 
-@pytest.mark.parametrize("name", ["conv3x3", "conv_stride2", "groupnorm", "maxpool"])
+@pytest.mark.parametrize("name", ["conv3x3", "conv_stride2", "groupnorm", "maxpool",
+                                  "conv_transpose_channels"])
 def test_module_empty_shard(mesh, name):
     case = next(c for c in MODULE_CASES if c[0] == name)
     _run_module_case(mesh, case[1], case[3], case[4], sizes_fn=empty_first_sizes)
