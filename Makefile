@@ -172,7 +172,7 @@ test-asan: deps
 # plain libtorch, for SECONDS seconds on NP ranks (MESH=2x2: on the 2x2 mesh,
 # NP=4); FUZZ_SEED picks the first seed, and every mismatch prints the one-line
 # command that reproduces it. Other FUZZ_* variables (FUZZ_VERBOSE, FUZZ_STEPS,
-# FUZZ_DTYPE, FUZZ_TRACE, FUZZ_DUMP) pass through the environment.
+# FUZZ_DTYPE, FUZZ_EXTENDED, FUZZ_TRACE, FUZZ_DUMP) pass through the environment.
 SECONDS   ?= 300
 FUZZ_SEED ?= $(shell date +%s)
 MESH      ?=

@@ -501,6 +501,19 @@ TEST_F(Reductions, Logsumexp) {
             return x.logsumexp(IntList{0, 2});
           }}},
         y);
+  // Complex values (found by tests/fuzz, FUZZ_SEED=210000 at np 2): libtorch
+  // takes the max of the real parts; the rule's amax of complex values raised
+  // on the ranks holding data only, the others went on into the max
+  // all-reduce (the job ended, Note [carried errors]).
+  for (auto dtype : {at::kComplexFloat, at::kComplexDouble}) {
+    auto z = at::complex(50.0 * rnd(kShape, 27), rnd(kShape, 28)).to(dtype);
+    sweep({{"logsumexp(0) complex", [](const at::Tensor& x) { return x.logsumexp(IntList{0}); }},
+           {"logsumexp({1, 2}, keepdim) complex",
+            [](const at::Tensor& x) {
+              return x.logsumexp(IntList{1, 2}, true);
+            }}},
+          z);
+  }
 }
 
 // ---------------------------------------------------------------- item

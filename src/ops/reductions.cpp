@@ -637,8 +637,9 @@ void count_nonzero_rule(const c10::OperatorHandle& op, Stack* stack) {
   stack->push_back(result(finish(r, p), p));
 }
 
-// logsumexp(self, dim, keepdim): max first (global), then the all-reduced sum
-// of exp(x - max); autograd gives exp(x - result), libtorch's gradient.
+// logsumexp(self, dim, keepdim): max first (global; of the real parts for
+// complex values), then the all-reduced sum of exp(x - max); autograd gives
+// exp(x - result), libtorch's gradient.
 void logsumexp_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   const at::Tensor& x = args[0].toTensor();
@@ -658,7 +659,9 @@ void logsumexp_rule(const c10::OperatorHandle& op, Stack* stack) {
   // Note [reduced precision]: float16/bfloat16 in float32, rounded once at the end.
   const at::ScalarType out_type = local.scalar_type();
   local = local.to(acc_dtype(out_type));
-  const at::Tensor xd = local.detach();
+  // Complex values: the max of the real parts, as libtorch does (amax has no
+  // complex kernel: it raised on the ranks holding data only).
+  const at::Tensor xd = local.is_complex() ? at::real(local.detach()) : local.detach();
   at::Tensor v =
       reduced_empty(xd, p) ? at::full(p.kshape, -kInf, xd.options()) : xd.amax(p.dims, true);
   at::Tensor m = global_extreme(v, true, in.mesh(), p.mesh_dims);
