@@ -531,9 +531,22 @@ TEST(Alias, FallbackCopiesFollowTheirSource) {
       at::Tensor want = x.clone();
       at::Tensor win = u.unfold(d, 3, 2), a = strided(u);
       at::Tensor wwin = want.unfold(d, 3, 2), wa = strided(want);
-      // Writes through the copies stay refused, also once they are stale.
+      const at::Tensor a_t = a.t();
       u.add_(1);
       want.add_(1);
+      // local() never communicates: it refuses a stale copy (and a view of one).
+      EXPECT_TRUE(throws_everywhere([&] { (void)st::ShardTensor(a).local(); },
+                                    {"local()", "stale copy views"}))
+          << where;
+      EXPECT_TRUE(throws_everywhere([&] { (void)st::ShardTensor(a_t).local(); },
+                                    {"local()", "stale copy views"}))
+          << where;
+      if (sharded) {
+        EXPECT_TRUE(throws_everywhere([&] { (void)st::ShardTensor(win).local(); },
+                                      {"local()", "stale copy views"}))
+            << where;
+      }
+      // Writes through the copies stay refused, also once they are stale.
       EXPECT_TRUE(throws_everywhere([&] { a.fill_(0); }, {"fill_", "copy, not a view"})) << where;
       EXPECT_TRUE(throws_everywhere([&] { a.t().mul_(2); }, {"mul_", "copy, not a view"})) << where;
       if (sharded) {
@@ -544,6 +557,7 @@ TEST(Alias, FallbackCopiesFollowTheirSource) {
       EXPECT_TRUE(all_close(gathered(win), wwin, 0, 0)) << where;
       EXPECT_TRUE(all_close(gathered(a), wa, 0, 0)) << where;
       EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << where;
+      EXPECT_TRUE(all_ranks(st::ShardTensor(a).local().defined())) << where;
       // The fallback's rerun is a visible gather, once per write.
       u.mul_(3);
       want.mul_(3);

@@ -262,6 +262,11 @@ void refuse_in_place_following(const std::vector<at::Tensor>& results, const std
     auto wb = std::make_shared<detail::WriteBack>();
     wb->refusal = why;
     wb->refresh = [f](const at::Tensor& used) { follow(*f, used); };
+    // Metadata only, alike on every rank (also where a rank's piece happens
+    // to view the source's).
+    wb->stale = [f](const at::Tensor&) {
+      return detail::stale_copy_view(f->source) || detail::alias_version(f->source) != f->seen;
+    };
     wb->refreshes = f->refreshes;
     impl->set_write_back(std::move(wb));
   }

@@ -48,8 +48,9 @@ void refuse_in_place(const c10::IValue& result, const std::string& why);
 /// (the view op and its layouts); otherwise `remake()` (collective) returns
 /// the results' new local pieces, in order, which are copied into the current
 /// ones (so that views of them see the new values too; autograd records the
-/// copy, as for shape.cpp's copy views). One generation for all `results`:
-/// `remake` runs once per change of `source`, and the results'
+/// copy, as for shape.cpp's copy views). Until then they are stale
+/// (WriteBack::stale: ShardTensor::local() raises). One generation for all
+/// `results`: `remake` runs once per change of `source`, and the results'
 /// WriteBack::refreshes counts it. Throws what `remake` throws.
 void refuse_in_place_following(const std::vector<at::Tensor>& results, const std::string& why,
                                const at::Tensor& source, const std::string& what,
