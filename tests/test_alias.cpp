@@ -453,3 +453,158 @@ TEST(Alias, UnbindAndDiagonalAlongShardedDimsAreVisibleGathers) {
     EXPECT_TRUE(all_close(gathered(d), x.diagonal() + 2, 0, 0)) << st::to_string(p);
   }
 }
+
+// Copies where libtorch returns a view, made by rerunning what made them:
+// view ops through the generic fallback (as_strided, view_as_real: Note
+// [generic fallback]) and unfold along a sharded dim (a rule that copies
+// windows: Note [unfold windows]). They follow their source as libtorch's
+// views do (Note [stale copy views]): after a write into the source (add_, a
+// slice's fill_, a select's fill_), the copy, a view of it and ops using it
+// show the new values; writes through them are still refused on every rank;
+// the fallback's rerun is a visible gather (counted, refused in strict mode);
+// gradients reach the source's current value. Was: reads showed the values
+// of the time the view was taken.
+TEST(Alias, FallbackCopiesFollowTheirSource) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({7, 6}, 8, 4.0).round();
+  const std::vector<at::ScalarType> dtypes = {at::kDouble, at::kLong, at::kComplexDouble};
+  auto shard_dim_of = [](const Placements& p) {
+    for (const auto& pl : p)
+      if (st::is_shard(pl)) return st::shard_dim(pl);
+    return int64_t{0};
+  };
+  auto strided = [](const at::Tensor& t) { return t.as_strided({4, 3}, {5, 2}, 1); };
+  const Step fill_rows = [](V& ts) { ts[0].slice(0, 1, 3).fill_(5); };
+  const Step fill_row = [](V& ts) { ts[0][0].fill_(-2); };
+  const Step fill_col = [](V& ts) { ts[0].select(1, 2).fill_(9); };
+  for (const auto& wanted : kLayouts) {
+    const auto p = fit_placements(mesh, wanted);
+    const int64_t d = shard_dim_of(p);
+    const std::string along = " along dim " + std::to_string(d);
+    auto unfold = [d](const at::Tensor& t) { return t.unfold(d, 3, 2); };
+    // ts: x, u = unfold, a = as_strided, u[0], u.transpose(0, 1), then reads by ops.
+    check_steps(mesh, "unfold" + along + " and as_strided", x,
+                {push(unfold), push(strided), [](V& ts) { ts.push_back(ts[1][0]); },
+                 [](V& ts) { ts.push_back(ts[1].transpose(0, 1)); }, add_src,
+                 [](V& ts) {
+                   ts[0].add_(1);
+                   ts.push_back(ts[1] * 2);  // an op reads the copy first
+                   ts.push_back(ts[2] + 1);
+                 },
+                 fill_rows,
+                 [](V& ts) {
+                   ts[0].slice(1, 2, 5).fill_(-3);
+                   ts.push_back(ts[3].sum(0));  // a view of the copy, read by an op
+                   ts.push_back(at::cat({ts[2], ts[2]}));
+                 },
+                 fill_row, fill_col, zero_src, add_src},
+                {wanted}, dtypes);
+    // Views taken after the source was written, of a row of it (a copy
+    // itself where dim 0 is sharded): unfold (a copy where the row is
+    // sharded) and as_strided (a copy), so a copy of a copy follows too.
+    // (as_strided counts from the row's own first element: libtorch's counts
+    // from its storage's, which is the same for a row.)
+    check_steps(mesh, "unfold and as_strided of a row" + along, x,
+                {add_src, push([](const at::Tensor& t) { return t.select(0, 3); }),
+                 [](V& ts) { ts.push_back(ts[1].unfold(0, 2, 3)); },
+                 [](V& ts) {
+                   ts.push_back(ts[1].as_strided({2, 2}, {1, 2}));
+                 },
+                 fill_rows, fill_col, add_src},
+                {wanted}, dtypes);
+    check_steps(mesh, "view_as_real", x,
+                {push([](const at::Tensor& t) { return at::view_as_real(t); }), add_src, fill_rows,
+                 [](V& ts) { ts.push_back(ts[1].select(-1, 1)); }, fill_col},
+                {wanted}, {at::kComplexDouble});
+  }
+  for (const auto& wanted : kLayouts) {
+    const auto p = fit_placements(mesh, wanted);
+    const std::string where = " on " + st::to_string(p);
+    const int64_t d = shard_dim_of(p);
+    const bool sharded = mesh.size() > 1 && std::any_of(p.begin(), p.end(), [](const auto& pl) {
+                           return st::is_shard(pl);
+                         });
+    for (auto sizes : {std::optional<st::ShardSizes>{},
+                       std::optional<st::ShardSizes>{sizes_with_empty_first(mesh, p, x.sizes())}}) {
+      at::Tensor u = st::distribute_tensor(x, mesh, p, false, sizes);
+      at::Tensor want = x.clone();
+      at::Tensor win = u.unfold(d, 3, 2), a = strided(u);
+      at::Tensor wwin = want.unfold(d, 3, 2), wa = strided(want);
+      const at::Tensor a_t = a.t();
+      u.add_(1);
+      want.add_(1);
+      // local() never communicates: it refuses a stale copy (and a view of one).
+      EXPECT_TRUE(throws_everywhere([&] { (void)st::ShardTensor(a).local(); },
+                                    {"local()", "stale copy views"}))
+          << where;
+      EXPECT_TRUE(throws_everywhere([&] { (void)st::ShardTensor(a_t).local(); },
+                                    {"local()", "stale copy views"}))
+          << where;
+      if (sharded) {
+        EXPECT_TRUE(throws_everywhere([&] { (void)st::ShardTensor(win).local(); },
+                                      {"local()", "stale copy views"}))
+            << where;
+      }
+      // Writes through the copies stay refused, also once they are stale.
+      EXPECT_TRUE(throws_everywhere([&] { a.fill_(0); }, {"fill_", "copy, not a view"})) << where;
+      EXPECT_TRUE(throws_everywhere([&] { a.t().mul_(2); }, {"mul_", "copy, not a view"})) << where;
+      if (sharded) {
+        EXPECT_TRUE(throws_everywhere([&] { win.fill_(0); }, {"fill_", "not a view"})) << where;
+        EXPECT_TRUE(throws_everywhere([&] { win.transpose(0, 1).add_(1); }, {"add_", "unfold"}))
+            << where;
+      }
+      EXPECT_TRUE(all_close(gathered(win), wwin, 0, 0)) << where;
+      EXPECT_TRUE(all_close(gathered(a), wa, 0, 0)) << where;
+      EXPECT_TRUE(all_close(gathered(u), want, 0, 0)) << where;
+      EXPECT_TRUE(all_ranks(st::ShardTensor(a).local().defined())) << where;
+      // The fallback's rerun is a visible gather, once per write.
+      u.mul_(3);
+      want.mul_(3);
+      st::reset_comm_stats();
+      const at::Tensor a2 = a * 1;
+      const int64_t first = st::comm_stats().gathered_bytes;
+      const at::Tensor a3 = a * 1;
+      const int64_t second = st::comm_stats().gathered_bytes - first;
+      EXPECT_TRUE(all_close(gathered(a2), wa, 0, 0)) << where;
+      EXPECT_TRUE(all_close(gathered(a3), wa, 0, 0)) << where;
+      if (sharded) EXPECT_TRUE(max_over_ranks(first) > 0) << where;
+      EXPECT_TRUE(all_ranks(second == 0)) << where;
+      // Strict mode refuses the fallback's rerun on every rank, as it refuses
+      // the first call; unfold's rule makes its copy anew without a gather.
+      u.sub_(2);
+      want.sub_(2);
+      st::set_strict(true);
+      EXPECT_TRUE(throws_everywhere([&] { a.sum(); }, {"as_strided", "strict"})) << where;
+      EXPECT_TRUE(throws_everywhere([&] { gathered(a); }, {"as_strided", "strict"})) << where;
+      EXPECT_TRUE(all_close(gathered(win * 1), wwin, 0, 0)) << where;
+      st::set_strict(false);
+      EXPECT_TRUE(all_close(gathered(a), wa, 0, 0)) << where;
+      // The source's layout changed in place: the copy cannot follow it.
+      u.t_();
+      want.t_();
+      EXPECT_TRUE(throws_everywhere([&] { a.sum(); }, {"as_strided", "take the view again"}))
+          << where;
+      if (sharded) {
+        EXPECT_TRUE(throws_everywhere([&] { win.sum(); }, {"unfold", "take the view again"}))
+            << where;
+      }
+    }
+  }
+  // Gradients reach the source's current value, as through libtorch's views.
+  auto xg = rnd({7, 6}, 9).to(at::kDouble);
+  for (const auto& wanted : kLayouts) {
+    const int64_t d = shard_dim_of(fit_placements(mesh, wanted));
+    auto fn = [&strided, d](const std::vector<at::Tensor>& in, const std::vector<at::Tensor>&) {
+      at::Tensor y = in[0] * 1.0;
+      at::Tensor win = y.unfold(d, 3, 2), a = strided(y);
+      y.mul_(2.0);
+      y.add_(in[0] * in[0]);
+      return at::cat({win.sum(-1).reshape({-1}), a.sum(1)}) * 3.0;
+    };
+    EXPECT_TRUE(reference_check(fn, {sharded_input(mesh, xg, wanted)}, mesh, {}, 1e-12, 1e-12))
+        << st::to_string(fit_placements(mesh, wanted));
+    EXPECT_TRUE(reference_check(fn, {empty_first_input(mesh, xg, wanted)}, mesh, {}, 1e-12, 1e-12))
+        << st::to_string(fit_placements(mesh, wanted)) << " empty-first";
+  }
+}

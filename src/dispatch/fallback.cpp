@@ -23,11 +23,19 @@
 // flag, which are the same on every rank, so all ranks make the same
 // collective calls or all throw.
 //
-// Limits: a view op that falls back (unfold, as_strided, view_as_real, ...)
-// returns a copy, not a view: its results are ShardTensors (a result that
-// cannot be re-sharded is returned replicated on every mesh dim, not plain)
-// on which an in-place op raises on every rank, naming the op (Note [view
-// write-back]), instead of being lost. Random ops draw on the full tensor on
+// Limits: a view op that falls back (as_strided, view_as_real, ...) returns a
+// copy, not a view: its results are ShardTensors (a result that cannot be
+// re-sharded is returned replicated on every mesh dim, not plain) on which an
+// in-place op raises on every rank, naming the op (Note [view write-back]),
+// instead of being lost. They follow their source (the ShardTensor argument
+// they alias per the schema) as libtorch's views would (Note [stale copy
+// views], ops::refuse_in_place_following): before one of them, or a view of
+// one, is used after a write into the source, steps 1-3 run again (a gather,
+// counted and announced like the first; refused in strict mode on every rank)
+// and the new pieces are copied into the existing ones, once for all the
+// results of the call; a source whose layout was changed in place (t_,
+// squeeze_, ...) is refused instead. A copy of a plain tensor cannot follow it
+// (its writes never reach the dispatcher). Random ops draw on the full tensor on
 // every rank. A result that is not strided (to_sparse, to_mkldnn) cannot be
 // split: where it would be re-sharded it is refused on every rank, naming the
 // op, its arguments' placements and the layout.
@@ -35,6 +43,7 @@
 
 #include <shardtensor/core/policy.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -114,49 +123,46 @@ std::string copy_not_view(const c10::OperatorHandle& op) {
          " has no sharding rule; the generic fallback returned a copy, not a view";
 }
 
-}  // namespace
-
-void generic_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack) {
-  std::vector<c10::IValue> args = ops::pop_args(op, stack);
+// Strict mode refuses the gather (every rank alike: the flag is the same
+// everywhere), `why` saying why the fallback would run.
+void refuse_if_strict(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                      const std::string& why) {
   if (strict()) {
     ops::fail(op, args,
-              "no sharding rule for this op (strict mode: SHARDTENSOR_STRICT / "
-              "shardtensor::set_strict refuse the generic fallback's gather)");
+              why +
+                  " (strict mode: SHARDTENSOR_STRICT / shardtensor::set_strict refuse the "
+                  "generic fallback's gather)");
   }
-  const DeviceMesh mesh = ops::common_mesh(op, args);
-  const auto shards = ops::shard_args(args);
-  const ShardSpec first = *ops::spec_of(shards.front());
-  const auto& schema = op.schema();
-  // Written ShardTensor arguments must be able to take their piece back.
-  for (size_t i = 0; i < args.size() && i < schema.arguments().size(); ++i) {
-    const auto* a = schema.arguments()[i].alias_info();
-    if (a && a->isWrite() && args[i].isTensor()) {
-      if (const ShardSpec* s = ops::spec_of(args[i].toTensor())) {
-        if (s->has_partial()) {
-          ops::fail(op, args,
-                    "the generic fallback cannot write in place into a Partial ShardTensor");
-        }
-      }
-    }
-  }
+}
+
+// Steps 1 and 2 of Note [generic fallback]: counts and announces the gather,
+// gathers every ShardTensor argument and runs the op on the full tensors.
+// Returns the full arguments (to copy written ones back) and the results, of
+// which a non-strided one that would be re-sharded is refused. Collective over
+// `mesh`.
+struct Gathered {
+  std::vector<c10::IValue> full_args, results;
+};
+
+Gathered run_gathered(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                      const DeviceMesh& mesh, const ShardSpec& first) {
   int64_t bytes = 0;
-  for (const auto& t : shards) bytes += gather_bytes_of(t);
+  for (const auto& t : ops::shard_args(args)) bytes += gather_bytes_of(t);
   detail::record_gather(c10::toString(op.operator_name()), bytes, mesh.rank() == 0,
                         "generic fallback: no sharding rule, ran on gathered tensors");
 
-  std::vector<c10::IValue> full_args;
-  full_args.reserve(args.size());
-  for (const auto& v : args) full_args.push_back(gather_value(v));
-  std::vector<c10::IValue> call(full_args.begin(), full_args.end());
-  op.callBoxed(&call);
-  const size_t nret = schema.returns().size();
-  TORCH_INTERNAL_ASSERT(call.size() == nret, "unexpected number of results of ",
-                        op.operator_name());
+  Gathered g;
+  g.full_args.reserve(args.size());
+  for (const auto& v : args) g.full_args.push_back(gather_value(v));
+  g.results.assign(g.full_args.begin(), g.full_args.end());
+  op.callBoxed(&g.results);
+  TORCH_INTERNAL_ASSERT(g.results.size() == op.schema().returns().size(),
+                        "unexpected number of results of ", op.operator_name());
   // A sparse (or otherwise non-strided) result cannot be split into pieces: refused
   // where it would be re-sharded (a replicated one is returned whole).
   // Every rank ran the same op on the same gathered tensors, so every rank sees the
   // same layouts and throws here, with no collective pending.
-  for (const c10::IValue& r : call) {
+  for (const c10::IValue& r : g.results) {
     std::vector<at::Tensor> ts;
     if (r.isTensor()) ts.push_back(r.toTensor());
     if (r.isTensorList()) ts = r.toTensorList().vec();
@@ -171,6 +177,85 @@ void generic_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* s
       }
     }
   }
+  return g;
+}
+
+// Step 3 for one result. A view op's result here is a copy: a plain
+// (replicated) one would never reach the dispatcher again, so it is returned
+// as a replicated ShardTensor, on which in-place ops can raise.
+at::Tensor result_of(const at::Tensor& r, const ShardSpec& first, const DeviceMesh& mesh,
+                     bool view) {
+  at::Tensor t = reshard(r, first);
+  if (view && !detail::shard_impl(t)) t = replicated(t, mesh);
+  return t;
+}
+
+// The tensors of the results that are views per the schema (an alias that is
+// not written), in order.
+std::vector<at::Tensor> view_results(const c10::FunctionSchema& schema,
+                                     const std::vector<c10::IValue>& results) {
+  std::vector<at::Tensor> out;
+  for (size_t j = 0; j < results.size(); ++j) {
+    const auto* alias = schema.returns()[j].alias_info();
+    if (!alias || alias->isWrite()) continue;
+    if (results[j].isTensor()) out.push_back(results[j].toTensor());
+    if (results[j].isTensorList()) {
+      for (const at::Tensor& t : results[j].toTensorList()) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+// The alias sets of an annotation, those of a list's elements included.
+void alias_sets(const c10::AliasInfo& a, std::vector<c10::Symbol>* out) {
+  out->insert(out->end(), a.beforeSets().begin(), a.beforeSets().end());
+  for (const auto& c : a.containedTypes()) alias_sets(c, out);
+}
+
+// The ShardTensor argument that the view results alias per the schema
+// (normally self), or an undefined tensor (a plain tensor viewed, whose writes
+// the dispatcher never sees).
+at::Tensor view_source(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+  std::vector<c10::Symbol> viewed;
+  for (const auto& r : schema.returns()) {
+    if (r.alias_info() && !r.alias_info()->isWrite()) alias_sets(*r.alias_info(), &viewed);
+  }
+  for (size_t i = 0; i < args.size() && i < schema.arguments().size(); ++i) {
+    const auto* a = schema.arguments()[i].alias_info();
+    if (!a || a->isWrite() || !args[i].isTensor() || !ops::spec_of(args[i].toTensor())) continue;
+    std::vector<c10::Symbol> sets;
+    alias_sets(*a, &sets);
+    for (const c10::Symbol& s : sets) {
+      if (std::find(viewed.begin(), viewed.end(), s) != viewed.end()) return args[i].toTensor();
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+void generic_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack) {
+  std::vector<c10::IValue> args = ops::pop_args(op, stack);
+  refuse_if_strict(op, args, "no sharding rule for this op");
+  const DeviceMesh mesh = ops::common_mesh(op, args);
+  const ShardSpec first = *ops::spec_of(ops::shard_args(args).front());
+  const auto& schema = op.schema();
+  // Written ShardTensor arguments must be able to take their piece back.
+  for (size_t i = 0; i < args.size() && i < schema.arguments().size(); ++i) {
+    const auto* a = schema.arguments()[i].alias_info();
+    if (a && a->isWrite() && args[i].isTensor()) {
+      if (const ShardSpec* s = ops::spec_of(args[i].toTensor())) {
+        if (s->has_partial()) {
+          ops::fail(op, args,
+                    "the generic fallback cannot write in place into a Partial ShardTensor");
+        }
+      }
+    }
+  }
+  Gathered g = run_gathered(op, args, mesh, first);
+  const std::vector<c10::IValue>& full_args = g.full_args;
+  std::vector<c10::IValue>& call = g.results;
+  const size_t nret = schema.returns().size();
 
   // Copy written pieces back (in-place ops, out=).
   for (size_t i = 0; i < args.size() && i < schema.arguments().size(); ++i) {
@@ -203,30 +288,43 @@ void generic_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* s
       }
       TORCH_INTERNAL_ASSERT(found, "no written argument for a result of ", op.operator_name());
     } else if (r.isTensor()) {
-      at::Tensor t = reshard(r.toTensor(), first);
-      if (alias) {
-        // A view op's result here is a copy: in-place ops on it must raise,
-        // not be lost. A plain (replicated) result would never reach the
-        // dispatcher again, so it is returned as a replicated ShardTensor.
-        if (!detail::shard_impl(t)) t = replicated(t, mesh);
-        ops::refuse_in_place(t, copy_not_view(op));
-      }
-      stack->push_back(std::move(t));
+      stack->push_back(result_of(r.toTensor(), first, mesh, alias != nullptr));
     } else if (r.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& t : r.toTensorList()) {
-        at::Tensor u = reshard(t, first);
-        if (alias) {
-          if (!detail::shard_impl(u)) u = replicated(u, mesh);
-          ops::refuse_in_place(u, copy_not_view(op));
-        }
-        out.push_back(u);
-      }
+      for (const at::Tensor& t : r.toTensorList())
+        out.push_back(result_of(t, first, mesh, alias != nullptr));
       stack->push_back(std::move(out));
     } else {
       stack->push_back(std::move(r));
     }
   }
+
+  // A view op's results are copies (Limits): in-place ops on them must raise,
+  // not be lost, and they follow their source (Note [stale copy views]): made
+  // anew by the same steps, one generation for all of them.
+  const std::vector<c10::IValue> pushed(stack->end() - static_cast<std::ptrdiff_t>(nret),
+                                        stack->end());
+  const std::vector<at::Tensor> views = view_results(schema, pushed);
+  if (views.empty()) return;
+  const at::Tensor source = view_source(schema, args);
+  if (!source.defined()) {
+    for (const at::Tensor& t : views) ops::refuse_in_place(t, copy_not_view(op));
+    return;
+  }
+  std::string what = c10::toString(op.operator_name()) + " of " + ops::spec_of(source)->to_string();
+  what += " (a copy laid out as " + ops::spec_of(views.front())->to_string() + ")";
+  ops::refuse_in_place_following(views, copy_not_view(op), source, what, [op, args, mesh, first] {
+    refuse_if_strict(op, args,
+                     "no sharding rule for this op; its result, a copy where libtorch's would be "
+                     "a view, must be made anew on gathered tensors because its source was "
+                     "written since (Note [stale copy views])");
+    const Gathered again = run_gathered(op, args, mesh, first);
+    std::vector<at::Tensor> pieces;
+    for (const at::Tensor& t : view_results(op.schema(), again.results)) {
+      pieces.push_back(ops::local_of(result_of(t, first, mesh, true)));
+    }
+    return pieces;
+  });
 }
 
 }  // namespace shardtensor::dispatch

@@ -154,6 +154,124 @@ void refuse_in_place(const c10::IValue& result, const std::string& why) {
   }
 }
 
+namespace {
+
+// Note [stale copy views] for copies that are made anew by rerunning what
+// made them (refuse_in_place_following).
+struct Following {
+  at::Tensor source;
+  SpecPtr spec;  // the source's layout when the copies were made
+  int64_t seen;  // the source's alias_version when the copies were last made
+  std::string what;
+  std::function<std::vector<at::Tensor>()> remake;
+  // The results' local pieces, not their wrappers (which hold this through
+  // their WriteBack: no cycle).
+  std::vector<at::Tensor> pieces;
+  std::shared_ptr<int64_t> refreshes = std::make_shared<int64_t>(0);
+};
+
+// Local. Whether elements of `t` may share memory (strides too small for
+// the extents below them, e.g. unfold's overlapping windows, a zero stride).
+bool may_overlap(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // the span of the dims so far
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return true;
+    extent += (size - 1) * stride;
+  }
+  return false;
+}
+
+// Local. Copies `fresh` (remade) into the piece `old` of a copy in place, so
+// that views of it see the new values. Where `old` views a buffer made for it
+// (the gathered tensor a fallback view op viewed, unfold's extended piece)
+// and `fresh` views its own buffer the same way, the buffer is overwritten
+// instead: a copy into a piece whose elements overlap would give the
+// overlapping elements' gradient twice. `done` holds the buffers overwritten
+// by this refresh already (the results of one call may view one buffer).
+void copy_piece(const at::Tensor& old, const at::Tensor& fresh, const Following& f,
+                std::vector<const c10::TensorImpl*>* done) {
+  TORCH_INTERNAL_ASSERT(old.sizes() == fresh.sizes(), "remade copy of ", f.what, " has shape ",
+                        fresh.sizes(), ", not ", old.sizes());
+  // This rank's piece is in fact a view of the source (a piece that needed
+  // nothing from other ranks): up to date already.
+  if (old.is_alias_of(fresh)) return;
+  // The buffers the pieces view (autograd's view base).
+  auto base_of = [](const at::Tensor& t) {
+    return t.is_view() ? at::Tensor(at::TensorBase(t._base())) : at::Tensor();
+  };
+  const at::Tensor base = base_of(old), fresh_base = base_of(fresh);
+  if (base.defined() && fresh_base.defined() && base.sizes() == fresh_base.sizes() &&
+      base.strides() == fresh_base.strides() && old.strides() == fresh.strides() &&
+      old.storage_offset() - base.storage_offset() ==
+          fresh.storage_offset() - fresh_base.storage_offset() &&
+      !may_overlap(base) && !base.is_alias_of(local_of(f.source))) {
+    if (std::find(done->begin(), done->end(), base.unsafeGetTensorImpl()) == done->end()) {
+      base.copy_(fresh_base);
+      done->push_back(base.unsafeGetTensorImpl());
+    }
+    return;
+  }
+  TORCH_CHECK(!may_overlap(old), "cannot use the result of ", f.what,
+              ": it is a copy (libtorch's would be a view) whose source was written since, and "
+              "its piece's elements overlap, so it cannot be made anew in place (Note [stale "
+              "copy views]); take the view again");
+  old.copy_(fresh);
+}
+
+// Collective over the source's mesh where the source changed (every rank alike).
+void follow(Following& f, const at::Tensor& used) {
+  detail::refresh_copy_view(f.source);  // a copy of a copy: its source first
+  if (detail::alias_version(f.source) == f.seen) return;
+  TORCH_CHECK(spec_ptr_of(f.source) == f.spec, "cannot use the result of ", f.what,
+              ": it is a copy (libtorch's would be a view) and its source was changed in place "
+              "to the layout ",
+              spec_of(f.source)->to_string(),
+              " (an in-place view op) after the view was taken, so the copy cannot be made "
+              "anew from it (Note [stale copy views]); take the view again. The used tensor: ",
+              spec_of(used)->to_string());
+  const std::vector<at::Tensor> fresh = f.remake();
+  TORCH_INTERNAL_ASSERT(fresh.size() == f.pieces.size(), "remade copy of ", f.what, " has ",
+                        fresh.size(), " pieces, not ", f.pieces.size());
+  std::vector<const c10::TensorImpl*> done;
+  for (size_t i = 0; i < fresh.size(); ++i) copy_piece(f.pieces[i], fresh[i], f, &done);
+  f.seen = detail::alias_version(f.source);
+  ++*f.refreshes;
+}
+
+}  // namespace
+
+void refuse_in_place_following(const std::vector<at::Tensor>& results, const std::string& why,
+                               const at::Tensor& source, const std::string& what,
+                               std::function<std::vector<at::Tensor>()> remake) {
+  auto f = std::make_shared<Following>();
+  f->source = source;
+  f->spec = spec_ptr_of(source);
+  TORCH_INTERNAL_ASSERT(f->spec, "refuse_in_place_following: the source is not a ShardTensor");
+  f->seen = detail::alias_version(source);
+  f->what = what;
+  f->remake = std::move(remake);
+  for (const at::Tensor& t : results) f->pieces.push_back(local_of(t));
+  for (const at::Tensor& t : results) {
+    auto* impl = detail::shard_impl(t);
+    TORCH_INTERNAL_ASSERT(impl, "refuse_in_place_following: a result is not a ShardTensor");
+    auto wb = std::make_shared<detail::WriteBack>();
+    wb->refusal = why;
+    wb->refresh = [f](const at::Tensor& used) { follow(*f, used); };
+    // Metadata only, alike on every rank (also where a rank's piece happens
+    // to view the source's).
+    wb->stale = [f](const at::Tensor&) {
+      return detail::stale_copy_view(f->source) || detail::alias_version(f->source) != f->seen;
+    };
+    wb->refreshes = f->refreshes;
+    impl->set_write_back(std::move(wb));
+  }
+}
+
 bool returns_view(const c10::FunctionSchema& schema) {
   for (const auto& r : schema.returns()) {
     if (r.alias_info() && !r.alias_info()->isWrite()) return true;

@@ -36,6 +36,26 @@ at::Tensor wrap(at::Tensor local, SpecPtr spec);
 /// metadata only (every rank marks alike). Plain tensors are left alone.
 void refuse_in_place(const c10::IValue& result, const std::string& why);
 
+/// Local (marks only; the refresh it installs is collective). Note [stale
+/// copy views] (ops/shape.cpp) for copies made anew by rerunning what made
+/// them: `results` (the ShardTensors of one call, copies where libtorch's
+/// results would be views of the ShardTensor `source`) refuse in-place ops as
+/// refuse_in_place(why) makes them, and follow `source`. Before one of them,
+/// or a view of one, is used (WriteBack::refresh), when source's
+/// alias_version moved on since this call (every rank alike): `source` is
+/// brought up to date first if it is a copy view itself; a changed layout of
+/// `source` (an in-place view op) is refused on every rank, naming `what`
+/// (the view op and its layouts); otherwise `remake()` (collective) returns
+/// the results' new local pieces, in order, which are copied into the current
+/// ones (so that views of them see the new values too; autograd records the
+/// copy, as for shape.cpp's copy views). Until then they are stale
+/// (WriteBack::stale: ShardTensor::local() raises). One generation for all
+/// `results`: `remake` runs once per change of `source`, and the results'
+/// WriteBack::refreshes counts it. Throws what `remake` throws.
+void refuse_in_place_following(const std::vector<at::Tensor>& results, const std::string& why,
+                               const at::Tensor& source, const std::string& what,
+                               std::function<std::vector<at::Tensor>()> remake);
+
 /// Whether the op's schema returns a view of an argument (an alias that is
 /// not written), as select, view, unfold and view_as_real do.
 bool returns_view(const c10::FunctionSchema& schema);

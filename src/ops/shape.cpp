@@ -218,6 +218,12 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
 //  - In-place view ops (t_, squeeze_, ...) change the source's layout; a copy
 //    taken before cannot be made anew from it and its use is refused, on
 //    every rank, naming the view op (take the view again).
+//  - Copies that cannot write back but can be made anew by rerunning what
+//    made them follow their source the same way (ops::refuse_in_place_following,
+//    ops/common.h): the generic fallback's view results (as_strided,
+//    view_as_real, ...: Note [generic fallback]; the rerun is a gather,
+//    counted and refused in strict mode) and unfold along a sharded dim (Note
+//    [unfold windows]; the rerun is its halo exchange).
 // The cost where nothing is stale is a comparison of two integers per use of a
 // copy view; plain tensors and true views pay nothing but the version bump
 // of written arguments. Writes that bypass the dispatcher (into local()

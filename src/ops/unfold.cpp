@@ -14,8 +14,10 @@
 // comm::gather_range. libtorch's unfold on that extended piece is exactly the
 // block of windows; backward is libtorch's unfold_backward followed by the halo
 // accumulate (the adjoint of gather_range). The result is a copy, not a view
-// of the source: an in-place op on it raises (Note [view write-back]). Along
-// an unsharded dim unfold is a true view of the local piece.
+// of the source: an in-place op on it raises (Note [view write-back]), and it
+// follows the source (Note [stale copy views]): after a write into the source,
+// its next use makes the windows anew by the same exchange. Along an
+// unsharded dim unfold is a true view of the local piece.
 //
 // Note [im2col layout]: im2col ([N,] C, H, W) -> ([N,] C*kh*kw, L) with
 // L = oh * ow in row-major order. Sharded H and W are stencil dims: the
@@ -81,6 +83,25 @@ std::vector<int64_t> unfold_out_sizes(const std::vector<int64_t>& in_sizes, int6
   return out;
 }
 
+// This coordinate's windows (Note [unfold windows]) of `self` along `dim`,
+// sharded by one mesh dim, with `s` its layout without Partial and `spec` the
+// result's: its piece (summed first where Partial) and the halo, unfolded.
+// Collective over that mesh dim (and the Partial ones).
+at::Tensor unfold_windows(const at::Tensor& self, const ShardSpec& s, int64_t dim, int64_t size,
+                          int64_t step, const std::vector<int64_t>& out_sizes,
+                          const ShardSpec& spec) {
+  const int64_t m = s.mesh_dim_of(dim);
+  at::Tensor x = spec_of(self)->has_partial() ? to_layout(self, s, s) : local_of(self);
+  const auto ranges = stencil::window_ranges(out_sizes, size, step, 1, 0);
+  at::Tensor ext = comm::gather_range(x, s.mesh(), m, dim, s.shard_sizes(m), ranges);
+  if (out_sizes[s.mesh().coordinate()[m]] == 0 || ext.numel() == 0) {
+    // No window here (or an empty piece): an empty result that stays
+    // connected to the exchange, so backward runs its adjoint here too.
+    return ext.reshape(spec.local_shape());
+  }
+  return ext.unfold(dim, size, step);
+}
+
 void unfold_rule(const c10::OperatorHandle& op, Stack* stack) {
   auto args = pop_args(op, stack);
   const at::Tensor& self = args[0].toTensor();
@@ -101,10 +122,10 @@ void unfold_rule(const c10::OperatorHandle& op, Stack* stack) {
   }
   dim = at::maybe_wrap_dim(dim, std::max<int64_t>(s.ndim(), 1));
   const bool copy = op.operator_name().name == "aten::unfold_copy";
-  at::Tensor x = sp->has_partial() ? to_layout(self, s, s) : local_of(self);
   const int64_t m = s.ndim() > 0 ? s.mesh_dim_of(dim) : -1;
   if (m < 0) {
     // Unsharded dim: a view of the local piece (windows never cross pieces).
+    at::Tensor x = sp->has_partial() ? to_layout(self, s, s) : local_of(self);
     at::Tensor out = x.unfold(dim, size, step);
     if (copy) out = out.clone(at::MemoryFormat::Contiguous);
     stack->push_back(
@@ -112,28 +133,27 @@ void unfold_rule(const c10::OperatorHandle& op, Stack* stack) {
     return;
   }
   if (shard_count(s, dim) > 1) fail(op, args, "the dim is sharded by several mesh dims");
-  const auto& in_sizes = s.shard_sizes(m);
   const int64_t nwin = out_shape[dim];
-  const auto out_sizes = unfold_out_sizes(in_sizes, nwin, step);
-  const auto ranges = stencil::window_ranges(out_sizes, size, step, 1, 0);
-  at::Tensor ext = comm::gather_range(x, s.mesh(), m, dim, in_sizes, ranges);
-  const int64_t cnt = out_sizes[s.mesh().coordinate()[m]];
+  const auto out_sizes = unfold_out_sizes(s.shard_sizes(m), nwin, step);
   ShardSizes sizes = s.all_shard_sizes();
   sizes[m] = out_sizes;
   SpecPtr spec = make_spec(s.mesh(), s.placements(), out_shape, sizes);
-  at::Tensor out;
-  if (cnt == 0 || ext.numel() == 0) {
-    // No window here (or an empty piece): an empty result that stays
-    // connected to the exchange, so backward runs its adjoint here too.
-    out = ext.reshape(spec->local_shape());
-  } else {
-    out = ext.unfold(dim, size, step);
-  }
-  at::Tensor result = wrap(out, spec);
+  at::Tensor result = wrap(unfold_windows(self, s, dim, size, step, out_sizes, *spec), spec);
   if (!copy) {
-    refuse_in_place(result,
-                    "unfold along a sharded dim returns windows copied from several pieces, not "
-                    "a view: in-place ops on it would be lost");
+    // The windows follow `self` (Note [stale copy views]): made anew by the
+    // same exchange after a write into it.
+    const std::string what = "unfold(" + std::to_string(dim) + ", " + std::to_string(size) + ", " +
+                             std::to_string(step) + ") of " + sp->to_string() +
+                             " (windows copied from several pieces, laid out as " +
+                             spec->to_string() + ")";
+    refuse_in_place_following(
+        {result},
+        "unfold along a sharded dim returns windows copied from several pieces, not a view: "
+        "in-place ops on it would be lost",
+        self, what, [self, s, dim, size, step, out_sizes, spec] {
+          return std::vector<at::Tensor>{
+              unfold_windows(self, s, dim, size, step, out_sizes, *spec)};
+        });
   }
   stack->push_back(result);
 }

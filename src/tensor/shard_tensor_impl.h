@@ -22,11 +22,13 @@ namespace shardtensor::detail {
 /// (or on a view of it) raises `refusal` on every rank instead of being
 /// silently lost. Who writes back: select, squeeze, diagonal and unbind of a
 /// sharded dim, view/unflatten that replicate or copy. Who refuses
-/// (ops::refuse_in_place): view ops through the generic fallback (unfold,
-/// as_strided, view_as_real, ...; a result that cannot be re-sharded comes
-/// back as a replicated ShardTensor rather than a plain tensor, so that the
-/// dispatcher sees the write), and view ops of the pointwise family (alias,
-/// detach, real, ...) whose operand had to change layout (a Partial one).
+/// (ops::refuse_in_place): unfold along a sharded dim and view ops through
+/// the generic fallback (as_strided, view_as_real, ...; a result that cannot
+/// be re-sharded comes back as a replicated ShardTensor rather than a plain
+/// tensor, so that the dispatcher sees the write), which follow their source
+/// all the same (ops::refuse_in_place_following, Note [stale copy views]), and
+/// view ops of the pointwise family (alias, detach, real, ...) whose operand
+/// had to change layout (a Partial one), which do not yet.
 /// Gradients flow through written views as in libtorch: Note [function
 /// outputs are not views] (comm/function_output.h).
 struct WriteBack {
