@@ -12,8 +12,9 @@
 // and, one time in three, random explicit shard sizes with zeros (the first, a
 // middle or the last piece empty through split_with_empty in tests/testing.h,
 // random cuts, or everything on one coordinate); float32 or float64, one
-// program in ten int32/int64 (exact comparison), one in ten complex64/128.
-// One float or complex program in eight starts with Inf, -Inf and NaN entries.
+// program in ten int32/int64 (exact comparison). With FUZZ_EXTENDED=2 also one
+// in ten complex64/128, and one float or complex program in eight starts with
+// Inf, -Inf and NaN entries (not yet the default: see make_program).
 // It then chains 1 to 5 ops drawn from these families:
 //   stencil     conv1d/2d/3d and at::convolution (random kernel, stride,
 //               dilation, padding, depthwise groups; zeros/reflect/replicate/
@@ -107,11 +108,11 @@
 // `make fuzz SECONDS=...`), FUZZ_VERBOSE=1 (print every program before it
 // runs), FUZZ_STEPS=n (run only the first n ops of each program, to minimize a
 // reproducer; the ops kept are exactly those of the full program),
-// FUZZ_DTYPE=f32|f64 (the same programs in that dtype), FUZZ_EXTENDED=0 (no
-// integer, complex or Inf/NaN programs: the draw before issue 25, for
-// bisecting), FUZZ_TRACE=1 (print the layout after every op of the sharded
-// run), FUZZ_DUMP=file (rank 0 saves the program's inputs and parameters with
-// torch::save, to turn a case into a regression test).
+// FUZZ_DTYPE=f32|f64 (the same programs in that dtype), FUZZ_EXTENDED=0|1|2
+// (0: float only, the draw before issue 25, for bisecting; 1, the default:
+// integer programs too; 2: complex programs and Inf/NaN inputs too), FUZZ_TRACE=1 (print the layout
+// after every op of the sharded run), FUZZ_DUMP=file (rank 0 saves the program's inputs and
+// parameters with torch::save, to turn a case into a regression test).
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -375,7 +376,13 @@ Maybe op_conv(Gen& g, const at::Tensor& cur) {
      << ",s=" << str(s) << ",d=" << str(d) << ",p=" << (same ? "same" : str(pd)) << ",g=" << groups
      << "," << pmode << (bias ? "" : ",nobias") << ")";
   StepFn fn = [=](const at::Tensor& x0, const Tensors&, const Tensors& p) {
-    at::Tensor x = x0;
+    // libtorch 2.13's CPU convolution (oneDNN brgemm) crashes with a
+    // segmentation fault on a [2, 5, 1] input with strides (5, 1, 5) (a
+    // transpose; is_contiguous() is true, so contiguous() keeps them), weight
+    // [1, 5, 1], stride 2, padding 1, dilation 2, in plain libtorch
+    // (FUZZ_SEED=200037 at np2 drew it). The convolution gets an input with
+    // row-major strides in both runs.
+    at::Tensor x = x0.clone(at::MemoryFormat::Contiguous);
     std::vector<int64_t> pads = pd;
     if (!same && mode >= 2) {
       std::vector<int64_t> fp;
