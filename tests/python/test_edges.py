@@ -145,3 +145,26 @@ def test_constant_pad_of_zero_extent_dim(mesh, sharded_dim):
         for pad in [(0, 0, 2, 1), (1, -2, 2, 1)]:
             y = torch.nn.functional.pad(sx, pad, value=2.5)
             assert_close(y.full_tensor(), torch.nn.functional.pad(x, pad, value=2.5), what=str(pad))
+
+
+def test_to_local_of_a_stale_copy_view_raises(mesh):
+    """x[2] along a sharded dim is a copy (torch's is a view). After a write into x it
+    follows x at its next use (Note [stale copy views]); to_local(), which never
+    communicates, raises on every rank instead of returning old values."""
+    x = rnd((5, 5), 4)
+    pl = placements(mesh, 0, data_dim=1)
+    sx = st.distribute_tensor(x, mesh, pl)
+    y = sx[2]
+    # A piece in x's own memory (a true view) never goes stale; a copy does.
+    copy = y.to_local().untyped_storage().data_ptr() != sx.to_local().untyped_storage().data_ptr()
+    sx.add_(1)
+    if copy:
+        with pytest.raises(RuntimeError, match=r"Note \[stale copy views\]"):
+            y.to_local()
+    else:
+        y.to_local()
+    y.clone()  # any op brings the copy up to date
+    assert_close(y.full_tensor(), x[2] + 1, what="x[2] after x.add_(1)")
+    mine = st.distribute_tensor(x[2] + 1, mesh, y.placements,
+                                sharding_shapes=y._spec.sharding_shapes()).to_local()
+    assert torch.equal(y.to_local(), mine)
