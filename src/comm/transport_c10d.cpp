@@ -170,6 +170,17 @@ void Exchange::finish(const char* what) {
     for (auto& w : live->works) w->abort();
   });
   bool abandoned = false;
+  // Note [c10d waits cut short]: Gloo's abort() does not make wait() throw;
+  // an aborted send/recv wait returns false instead. A wait that returned
+  // true completed before any abort, so an exchange whose every wait returned
+  // true completed on this rank even when the monitor interrupted it
+  // afterwards: it returns normally, and the job, poisoned, raises at this
+  // rank's next primitive (as a completed MPI wait does, Note [carried
+  // errors]). Otherwise a rank leaving an earlier call (a warm-up barrier)
+  // would raise outside the code that made the failing call. A wait aborted
+  // after its message arrived also returns false: that exchange is treated as
+  // cut short, which is only conservative.
+  bool cut_short = false;
   for (size_t i = 0; i < impl->works.size(); ++i) {
     flight::wait_progress(static_cast<int>(i));
     auto& work = impl->works[i];
@@ -180,9 +191,12 @@ void Exchange::finish(const char* what) {
           std::max<int64_t>(1, static_cast<int64_t>((limit - waited) * 1000.0)));
     }
     try {
-      work->wait(left);
+      if (!work->wait(left)) cut_short = true;
     } catch (const std::exception& e) {
-      if (watch.interrupted()) break;
+      if (watch.interrupted()) {
+        cut_short = true;
+        break;
+      }
       // A peer that raised a carried error may have left before this rank's
       // monitor read the store: report its error, not its death.
       if (errors::poll_store()) {
@@ -202,14 +216,17 @@ void Exchange::finish(const char* what) {
                   detail::pg::name(impl->comm), "' failed waiting for rank ", peer, " (world rank ",
                   world[peer], "): ", e.what());
     }
-    if (watch.interrupted()) break;
+    if (cut_short) break;
   }
-  if (abandoned || watch.interrupted()) {
+  if (abandoned || cut_short) {
     // The messages still posted may land later: their buffers must outlive
     // them, so the abandoned exchange is kept (the job is poisoned and ends
     // at finalize).
-    static auto* abandoned = new std::vector<std::unique_ptr<Impl>>();
-    abandoned->push_back(std::move(impl));
+    static auto* kept = new std::vector<std::unique_ptr<Impl>>();
+    kept->push_back(std::move(impl));
+    // Only the monitor aborts these works, after it has marked the watch.
+    TORCH_CHECK(abandoned || watch.interrupted(), "shardtensor transport: ", what,
+                ": a Gloo wait returned without completing and without an abort");
     watch.raise(what);
   }
 }
