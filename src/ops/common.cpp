@@ -159,15 +159,11 @@ namespace {
 // Note [stale copy views] for copies that are made anew by rerunning what
 // made them (refuse_in_place_following).
 struct Following {
-  at::Tensor source;
-  SpecPtr spec;  // the source's layout when the copies were made
-  int64_t seen;  // the source's alias_version when the copies were last made
-  std::string what;
+  CopyOrigin origin;
   std::function<std::vector<at::Tensor>()> remake;
   // The results' local pieces, not their wrappers (which hold this through
   // their WriteBack: no cycle).
   std::vector<at::Tensor> pieces;
-  std::shared_ptr<int64_t> refreshes = std::make_shared<int64_t>(0);
 };
 
 // Local. Whether elements of `t` may share memory (strides too small for
@@ -193,7 +189,7 @@ bool may_overlap(const at::Tensor& t) {
 // instead: a copy into a piece whose elements overlap would give the
 // overlapping elements' gradient twice. `done` holds the buffers overwritten
 // by this refresh already (the results of one call may view one buffer).
-void copy_piece(const at::Tensor& old, const at::Tensor& fresh, const Following& f,
+void copy_piece(const at::Tensor& old, const at::Tensor& fresh, const CopyOrigin& f,
                 std::vector<const c10::TensorImpl*>* done) {
   TORCH_INTERNAL_ASSERT(old.sizes() == fresh.sizes(), "remade copy of ", f.what, " has shape ",
                         fresh.sizes(), ", not ", old.sizes());
@@ -225,36 +221,49 @@ void copy_piece(const at::Tensor& old, const at::Tensor& fresh, const Following&
 
 // Collective over the source's mesh where the source changed (every rank alike).
 void follow(Following& f, const at::Tensor& used) {
-  detail::refresh_copy_view(f.source);  // a copy of a copy: its source first
-  if (detail::alias_version(f.source) == f.seen) return;
-  TORCH_CHECK(spec_ptr_of(f.source) == f.spec, "cannot use the result of ", f.what,
-              ": it is a copy (libtorch's would be a view) and its source was changed in place "
-              "to the layout ",
-              spec_of(f.source)->to_string(),
-              " (an in-place view op) after the view was taken, so the copy cannot be made "
-              "anew from it (Note [stale copy views]); take the view again. The used tensor: ",
-              spec_of(used)->to_string());
+  if (!f.origin.outdated(used)) return;
   const std::vector<at::Tensor> fresh = f.remake();
-  TORCH_INTERNAL_ASSERT(fresh.size() == f.pieces.size(), "remade copy of ", f.what, " has ",
+  TORCH_INTERNAL_ASSERT(fresh.size() == f.pieces.size(), "remade copy of ", f.origin.what, " has ",
                         fresh.size(), " pieces, not ", f.pieces.size());
   std::vector<const c10::TensorImpl*> done;
-  for (size_t i = 0; i < fresh.size(); ++i) copy_piece(f.pieces[i], fresh[i], f, &done);
-  f.seen = detail::alias_version(f.source);
-  ++*f.refreshes;
+  for (size_t i = 0; i < fresh.size(); ++i) copy_piece(f.pieces[i], fresh[i], f.origin, &done);
+  f.origin.remade();
 }
 
 }  // namespace
 
+CopyOrigin::CopyOrigin(at::Tensor src, std::string what_)
+    : source(std::move(src)), spec(spec_ptr_of(source)), what(std::move(what_)) {
+  TORCH_INTERNAL_ASSERT(spec, "CopyOrigin: the source of ", what, " is not a ShardTensor");
+  seen = detail::alias_version(source);
+}
+
+bool CopyOrigin::outdated(const at::Tensor& used) const {
+  detail::refresh_copy_view(source);  // a copy of a copy: its source first
+  if (detail::alias_version(source) == seen) return false;
+  TORCH_CHECK(spec_ptr_of(source) == spec, "cannot use the result of ", what,
+              ": it is a copy (libtorch's would be a view) and its source was changed in place "
+              "to the layout ",
+              spec_of(source)->to_string(),
+              " (an in-place view op) after the view was taken, so the copy cannot be made "
+              "anew from it (Note [stale copy views]); take the view again. The used tensor: ",
+              spec_of(used)->to_string());
+  return true;
+}
+
+void CopyOrigin::remade() {
+  seen = detail::alias_version(source);
+  ++*refreshes;
+}
+
+bool CopyOrigin::stale() const {
+  return detail::stale_copy_view(source) || detail::alias_version(source) != seen;
+}
+
 void refuse_in_place_following(const std::vector<at::Tensor>& results, const std::string& why,
                                const at::Tensor& source, const std::string& what,
                                std::function<std::vector<at::Tensor>()> remake) {
-  auto f = std::make_shared<Following>();
-  f->source = source;
-  f->spec = spec_ptr_of(source);
-  TORCH_INTERNAL_ASSERT(f->spec, "refuse_in_place_following: the source is not a ShardTensor");
-  f->seen = detail::alias_version(source);
-  f->what = what;
-  f->remake = std::move(remake);
+  auto f = std::make_shared<Following>(Following{CopyOrigin(source, what), std::move(remake), {}});
   for (const at::Tensor& t : results) f->pieces.push_back(local_of(t));
   for (const at::Tensor& t : results) {
     auto* impl = detail::shard_impl(t);
@@ -264,10 +273,8 @@ void refuse_in_place_following(const std::vector<at::Tensor>& results, const std
     wb->refresh = [f](const at::Tensor& used) { follow(*f, used); };
     // Metadata only, alike on every rank (also where a rank's piece happens
     // to view the source's).
-    wb->stale = [f](const at::Tensor&) {
-      return detail::stale_copy_view(f->source) || detail::alias_version(f->source) != f->seen;
-    };
-    wb->refreshes = f->refreshes;
+    wb->stale = [f](const at::Tensor&) { return f->origin.stale(); };
+    wb->refreshes = f->origin.refreshes;
     impl->set_write_back(std::move(wb));
   }
 }

@@ -36,6 +36,37 @@ at::Tensor wrap(at::Tensor local, SpecPtr spec);
 /// metadata only (every rank marks alike). Plain tensors are left alone.
 void refuse_in_place(const c10::IValue& result, const std::string& why);
 
+/// Note [stale copy views] (ops/shape.cpp): what a copy (a result that
+/// libtorch would return as a view of the ShardTensor `source`) records of its
+/// source, to be made anew after a write into it. The one home of that
+/// bookkeeping for shape.cpp's copy views and refuse_in_place_following's
+/// copies. Local, except outdated().
+struct CopyOrigin {
+  /// Records `source`'s layout and alias_version now; `what` names the view
+  /// op and its layouts in messages. Throws (internal) if `source` is not a
+  /// ShardTensor.
+  CopyOrigin(at::Tensor source, std::string what);
+  /// Collective over `source`'s mesh where `source` is itself a stale copy (it
+  /// is brought up to date first); otherwise local. Whether the copy must be
+  /// made anew (source's alias_version moved on), identical on every rank.
+  /// Throws on every rank alike when `source`'s layout changed since (an
+  /// in-place view op), naming `what` and `used`'s layout: take the view again.
+  bool outdated(const at::Tensor& used) const;
+  /// After the copy was made anew: counts it (refreshes) and records the
+  /// current version.
+  void remade();
+  /// After a write through the copy into the source: records the version.
+  void wrote_back() { seen = detail::alias_version(source); }
+  /// Local. Whether the copy shows old values (source or its own source
+  /// written since).
+  bool stale() const;
+
+  at::Tensor source;
+  SpecPtr spec;  // the source's layout when the copy was made
+  int64_t seen;  // the source's alias_version when the copy was last made
+  std::string what;
+  std::shared_ptr<int64_t> refreshes = std::make_shared<int64_t>(0);
+};
 /// Local (marks only; the refresh it installs is collective). Note [stale
 /// copy views] (ops/shape.cpp) for copies made anew by rerunning what made
 /// them: `results` (the ShardTensors of one call, copies where libtorch's

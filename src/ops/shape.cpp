@@ -233,69 +233,49 @@ void push_pieces(Stack* stack, const std::vector<Piece>& ps) {
 // again; I/O that reads pieces through local() raises alike rather than
 // save old values.
 struct Generation {
-  int64_t seen = 0;                    // the source's alias_version when the copy was last made
-  std::string what;                    // the view op, its input's and its result's layouts
-  SpecPtr spec;                        // the source's layout when the copy was made
+  CopyOrigin origin;                   // the source, its layout and version when the copy was made
   std::function<at::Tensor()> derive;  // collective: the copy, made anew from the source
-  std::shared_ptr<int64_t> refreshes = std::make_shared<int64_t>(0);
 };
 
 std::shared_ptr<Generation> generation(const std::string& view_op, const at::Tensor& base,
                                        const SpecPtr& result, std::function<at::Tensor()> derive) {
-  auto g = std::make_shared<Generation>();
-  g->seen = detail::alias_version(base);
-  g->spec = spec_ptr_of(base);
-  g->what = view_op + " of " + spec_of(base)->to_string() + " (a copy laid out as " +
-            result->to_string() + ")";
-  g->derive = std::move(derive);
-  return g;
+  return std::make_shared<Generation>(
+      Generation{CopyOrigin(base, view_op + " of " + spec_of(base)->to_string() +
+                                      " (a copy laid out as " + result->to_string() + ")"),
+                 std::move(derive)});
 }
 
 // Collective over every rank of the source's mesh where the source changed
 // (every rank alike). `rep` is the copy (the result's piece views it, or is a
 // contiguous copy of it when `copied`).
-void refresh_copy(Generation& gen, const at::Tensor& base, const at::Tensor& rep, bool copied,
-                  const at::Tensor& r) {
-  if (auto* bi = detail::shard_impl(base); bi->write_back() && bi->write_back()->refresh) {
-    bi->write_back()->refresh(base);  // a copy of a copy: its source first
-  }
-  if (detail::alias_version(base) == gen.seen) return;
-  TORCH_CHECK(spec_ptr_of(base) == gen.spec, "cannot use the result of ", gen.what,
-              ": it is a copy (libtorch's would be a view) and its source was changed in place "
-              "to the layout ",
-              spec_of(base)->to_string(),
-              " (an in-place view op) after the view was taken, so the copy cannot be made "
-              "anew from it (Note [stale copy views]); take the view again. The used tensor: ",
-              spec_of(r)->to_string());
+void refresh_copy(Generation& gen, const at::Tensor& rep, bool copied, const at::Tensor& r) {
+  if (!gen.origin.outdated(r)) return;
   const at::Tensor fresh = gen.derive();
   // A copy that is in fact the source's own piece (a mesh dim of one
   // coordinate replicates nothing) is up to date already.
   if (!rep.is_alias_of(fresh)) rep.copy_(fresh);
   if (copied) local_of(r).copy_(rep.reshape(local_of(r).sizes()));
-  gen.seen = detail::alias_version(base);
-  ++*gen.refreshes;
+  gen.origin.remade();
 }
 
 void set_refresh(detail::WriteBack& wb, const at::Tensor& base, const at::Tensor& rep, bool copied,
                  const std::shared_ptr<Generation>& gen) {
   if (!gen) return;
-  wb.refresh = [base, rep, copied, gen](const at::Tensor& r) {
-    refresh_copy(*gen, base, rep, copied, r);
-  };
+  wb.refresh = [rep, copied, gen](const at::Tensor& r) { refresh_copy(*gen, rep, copied, r); };
   wb.stale = [base, rep, copied, gen](const at::Tensor&) {
     if (detail::stale_copy_view(base)) return true;
     // A "copy" that is the source's own piece (a mesh dim of one coordinate
     // replicates nothing) shows the current values already.
     if (!copied && rep.is_alias_of(local_of(base))) return false;
-    return detail::alias_version(base) != gen->seen;
+    return gen->origin.stale();
   };
-  wb.refreshes = gen->refreshes;
+  wb.refreshes = gen->origin.refreshes;
 }
 
 // After a write-back into `base`'s piece.
 void wrote_back(const at::Tensor& base, const std::shared_ptr<Generation>& gen) {
   detail::bump_alias_version(base);
-  if (gen) gen->seen = detail::alias_version(base);
+  if (gen) gen->origin.wrote_back();
 }
 
 // Note [view write-back] (tensor/shard_tensor_impl.h) for a view result whose
