@@ -163,6 +163,43 @@ TEST(Alias, ViewOpsOutsideShapeHaveTorchStrides) {
   EXPECT_FALSE(v.unfold(1, 2, 1).is_contiguous());
 }
 
+// Issue 25: the generic fallback's view results (copies: as_strided,
+// view_as_real) have libtorch's strides too. Was: contiguous strides, so
+// `x.as_strided({3, 3}, {1, 3}).contiguous()` returned the copy itself, whose
+// writes are refused, where libtorch copies and takes the write; and
+// `.view(-1)` of it was taken where libtorch raises.
+TEST(Alias, FallbackViewResultsHaveTorchStrides) {
+  st::set_strict(false);
+  auto mesh = test_mesh();
+  auto x = rnd({4, 5}, 3, 4.0).round();
+  auto strided = [](const at::Tensor& t) { return t.as_strided({3, 3}, {1, 3}, 2); };
+  check_steps(mesh, "as_strided(...).contiguous()", x,
+              {push([&](const at::Tensor& t) { return strided(t).contiguous(); }), mul_view,
+               add_src, mul_view},
+              kLayouts, {at::kDouble, at::kLong, at::kComplexDouble});
+  check_steps(mesh, "as_strided(...).reshape(-1)", x,
+              {push([&](const at::Tensor& t) { return strided(t).reshape({-1}); }), mul_view,
+               zero_src, mul_view},
+              kLayouts);
+  check_steps(
+      mesh, "view_as_real(x[:, 1:4]).contiguous()", x,
+      {push([](const at::Tensor& t) { return at::view_as_real(t.slice(1, 1, 4)).contiguous(); }),
+       mul_view, add_src, mul_view},
+      kLayouts, {at::kComplexDouble});
+  for (const auto& wanted : kLayouts) {
+    const auto p = fit_placements(mesh, wanted);
+    const at::Tensor u = st::distribute_tensor(x, mesh, p);
+    EXPECT_EQ(strided(u).strides(), strided(x).strides()) << st::to_string(p);
+    EXPECT_FALSE(strided(u).is_contiguous()) << st::to_string(p);
+    EXPECT_TRUE(throws_everywhere([&] { (void)strided(u).view({-1}); }, {"view", "stride"}))
+        << "as_strided(...).view(-1) must raise as in libtorch, on " << st::to_string(p);
+    const at::Tensor uc = st::distribute_tensor(x.to(at::kComplexDouble), mesh, p);
+    EXPECT_EQ(at::view_as_real(uc.slice(1, 1, 4)).strides(),
+              at::view_as_real(x.to(at::kComplexDouble).slice(1, 1, 4)).strides())
+        << st::to_string(p);
+  }
+}
+
 // view and reshape decide view or copy from the global strides, on every
 // rank alike: view of a non-contiguous tensor raises everywhere (as in
 // libtorch), reshape of it copies everywhere, reshape of a contiguous one is

@@ -306,6 +306,10 @@ void generic_fallback(const c10::OperatorHandle& op, std::vector<c10::IValue>* s
                                         stack->end());
   const std::vector<at::Tensor> views = view_results(schema, pushed);
   if (views.empty()) return;
+  // Their wrappers get libtorch's strides (Note [wrapper strides]): a copy
+  // whose strides say "not contiguous" is copied by contiguous(), reshape,
+  // ..., as libtorch's view would be, instead of being written in place.
+  ops::set_torch_strides(op, args, stack);
   const at::Tensor source = view_source(schema, args);
   if (!source.defined()) {
     for (const at::Tensor& t : views) ops::refuse_in_place(t, copy_not_view(op));

@@ -51,6 +51,15 @@ std::vector<std::string> registered_rule_names();
 /// ops/shape.cpp). For the rules of view ops. Throws what `rule` throws.
 Rule with_torch_strides(Rule rule);
 
+/// Local (metadata only, identical on every rank). What with_torch_strides
+/// does after its rule: gives the ShardTensor results among the last
+/// `op.schema().returns().size()` values of `stack` the strides of libtorch's
+/// own results, from `op` run on meta tensors of `args`' global sizes and
+/// strides (`args`: the op's arguments as the rule received them). Results
+/// stay contiguous where the meta call raises. Throws nothing of its own.
+void set_torch_strides(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                       Stack* stack);
+
 /// Static registration helper: `static RuleRegistrar r({"relu", "relu_"}, rule);`
 struct RuleRegistrar {
   RuleRegistrar(std::initializer_list<const char*> names, const Rule& rule,

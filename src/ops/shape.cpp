@@ -1175,43 +1175,52 @@ void diagonal_rule(const c10::OperatorHandle& op, Stack* stack) {
 // real, imag and clone in ops/pointwise.cpp; unfold in ops/unfold.cpp):
 // before, `x.real.contiguous()`, `x.unfold(...).contiguous()` and
 // `x.t().detach().contiguous()` returned the view, so writes through them
-// reached `x`. Results of every other rule have contiguous strides; they are
-// fresh tensors, so only is_contiguous() and stride() can tell.
+// reached `x`. The generic fallback gives its view results (copies: as_strided,
+// view_as_real, ...) the same strides (ops::set_torch_strides), so that
+// `x.as_strided(...).contiguous()` copies and can be written, as in libtorch.
+// Results of every other rule have contiguous strides; they are fresh
+// tensors, so only is_contiguous() and stride() can tell.
 }  // namespace
+
+void set_torch_strides(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args,
+                       Stack* stack) {
+  Stack meta(args.begin(), args.end());
+  for (auto& v : meta) {
+    // Plain tensor operands too: a meta call refuses to mix devices.
+    if (!v.isTensor() || !v.toTensor().defined()) continue;
+    const at::Tensor& t = v.toTensor();
+    v = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+  }
+  try {
+    op.callBoxed(&meta);
+  } catch (const c10::Error&) {
+    return;  // libtorch would refuse what the rule took: the strides stay contiguous
+  }
+  const size_t nret = op.schema().returns().size();
+  if (meta.size() < nret || stack->size() < nret) return;
+  auto set = [](const at::Tensor& r, const at::Tensor& m) {
+    auto* impl = detail::shard_impl(r);
+    if (impl && m.defined() && m.sizes() == r.sizes()) impl->set_global_strides(m.strides());
+  };
+  for (size_t j = 0; j < nret; ++j) {
+    const c10::IValue& r = (*stack)[stack->size() - nret + j];
+    const c10::IValue& m = meta[meta.size() - nret + j];
+    if (r.isTensor() && m.isTensor()) {
+      set(r.toTensor(), m.toTensor());
+    } else if (r.isTensorList() && m.isTensorList()) {
+      const auto rs = r.toTensorVector();
+      const auto ms = m.toTensorVector();
+      for (size_t k = 0; k < rs.size() && k < ms.size(); ++k) set(rs[k], ms[k]);
+    }
+  }
+}
 
 Rule with_torch_strides(Rule rule) {
   return [rule = std::move(rule)](const c10::OperatorHandle& op, Stack* stack) {
     const size_t n = op.schema().arguments().size();
-    Stack meta(stack->end() - n, stack->end());
-    for (auto& v : meta) {
-      // Plain tensor operands too: a meta call refuses to mix devices.
-      if (!v.isTensor() || !v.toTensor().defined()) continue;
-      const at::Tensor& t = v.toTensor();
-      v = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
-    }
+    const std::vector<c10::IValue> args(stack->end() - n, stack->end());
     rule(op, stack);
-    try {
-      op.callBoxed(&meta);
-    } catch (const c10::Error&) {
-      return;  // libtorch would refuse what the rule took: the strides stay contiguous
-    }
-    const size_t nret = op.schema().returns().size();
-    if (meta.size() < nret || stack->size() < nret) return;
-    auto set = [](const at::Tensor& r, const at::Tensor& m) {
-      auto* impl = detail::shard_impl(r);
-      if (impl && m.defined() && m.sizes() == r.sizes()) impl->set_global_strides(m.strides());
-    };
-    for (size_t j = 0; j < nret; ++j) {
-      const c10::IValue& r = (*stack)[stack->size() - nret + j];
-      const c10::IValue& m = meta[meta.size() - nret + j];
-      if (r.isTensor() && m.isTensor()) {
-        set(r.toTensor(), m.toTensor());
-      } else if (r.isTensorList() && m.isTensorList()) {
-        const auto rs = r.toTensorVector();
-        const auto ms = m.toTensorVector();
-        for (size_t k = 0; k < rs.size() && k < ms.size(); ++k) set(rs[k], ms[k]);
-      }
-    }
+    set_torch_strides(op, args, stack);
   };
 }
 
