@@ -441,6 +441,31 @@ TEST(CommAllReduce, NogradEveryDtypeAndOp) {
         << s;
     EXPECT_THROW(comm::all_reduce_nograd(z, mesh, {0}, ReduceOp::Max), c10::Error);
   }
+  // Note [complex sums]: infinite parts add componentwise, as at::sum over
+  // the stacked contributions does (libtorch's a + b gives nan+nan i for
+  // 0 + (inf+inf i)): the last coordinate holds the infinities, the others
+  // zero or finite values, and one element mixes +inf with -inf (NaN).
+  const double inf = std::numeric_limits<double>::infinity();
+  for (auto dtype : {at::kComplexFloat, at::kComplexDouble}) {
+    for (const Axis& a : axes(mesh)) {
+      auto value = [&](int64_t c) {
+        if (c == a.P - 1) {
+          return at::complex(at::tensor({inf, 1.0, -inf, 2.0}, at::kDouble),
+                             at::tensor({inf, inf, 0.0, -inf}, at::kDouble))
+              .to(dtype);
+        }
+        return at::complex(at::tensor({0.0, -1.0, static_cast<double>(c), inf}, at::kDouble),
+                           at::tensor({0.0, -1.0, 0.5, 1.0}, at::kDouble))
+            .to(dtype);
+      };
+      std::vector<at::Tensor> all;
+      for (int64_t c = 0; c < a.P; ++c) all.push_back(value(c));
+      at::Tensor expected = at::stack(all).sum(0);
+      at::Tensor out = comm::all_reduce_nograd(value(a.me), mesh, {a.mesh_dim}, ReduceOp::Sum);
+      EXPECT_TRUE(all_close(out, expected, 0.0, 0.0))
+          << "mesh dim " << a.mesh_dim << " " << c10::toString(dtype);
+    }
+  }
 }
 
 TEST(CommAllReduce, Adjoint) {

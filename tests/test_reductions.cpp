@@ -296,6 +296,40 @@ TEST_F(Reductions, MaxPropagatesNaN) {
   }
 }
 
+// Note [selected gradient] (src/ops/reductions.cpp): an infinite or NaN
+// gradient reaches only the selected elements of max.dim/min.dim and (on
+// CPU) max()/min(), as libtorch's scatter/fill backward; amax multiplies by
+// the mask, so its NaN covers the whole slice. v * v gives an infinite
+// cotangent where v is infinite, v * v.sum() a NaN one everywhere.
+TEST_F(Reductions, NonFiniteGradientReachesSelectedOnly) {
+  auto with_inf = rnd(kShape, 15);
+  with_inf.index_put_({2, 4, 1}, kInf);
+  with_inf.index_put_({5, 0, 3}, -kInf);
+  auto with_nan = with_inf.clone();
+  with_nan.index_put_({1, 2, 4}, NAN);
+  auto squared = [](at::Tensor v) { return v * v; };
+  auto times_sum = [](at::Tensor v) { return v * v.sum(); };
+  std::vector<Case> cases;
+  for (int64_t d : {0, 1, 2}) {
+    const std::string tag = "(" + std::to_string(d) + ")";
+    for (const auto& [how, g] : {std::pair{std::string(" * itself"), Fn(squared)},
+                                 std::pair{std::string(" * its sum"), Fn(times_sum)}}) {
+      cases.push_back({"max" + tag + ".values" + how,
+                       [=](const at::Tensor& x) { return g(std::get<0>(x.max(d, true))); }});
+      cases.push_back({"min" + tag + ".values" + how,
+                       [=](const at::Tensor& x) { return g(std::get<0>(x.min(d))); }});
+      cases.push_back(
+          {"amax" + tag + how, [=](const at::Tensor& x) { return g(x.amax(IntList{d})); }});
+    }
+  }
+  cases.push_back({"max() * itself", [=](const at::Tensor& x) { return squared(x.max()); }});
+  cases.push_back({"min() * itself", [=](const at::Tensor& x) { return squared(x.min()); }});
+  cases.push_back(
+      {"amax() * itself", [=](const at::Tensor& x) { return squared(x.amax(IntList{})); }});
+  sweep(cases, with_inf);
+  sweep(cases, with_nan);
+}
+
 // max(a, b) is the binary overload: it must reach its decomposition (maximum).
 TEST_F(Reductions, BinaryMaxIsNotAReduction) {
   auto a = rnd(kShape, 15), b = rnd(kShape, 16);

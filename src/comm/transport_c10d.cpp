@@ -385,6 +385,17 @@ namespace {
 
 // acc = acc (op) x, element-wise, in acc's dtype (MPI's semantics per dtype:
 // bool Sum/Max are or, Min/Product and; complex has Sum and Product only).
+//
+// Note [complex sums]: libtorch's complex add computes a + alpha * b with
+// alpha = 1 + 0i multiplied in full, so an infinite b turns into NaN:
+// (-1-1i) + (inf+inf i) and even 0 + (inf+inf i) give nan+nan i, while
+// (inf+inf i) + (-1-1i) and at::sum over both give inf+inf i (libtorch
+// 2.13 CPU, float and double). A sum over ranks stands for one libtorch
+// reduction (at::sum, or a matmul's accumulation), which adds the real and
+// imaginary parts separately; so the contributions are added through the
+// real view: the same finite values, and Inf/NaN where the summands' parts
+// have them, whatever the rank order (an empty piece's zero included).
+
 void combine_(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
   if (acc.scalar_type() == at::kBool) {
     if (op == ReduceOp::Sum || op == ReduceOp::Max) {
@@ -398,7 +409,12 @@ void combine_(at::Tensor& acc, const at::Tensor& x, ReduceOp op) {
               "shardtensor transport: ", op == ReduceOp::Max ? "Max" : "Min", " of complex values");
   switch (op) {
     case ReduceOp::Sum:
-      acc.add_(x);
+      if (acc.is_complex()) {
+        // Note [complex sums]: componentwise, as libtorch's sum kernel.
+        at::view_as_real(acc).add_(at::view_as_real(x.resolve_conj()));
+      } else {
+        acc.add_(x);
+      }
       return;
     case ReduceOp::Product:
       acc.mul_(x);

@@ -58,6 +58,39 @@
 // create_graph it differentiates the rebuilt forward instead, so gradients
 // of any order stay exact (Note [differentiable adjoints]).
 //
+// Note [transposed convolution weight gradient]: both paths over-compute:
+// the general one convolves the halo-extended input (zeros past the global
+// edges) into a window wider than the block and gives the rows outside the
+// block a zero gradient; the split-phase one discards the piece's boundary
+// rows and reads zero rows in its strips. The weight gradient, the sum over
+// the pairs (input i, output o) of x[i] * g[o], then holds products that
+// libtorch's single call does not form: an Inf/NaN input times a zero
+// gradient (NaN where libtorch has +-Inf; fuzz seed 210033, a
+// conv_transpose3d weight gradient NaN at 8 vs 7 positions) and a zero
+// input times an Inf gradient. On the general path, ConvTransposeFn gives
+// the weight no first-order gradient and TconvWeightGradFn (the identity on
+// the output) computes it pairing by input ownership instead: this rank's
+// piece [off, off + n) with the output gradient over the whole window it
+// writes, [off*s - p, (off + n - 1)*s - p + d(k-1) + 1), gathered from the
+// block owners and zero past [0, N_out) (libtorch's kernel multiplies the
+// cropped positions by zero too: an Inf at x[0] with p = 1 gives NaN there
+// as well), through at::convolution_backward with padding 0 on the sharded
+// dims. Every pair is formed exactly once, on the input's owner, as in
+// libtorch's one call; the gradient is then summed over the mesh as before
+// (use_replicated). Cost: one more halo exchange of the output gradient in
+// backward (the forward's reach, transposed) and a weight-gradient
+// convolution of the piece instead of the halo-extended one. Under
+// create_graph it steps aside (ConvTransposeFn's rebuilt forward gives the
+// weight gradient, as before, so second derivatives stay exact); in any
+// pass without create_graph, the second-order one included, it is the one
+// that gives the weight its share of the output's gradient. Open: the split
+// path keeps its own weight gradient. Dropping it (an identity on the
+// weight) also drops the second-order term d(grad_x)/d(weight), which
+// reaches the weight through the same node in the second pass
+// (DoubleBackward.ConvTransposeAndPool1d failed that way), so its non-finite
+// positions can still differ from libtorch's (tests run the general path
+// with SHARDTENSOR_TCONV_SPLIT=0).
+//
 // Note [split-phase transposed convolution]: where it applies, the forward
 // makes no copy of the input piece and over-computes nothing beyond a few
 // boundary rows (issue 13). Decided from global metadata only (split_plan:
@@ -156,6 +189,7 @@ struct TransposedPlan {
   int64_t groups = 1;
   bool has_bias = false;
   int64_t bias_size = 0;
+  bool exact_w = false;  // Note [transposed convolution weight gradient]: first order elsewhere
   std::vector<int64_t> out_local;                  // the block, as returned
   std::vector<std::pair<int64_t, int64_t>> block;  // (batched dim, start) per sharded dim
 };
@@ -228,7 +262,9 @@ struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
     const auto& p =
         *static_cast<TransposedPlanHolder*>(ctx->saved_data.at("plan").toCapsule().get())->plan;
     const bool need_in = ctx->needs_input_grad(0);
-    const bool need_w = ctx->needs_input_grad(1);
+    // Note [transposed convolution weight gradient]: in first order
+    // TconvWeightGradFn gives the weight its gradient.
+    const bool need_w = ctx->needs_input_grad(1) && (!p.exact_w || at::GradMode::is_enabled());
     const bool need_b = p.has_bias && ctx->needs_input_grad(2);
     const at::Tensor go = grads[0].defined() ? grads[0] : at::zeros(p.out_local, local.options());
 
@@ -293,6 +329,66 @@ struct ConvTransposeFn : torch::autograd::Function<ConvTransposeFn> {
       grad_local = g.is_same(x_in) ? gx : torch::autograd::grad({g}, {x_in}, {gx})[0];
     }
     return {grad_local, need_w ? gw : at::Tensor(), need_b ? gbias : at::Tensor(), at::Tensor()};
+  }
+};
+
+// Note [transposed convolution weight gradient]: the gradient's gather and
+// the local weight-gradient call.
+struct WeightGradPlan {
+  DeviceMesh mesh;
+  std::vector<stencil::DimPlan> plans;  // over the output gradient
+  bool batched = true;
+  std::vector<int64_t> stride, padding, output_padding, dilation;  // of the local call
+  int64_t groups = 1;
+  std::vector<int64_t> out_local;  // the block's shape
+};
+
+struct WeightGradPlanHolder : torch::CustomClassHolder {
+  explicit WeightGradPlanHolder(std::shared_ptr<const WeightGradPlan> p) : plan(std::move(p)) {}
+  std::shared_ptr<const WeightGradPlan> plan;
+};
+
+// Collective over the planned mesh dims: this rank's share of the weight
+// gradient (Note [transposed convolution weight gradient]).
+at::Tensor exact_weight_grad(const at::Tensor& go, const at::Tensor& local,
+                             const at::Tensor& weight, const WeightGradPlan& p) {
+  at::Tensor g = stencil::gather_plans(go, p.mesh, p.plans, PadMode::Constant, 0.0);
+  at::Tensor gb = p.batched ? g : g.unsqueeze(0);
+  at::Tensor xb = p.batched ? local : local.unsqueeze(0);
+  if (any_zero(gb.sizes()) || any_zero(xb.sizes())) return at::zeros_like(weight);
+  return std::get<1>(at::convolution_backward(gb, xb, weight, c10::nullopt, p.stride, p.padding,
+                                              p.dilation, true, p.output_padding, p.groups,
+                                              {false, true, false}));
+}
+
+// Hand-written: the identity on the output, whose backward also gives the
+// weight its exact first-order gradient (Note [transposed convolution weight
+// gradient]); collective over the planned mesh dims in backward.
+struct TconvWeightGradFn : torch::autograd::Function<TconvWeightGradFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& out, const at::Tensor& weight,
+                            const at::Tensor& local, std::shared_ptr<const WeightGradPlan> plan) {
+    ctx->save_for_backward({local, weight});
+    ctx->saved_data["plan"] =
+        c10::IValue::make_capsule(c10::make_intrusive<WeightGradPlanHolder>(std::move(plan)));
+    return out;  // returned input: autograd makes it a view with this node as grad_fn
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return ::shardtensor::ops::carried_backward("TconvWeightGradFn::backward", ctx,
+                                                std::move(grads), &backward_formula);
+  }
+  // The formula (Note [carried rule errors]: carried_backward runs it).
+  static variable_list backward_formula(AutogradContext* ctx, variable_list grads) {
+    // The same graph and grad mode, hence the same branch, on every rank.
+    if (at::GradMode::is_enabled() || !ctx->needs_input_grad(1)) {
+      return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    auto saved = ctx->get_saved_variables();
+    const auto& p =
+        *static_cast<WeightGradPlanHolder*>(ctx->saved_data.at("plan").toCapsule().get())->plan;
+    const at::Tensor go =
+        grads[0].defined() ? grads[0] : at::zeros(p.out_local, saved[0].options());
+    at::Tensor gw = exact_weight_grad(go, saved[0], saved[1], p);
+    return {grads[0], gw, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -688,12 +784,46 @@ void conv_transpose_rule(const c10::OperatorHandle& op, std::vector<c10::IValue>
     plan->block.emplace_back(plan->batched ? pl.dim : pl.dim + 1,
                              out_off[pl.dim] - (lo * stride[i] - pad[i]));
   }
+  // Note [transposed convolution weight gradient]: the gradient's window
+  // per input piece.
+  std::shared_ptr<WeightGradPlan> wplan;
+  if (at::GradMode::is_enabled() && wl.requires_grad()) {
+    wplan = std::make_shared<WeightGradPlan>();
+    wplan->mesh = mesh;
+    wplan->batched = plan->batched;
+    wplan->stride = stride;
+    wplan->padding = pad;
+    wplan->output_padding = opad;
+    wplan->dilation = dil;
+    wplan->groups = groups;
+    wplan->out_local = plan->out_local;
+    for (const auto& pl : plans) {
+      const int64_t i = pl.dim - (ndim - nd);
+      wplan->padding[i] = 0;
+      wplan->output_padding[i] = 0;
+      stencil::DimPlan gp;
+      gp.dim = pl.dim;
+      gp.mesh_dim = pl.mesh_dim;
+      gp.in_sizes = pl.out_sizes;
+      gp.out_sizes = pl.in_sizes;
+      int64_t off = 0;
+      for (int64_t n : pl.in_sizes) {
+        const int64_t lo = off * stride[i] - pad[i];
+        const int64_t hi = n == 0 ? lo : lo + (n - 1) * stride[i] + dil[i] * (kernel[i] - 1) + 1;
+        gp.ranges.emplace_back(lo, hi);
+        off += n;
+      }
+      wplan->plans.push_back(std::move(gp));
+    }
+  }
   // Note [split-phase transposed convolution].
   TconvArgs targs{stride, pad, opad, dil, kernel, groups};
   at::Tensor out;
   if (auto sp = split_plan(layout.input, plans, targs, ndim - nd, plan->batched)) {
     std::vector<int64_t> bshape = plan->out_local;
     if (!plan->batched) bshape.insert(bshape.begin(), 1);
+    // Note [transposed convolution weight gradient]: not on this path (yet).
+    wplan = nullptr;
     out =
         split_forward(plan->batched ? local : local.unsqueeze(0), wl, bl, *sp, targs, mesh, bshape);
     if (!plan->batched) out = out.squeeze(0);
@@ -704,7 +834,11 @@ void conv_transpose_rule(const c10::OperatorHandle& op, std::vector<c10::IValue>
     plan->has_bias = bl.defined();
     plan->bias_size = bl.defined() ? bl.size(0) : 0;
     if (!bl.defined()) bl = at::empty({0}, wl.options());
+    plan->exact_w = wplan != nullptr;
     out = ConvTransposeFn::apply(local, wl, bl, std::shared_ptr<const TransposedPlan>(plan));
+  }
+  if (wplan) {
+    out = TconvWeightGradFn::apply(out, wl, local, std::shared_ptr<const WeightGradPlan>(wplan));
   }
   // Note [channel-sharded transposed convolution]: sum over the channel
   // pieces, split the output channels, then the bias.

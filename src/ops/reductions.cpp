@@ -288,6 +288,17 @@ void sum_like(const c10::OperatorHandle& op, Stack* stack, bool mean, bool nan) 
 // amax/amin(self, dim=[], keepdim); max/min(self): the extreme over the dims;
 // the gradient is shared evenly among the elements equal to it (ties), as in
 // libtorch, with the tie count summed over the mesh.
+//
+// Note [selected gradient]: where a NaN or infinite gradient lands depends on
+// how libtorch's backward builds it, and the carriers follow it. amax/amin
+// (amax_backward) and max/min on CUDA (evenly_distribute_backward) multiply
+// the gradient by the mask, so NaN * 0 = NaN reaches every element of the
+// slice: carrier sum(x * w). max/min on CPU fill a zero tensor at the mask,
+// and max.dim/min.dim scatter into zeros (value_selecting_reduction_backward),
+// so only the selected elements get it: carrier sum(where(mask, x, 0)), whose
+// backward is where(mask, grad, 0). Measured with a NaN cotangent on
+// [[1, 5, inf], [2, nan, 0]]: max() gives NaN at the NaN only, amax() NaN
+// everywhere, max(1).values NaN at (0, 2) and (1, 1) only.
 void extreme_rule(const c10::OperatorHandle& op, Stack* stack, bool is_max) {
   auto args = pop_args(op, stack);
   const at::Tensor& x = args[0].toTensor();
@@ -312,6 +323,11 @@ void extreme_rule(const c10::OperatorHandle& op, Stack* stack, bool is_max) {
     at::Tensor mask = dims_form ? xd == m : equals_extreme(xd, m);
     at::Tensor count =
         comm::all_reduce_nograd(mask.sum(p.dims, true), in.mesh(), p.mesh_dims, ReduceOp::Sum);
+    // Note [selected gradient]: max/min on CPU only reach the mask.
+    if (!dims_form && !local.is_cuda()) {
+      return at::where(mask, local, at::zeros({}, local.options())).sum(p.dims, true) /
+             count.to(xd.scalar_type());
+    }
     at::Tensor w = mask.to(xd.scalar_type()) / count.to(xd.scalar_type());
     return (local * w).sum(p.dims, true);
   });
@@ -357,7 +373,9 @@ void extreme_dim_rule(const c10::OperatorHandle& op, Stack* stack, bool is_max) 
     std::vector<int64_t> shape(xd.dim(), 1);
     shape[d] = xd.size(d);
     at::Tensor pos = (at::arange(xd.size(d), idx.options()) + offset).view(shape);
-    return (local * (pos == idx).to(local.scalar_type())).sum(d, true);
+    // Note [selected gradient]: the selected element only (not x * one_hot,
+    // whose backward puts NaN * 0 = NaN on the rest of the slice).
+    return at::where(pos == idx, local, at::zeros({}, local.options())).sum(d, true);
   });
   stack->push_back(result(finish(values, p), p));
   stack->push_back(result(finish(idx, p), p));
