@@ -33,7 +33,7 @@ at::Tensor from_rows(const at::Tensor& rows, int64_t dim) {
 
 at::Tensor gather_along(const at::Tensor& local, Comm comm, int64_t dim,
                         const std::vector<int64_t>& sizes) {
-  at::Tensor send = local.movedim(dim, 0).contiguous();  // piece-sized
+  at::Tensor send = transport::send_buffer(local.movedim(dim, 0));  // piece-sized
   int64_t outer = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= local.size(d);
   if (outer > 1) {
@@ -55,7 +55,7 @@ at::Tensor gather_along(const at::Tensor& local, Comm comm, int64_t dim,
 
 at::Tensor reduce_scatter_along(const at::Tensor& t, Comm comm, int64_t dim,
                                 const std::vector<int64_t>& sizes, int64_t me) {
-  at::Tensor send = t.movedim(dim, 0).contiguous();
+  at::Tensor send = transport::send_buffer(t.movedim(dim, 0));
   const int64_t row = row_numel(t.sizes(), dim);
   at::Tensor recv = at::empty(rows_shape(t.sizes(), dim, sizes[me]), t.options());
   std::vector<int64_t> numel(sizes.size());

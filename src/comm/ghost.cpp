@@ -51,7 +51,7 @@ std::vector<int64_t> row_shape(const at::Tensor& t, int64_t rows) {
 at::Tensor accumulate_kernel(const at::Tensor& extended, const detail::GhostPlanData& d,
                              ReduceOp op) {
   const int64_t n = d.sizes[d.me];
-  at::Tensor ext = extended.contiguous();
+  at::Tensor ext = comm::transport::send_buffer(extended);
   at::Tensor out = ext.narrow(0, 0, n).clone(at::MemoryFormat::Contiguous);
   std::vector<comm::transport::PeerBuffer> sends, recvs;
   for (size_t i = 0; i < d.recv_peer.size(); ++i)
@@ -75,7 +75,7 @@ at::Tensor accumulate_kernel(const at::Tensor& extended, const detail::GhostPlan
 
 at::Tensor exchange_kernel(const at::Tensor& owned, const detail::GhostPlanData& d) {
   const int64_t n = d.sizes[d.me];
-  at::Tensor own = owned.contiguous();
+  at::Tensor own = comm::transport::send_buffer(owned);
   at::Tensor ext = at::empty(row_shape(own, n + d.ghost_ids.numel()), own.options());
   ext.narrow(0, 0, n).copy_(own);
   std::vector<comm::transport::PeerBuffer> sends, recvs;

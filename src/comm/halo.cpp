@@ -357,7 +357,7 @@ PendingHalo HaloPlan::start_neighbor(const at::Tensor& piece, double value, Comm
   PendingHalo h;
   h.plan_ = this;
   h.neighbor_ = true;
-  const at::Tensor src = piece.contiguous();
+  const at::Tensor src = transport::send_buffer(piece);
   h.out_ = at::empty(out_shape, piece.options());
   h.out_rows_ = h.out_.movedim(dim, 0);
   h.pending_ = std::make_unique<transport::PendingExchange>(transport::start_neighbor_exchange(

@@ -156,7 +156,7 @@ AllToAllPlan::AllToAllPlan(Axis axis, int64_t src_dim, std::vector<int64_t> src_
 }
 
 at::Tensor AllToAllPlan::run(const at::Tensor& input) const {
-  const at::Tensor local = input.contiguous();
+  const at::Tensor local = transport::send_buffer(input);
   const int64_t P = axis_.size, me = axis_.me;
   const int64_t src_dim = src_dim_, dst_dim = dst_dim_;
   const auto& src_sizes = src_sizes_;

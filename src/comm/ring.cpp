@@ -17,7 +17,7 @@ RingShift RingShift::start(const at::Tensor& send, c10::IntArrayRef recv_shape,
   const int me = transport::comm_rank(comm);
   const int next = static_cast<int>((me + 1) % p);
   const int prev = static_cast<int>((me + p - 1) % p);
-  r.send_ = send.contiguous();
+  r.send_ = transport::send_buffer(send);
   r.recv_ = at::empty(recv_shape, send.options().memory_format(at::MemoryFormat::Contiguous));
   r.pending_ = transport::start_exchange({transport::PeerBuffer{next, r.send_}},
                                          {transport::PeerBuffer{prev, r.recv_}}, comm, tag);

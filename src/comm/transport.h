@@ -82,6 +82,26 @@ namespace shardtensor::comm::transport {
 /// one communicator match as long as every rank posts them in the same order.
 constexpr int kExchangeTag = 7031;
 
+/// Note [no lazy bits in buffers]
+/// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+/// The transport moves raw bytes, so a buffer must hold its values: not a
+/// libtorch lazy conjugate or negative view (is_conj(), is_neg()), whose bytes
+/// are the unconjugated / unnegated values. contiguous() keeps those bits;
+/// clone() and copy_() resolve them. Pieces are resolved where they are
+/// wrapped (Note [no lazy bits in pieces]), but gradients reach the primitives'
+/// backward as plain tensors: libtorch's complex backward formulas return conj
+/// views (logcumsumexp_backward ends in output.conj()), and sending one
+/// conjugated every gradient it carried (fuzz seed 300423 at np3: a complex
+/// logcumsumexp on a replicated tensor after a sum over an uneven sharded dim
+/// and a gathering fallback). Every send buffer is made with send_buffer(),
+/// and the transport raises on a buffer that still carries a lazy bit.
+///
+/// Local. `t`'s values as a contiguous tensor with no lazy conj/neg bit (`t`
+/// itself when it is one already).
+inline at::Tensor send_buffer(const at::Tensor& t) {
+  return t.resolve_conj().resolve_neg().contiguous();
+}
+
 /// Local. Size of and this process's rank in `comm`. Throw c10::Error on MPI failure.
 int comm_size(Comm comm);
 int comm_rank(Comm comm);

@@ -166,6 +166,8 @@ void check_buffer(const at::Tensor& t, const char* what, Comm comm) {
     guard.getStream(t.device()).synchronize();
   }
   TORCH_CHECK(t.is_contiguous(), "shardtensor transport: ", what, " must be contiguous");
+  TORCH_CHECK(!t.is_conj() && !t.is_neg(), "shardtensor transport: ", what,
+              " carries a lazy conjugate/negative bit (Note [no lazy bits in buffers])");
 }
 
 at::Tensor host_like(const at::Tensor& t) {

@@ -767,9 +767,26 @@ void adaptive_avg_reduce(const c10::OperatorHandle& op, std::vector<c10::IValue>
     for (int64_t i = 0; i < nd; ++i) shape[st.spatial[i]] = st.out_ext[i];
     y = st.local.sum() * 0 + at::zeros(shape, st.local.options());
   } else {
-    y = nd == 1   ? at::adaptive_avg_pool1d(st.local, call_out)
-        : nd == 2 ? at::adaptive_avg_pool2d(st.local, call_out)
-                  : at::adaptive_avg_pool3d(st.local, call_out);
+    // Note [adaptive mean]: with output extent 1 on every spatial dim,
+    // libtorch's adaptive_avg_pool{1,2,3}d is input.mean(spatial dims) (its
+    // only path for complex: the kernel refuses complex). The local call here
+    // keeps the sharded dims' local extents (an identity along them), which
+    // would take the kernel and raise on the ranks with data only (fuzz seed
+    // 420577 at np4); so, all ones, the local step is that mean over the
+    // unsharded spatial dims, and the weights below average the sharded ones.
+    bool all_ones = true;
+    std::vector<int64_t> unsharded;
+    for (int64_t i = 0; i < nd; ++i) {
+      all_ones = all_ones && st.out_ext[i] == 1;
+      if (st.spec.mesh_dim_of(st.spatial[i]) < 0) unsharded.push_back(st.spatial[i]);
+    }
+    if (all_ones) {
+      y = unsharded.empty() ? st.local : st.local.mean(unsharded, /*keepdim=*/true);
+    } else {
+      y = nd == 1   ? at::adaptive_avg_pool1d(st.local, call_out)
+          : nd == 2 ? at::adaptive_avg_pool2d(st.local, call_out)
+                    : at::adaptive_avg_pool3d(st.local, call_out);
+    }
     for (int64_t i = 0; i < nd; ++i) {
       const int64_t d = st.spatial[i];
       if (st.spec.mesh_dim_of(d) < 0) continue;

@@ -32,7 +32,22 @@
 // composition gave 0). The backward is written with differentiable ops and
 // gather_totals (Note [replicated gradients]) so that it can be differentiated
 // again; double backward and forward-mode AD of this path are not tested.
-// Complex inputs keep the composed form (libtorch's complex backward differs).
+// Complex inputs take another path (Note [complex logcumsumexp]).
+//
+// Note [complex logcumsumexp]: for complex values libtorch's scan is the
+// sequential recursion y_i = max + log1p(exp(min - max)) (min/max by real
+// part), whose imaginary part is not reduced to (-pi, pi]: it follows the
+// branch the recursion walks along. Folding the pieces' totals with logaddexp
+// (Note [distributed scan]) gives the same values modulo 2*pi*i only (fuzz
+// seed 300423 at np3: Im off by 2*pi, 4*pi, ...), and the branch of y_i
+// depends on every earlier element, so no fold of per-piece totals recovers it.
+// Along a sharded dim, a complex logcumsumexp therefore gathers the whole dim
+// over m (all-gatherv of the uneven or empty pieces), runs libtorch's own scan
+// on it and keeps this coordinate's slice (shard_slice): values and gradients
+// are libtorch's, NaN and Inf handling included. Cost: the gathered dim on
+// every rank of m (P times the piece's memory), one all-gather of the pieces
+// in forward and one all-gather of the gradient in backward, against one
+// cross-section each for real dtypes.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -200,8 +215,16 @@ void scan_rule(Scan kind, const c10::OperatorHandle& op, Stack* stack) {
   Prepared p = prepare(op, args);
   at::Tensor x = p.x;
   if (args.size() > 2 && !args[2].isNone()) x = x.to(args[2].toScalarType());
-  if (kind == Scan::LogSumExp && p.m >= 0 && !x.is_complex()) {
-    at::Tensor y = LogcumsumexpFn::apply(x, p.d, p.spec->mesh(), p.m, p.coord);
+  if (kind == Scan::LogSumExp && p.m >= 0) {
+    const DeviceMesh& mesh = p.spec->mesh();
+    at::Tensor y;
+    if (x.is_complex()) {  // Note [complex logcumsumexp]
+      const std::vector<int64_t>& sizes = p.spec->shard_sizes(p.m);
+      at::Tensor whole = comm::all_gather(x, mesh, p.m, p.d, sizes);
+      y = comm::shard_slice(at::logcumsumexp(whole, p.d), mesh, p.m, p.d, sizes);
+    } else {
+      y = LogcumsumexpFn::apply(x, p.d, mesh, p.m, p.coord);
+    }
     stack->push_back(wrap(y, p.spec));
     return;
   }
@@ -216,9 +239,6 @@ void scan_rule(Scan kind, const c10::OperatorHandle& op, Stack* stack) {
         break;
       case Scan::Prod:
         y = y * before.prod(p.d, /*keepdim=*/true);
-        break;
-      case Scan::LogSumExp:  // complex: composed from local ops
-        y = fold_lse(y, g, p.d, 0, p.coord);
         break;
       default:
         TORCH_INTERNAL_ASSERT(false);

@@ -12,9 +12,10 @@
 // and, one time in three, random explicit shard sizes with zeros (the first, a
 // middle or the last piece empty through split_with_empty in tests/testing.h,
 // random cuts, or everything on one coordinate); float32 or float64, one
-// program in ten int32/int64 (exact comparison). With FUZZ_EXTENDED=2 also one
-// in ten complex64/128, and one float or complex program in eight starts with
-// Inf, -Inf and NaN entries (not yet the default: see make_program).
+// program in ten int32/int64 (exact comparison) and one in ten complex64/128
+// (the default, FUZZ_EXTENDED=1). With FUZZ_EXTENDED=2 also one float or
+// complex program in eight starts with Inf, -Inf and NaN entries (not yet the
+// default: see make_program).
 // It then chains 1 to 5 ops drawn from these families:
 //   stencil     conv1d/2d/3d and at::convolution (random kernel, stride,
 //               dilation, padding, depthwise groups; zeros/reflect/replicate/
@@ -110,7 +111,7 @@
 // reproducer; the ops kept are exactly those of the full program),
 // FUZZ_DTYPE=f32|f64 (the same programs in that dtype), FUZZ_EXTENDED=0|1|2
 // (0: float only, the draw before issue 25, for bisecting; 1, the default:
-// integer programs too; 2: complex programs and Inf/NaN inputs too), FUZZ_TRACE=1 (print the layout
+// integer and complex programs too; 2: Inf/NaN inputs too), FUZZ_TRACE=1 (print the layout
 // after every op of the sharded run), FUZZ_DUMP=file (rank 0 saves the program's inputs and
 // parameters with torch::save, to turn a case into a regression test).
 #include <ATen/CPUGeneratorImpl.h>
@@ -1577,22 +1578,21 @@ Program make_program(int64_t seed, const st::DeviceMesh& mesh) {
   Gen g{std::mt19937_64(static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull), mesh, at::kFloat,
         static_cast<uint64_t>(seed)};
   // FUZZ_EXTENDED (issue 25), levels:
-  //  - 1 (the default): one program in ten is integer (int64 or int32), the
-  //    rest float32 or float64;
-  //  - 2: also one in ten complex (complex64 or complex128) and Inf/NaN
-  //    inputs in one float or complex program in eight. Not yet the default:
-  //    its campaigns still find mismatches (complex gradients through
-  //    logcumsumexp at np3, NaN positions through ring attention and with
-  //    complex Inf; listed in issue 25's notes);
+  //  - 1 (the default): one program in ten is integer (int64 or int32), one
+  //    in ten complex (complex64 or complex128), the rest float32 or float64;
+  //  - 2: also Inf/NaN inputs in one float or complex program in eight. Not
+  //    yet the default: its campaigns still find mismatches (NaN positions
+  //    through ring attention and with complex Inf; listed in issue 25's
+  //    notes);
   //  - 0: float32/float64 only, the programs drawn before issue 25, for
   //    bisecting.
   const int64_t extended = env_int("FUZZ_EXTENDED", 1);
   const int64_t kind = extended > 0 ? g.pick(0, 9) : 9;
   const bool wide = g.coin(0.5);
-  g.dtype = kind == 0                    ? (wide ? at::kLong : at::kInt)
-            : kind == 1 && extended >= 2 ? (wide ? at::kComplexDouble : at::kComplexFloat)
-            : wide                       ? at::kDouble
-                                         : at::kFloat;
+  g.dtype = kind == 0   ? (wide ? at::kLong : at::kInt)
+            : kind == 1 ? (wide ? at::kComplexDouble : at::kComplexFloat)
+            : wide      ? at::kDouble
+                        : at::kFloat;
   // FUZZ_DTYPE=f32|f64 forces the dtype of the same float program (the values
   // are drawn in float32 either way).
   const std::string forced = std::getenv("FUZZ_DTYPE") ? std::getenv("FUZZ_DTYPE") : "";
