@@ -71,10 +71,35 @@
 // torch::autograd::grad(out, {q, k, v}, dO, create_graph=true). That holds
 // B·Hq·(Sq/P)·Sk scores and every K/V block at once, which the ring avoids:
 // double backward trades the ring's memory bound for exactness.
+//
+// Note [non-finite attention inputs]: with NaN or Inf in q, k, v (or in the
+// output's gradient), the result and the gradients must hold NaN/Inf exactly
+// where single-process libtorch's matmul, masked_fill(-inf), softmax, matmul
+// has them. There a hidden score (bool mask false, causal j > i) has p = 0
+// and a zero gradient (masked_fill's backward), but every product with it is
+// still formed: out = p v gets 0 * v[j][d] = NaN in column d for any
+// non-finite v[j][d], dk[j] = dsᵀ q gets 0 * q[i][d], dq[i] = ds k gets
+// 0 * k[j][d], dv[j] = pᵀ dO gets 0 * dO[i][d] (and NaN from a row whose p is
+// all NaN: a NaN or +Inf score, or no visible key), and softmax's backward
+// delta[i] = rowsum(p ∘ dP) gets 0 * dP[i][j] = NaN whenever dO[i] or v[j]
+// holds a non-finite value (then ds[i] is NaN wherever it is not hidden).
+// The ring computes the same products on the chunks it visits, but skips the
+// keys the causal mask hides from a whole query run (visible_chunks), so
+// after a run's visible chunks it applies those rules to the keys j beyond
+// the run's last query (hidden_from; for keys it did visit the rules repeat
+// what the products gave): columns of out, dq, dk, dv and rows of delta
+// become NaN. And it zeroes ds at hidden positions (chunk_hidden) as
+// masked_fill's backward does, since p (dP - delta) is 0 * NaN there when dP
+// or delta is not finite. Cost on finite inputs: a finiteness check of each
+// K/V block once per trip where a causal run skips keys, and of q, dO, the row
+// statistics and delta once per backward; the rules and the zeroing run only
+// where one fails. (A finite dP that overflows to Inf is not caught: there
+// the zeroing is skipped and ds is NaN at hidden positions where libtorch has 0.)
 #include <shardtensor/ops/attention.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -167,6 +192,36 @@ struct RingPlan : torch::CustomClassHolder {
   bool mask_full_keys = false;  // mask's key extent is Sk (sliced per chunk), else 1
 };
 
+// The mask's entries for the queries of run `qr` and the keys at global
+// positions [kstart, kstart + cl), [b, hkv|1, g|1, nq|1, cl|1]; undefined if none.
+at::Tensor chunk_mask(const RingPlan& p, const Run& qr, int64_t kstart, int64_t cl) {
+  if (!p.mask5.defined()) return at::Tensor();
+  at::Tensor mc = p.mask_full_keys ? p.mask5.narrow(-1, kstart, cl) : p.mask5;
+  if (mc.size(3) != 1) mc = mc.narrow(3, qr.local, qr.len);
+  return mc;
+}
+
+// Where the causal mask hides those keys from those queries, [nq, cl];
+// undefined where it hides none.
+at::Tensor causal_hidden(const RingPlan& p, const Run& qr, int64_t kstart, int64_t cl) {
+  if (!p.causal || kstart + cl - 1 <= qr.global) return at::Tensor();  // fully visible
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor qi = at::arange(qr.global, qr.global + qr.len, opts).unsqueeze(1);
+  at::Tensor kj = at::arange(kstart, kstart + cl, opts).unsqueeze(0);
+  return kj > qi;
+}
+
+// Where masked_fill hides a score (bool mask false, causal), broadcastable to
+// [B, Hkv, g, nq, cl]; undefined where nothing is (Note [non-finite attention inputs]).
+at::Tensor chunk_hidden(const RingPlan& p, const Run& qr, int64_t kstart, int64_t cl) {
+  at::Tensor hidden = causal_hidden(p, qr, kstart, cl);
+  const at::Tensor mc = chunk_mask(p, qr, kstart, cl);
+  if (mc.defined() && mc.scalar_type() == at::kBool) {
+    hidden = hidden.defined() ? mc.logical_not().logical_or(hidden) : mc.logical_not();
+  }
+  return hidden;
+}
+
 // One chunk of scores, [B, Hkv, g*nq, cl], for the queries of run `qr` (q4 holds
 // only those rows) against keys at global positions [kstart, kstart + cl), with
 // the mask and the causal mask applied (-inf where hidden).
@@ -177,23 +232,55 @@ at::Tensor chunk_scores(const RingPlan& p, const at::Tensor& q4, const at::Tenso
   s.mul_(p.scale);
   detail::g_score_elements += s.numel();
   at::Tensor s5 = s.view({s.size(0), s.size(1), p.groups, nq, cl});
-  if (p.mask5.defined()) {
-    at::Tensor mc = p.mask_full_keys ? p.mask5.narrow(-1, kstart, cl) : p.mask5;
-    if (mc.size(3) != 1) mc = mc.narrow(3, qr.local, nq);
+  if (const at::Tensor mc = chunk_mask(p, qr, kstart, cl); mc.defined()) {
     if (mc.scalar_type() == at::kBool) {
       s5.masked_fill_(mc.logical_not(), kNegInf);
     } else {
       s5.add_(mc);
     }
   }
-  if (p.causal && kstart + cl - 1 > qr.global) {  // not fully visible
-    auto opts = at::TensorOptions().dtype(at::kLong);
-    at::Tensor qi = at::arange(qr.global, qr.global + nq, opts).unsqueeze(1);
-    at::Tensor kj = at::arange(kstart, kstart + cl, opts).unsqueeze(0);
-    s5.masked_fill_(kj > qi, kNegInf);
+  if (const at::Tensor hidden = causal_hidden(p, qr, kstart, cl); hidden.defined()) {
+    s5.masked_fill_(hidden, kNegInf);
   }
   return s;
 }
+
+// ---- Note [non-finite attention inputs] ----
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+bool all_finite(const at::Tensor& t) {
+  return t.numel() == 0 || at::isfinite(t).all().item<bool>();
+}
+// True where t is NaN or +-Inf, reduced with any() over `dims`.
+at::Tensor nonfinite_any(const at::Tensor& t, at::IntArrayRef dims) {
+  return at::isfinite(t).logical_not().any(dims);
+}
+// The first row of key run `kr` that the causal mask hides from every query
+// of run `qr` (qr.len > 0): rows [result, kr.len) are; kr.len when none is.
+int64_t hidden_from(const RingPlan& p, const Run& qr, const Run& kr) {
+  if (!p.causal) return kr.len;
+  return std::clamp<int64_t>(qr.global + qr.len - kr.global, 0, kr.len);
+}
+// Whether a K/V block is all finite, checked once, when first asked.
+class FiniteOnce {
+ public:
+  explicit FiniteOnce(const at::Tensor& t) : t_(t) {}
+  bool operator()() {
+    if (!known_) {
+      finite_ = all_finite(t_);
+      known_ = true;
+    }
+    return finite_;
+  }
+
+ private:
+  const at::Tensor& t_;
+  bool known_ = false, finite_ = true;
+};
+// Once per backward: which of this rank's local operands are all finite.
+struct FiniteLocals {
+  bool q = true, dout = true, rows = true, delta = true;  // rows: softmax statistics
+};
 
 // Key chunk length for `rows` score rows.
 int64_t chunk_len(int64_t rows, int64_t len) {
@@ -255,6 +342,7 @@ void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb
   const int64_t g = p.groups;
   // Note [reduced precision]: blocks travel in their own dtype, compute in q4's (float32).
   const at::Tensor kb = kb_in.to(q4.scalar_type()), vb = vb_in.to(q4.scalar_type());
+  FiniteOnce v_finite(vb);
   for (const Run& qr : p.q_runs) {
     if (qr.len == 0) continue;
     at::Tensor qq = rows4(q4, g, n, qr);
@@ -274,6 +362,14 @@ void forward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& kb
       m.copy_(m_new);
       progress();
     });
+    // Note [non-finite attention inputs]: out[i][d] += 0 * v[j][d] for the keys
+    // hidden from the whole run.
+    for (const Run& kr : p.kv_runs[src]) {
+      const int64_t h = hidden_from(p, qr, kr);
+      if (h == kr.len || v_finite()) continue;
+      at::Tensor bad = nonfinite_any(vb.narrow(2, kr.local + h, kr.len - h), {2});  // [B, Hkv, D]
+      acc.masked_fill_(bad.unsqueeze(2).unsqueeze(3), kNaN);
+    }
   }
 }
 
@@ -292,10 +388,11 @@ void probabilities_(at::Tensor& s, const at::Tensor& mx, const at::Tensor& ls) {
 // Adds one K/V block's (`src`'s) part of delta = rowsum(p ∘ dO vᵀ) to `delta`
 // ([B, Hkv, g*n]; Note [ring attention precision]).
 void delta_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4, const RowStats& rs,
-                 const at::Tensor& kb_in, const at::Tensor& vb_in, int64_t n, int64_t src,
-                 at::Tensor& delta, const Progress& progress) {
+                 const FiniteLocals& fin, const at::Tensor& kb_in, const at::Tensor& vb_in,
+                 int64_t n, int64_t src, at::Tensor& delta, const Progress& progress) {
   const int64_t g = p.groups;
   const at::Tensor kb = kb_in.to(q4.scalar_type()), vb = vb_in.to(q4.scalar_type());
+  FiniteOnce v_finite(vb);
   for (const Run& qr : p.q_runs) {
     if (qr.len == 0) continue;
     at::Tensor qq = rows4(q4, g, n, qr), dd = rows4(do4, g, n, qr);
@@ -309,16 +406,32 @@ void delta_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4,
       de.add_(pr.sum(-1).view(de.sizes()));
       progress();
     });
+    // Note [non-finite attention inputs]: delta[i] += 0 * dP[i][j] for the keys
+    // hidden from the whole run, NaN where dO[i] or v[j] is not finite.
+    for (const Run& kr : p.kv_runs[src]) {
+      const int64_t h = hidden_from(p, qr, kr);
+      if (h == kr.len || (fin.dout && v_finite())) continue;
+      at::Tensor bad = nonfinite_any(dd, {-1}).view(de.sizes());  // [B, Hkv, g, len]
+      bad = bad.logical_or(
+          nonfinite_any(vb.narrow(2, kr.local + h, kr.len - h), {2, 3}).unsqueeze(2).unsqueeze(3));
+      de.masked_fill_(bad, kNaN);
+    }
   }
 }
 
 // Adds one K/V block's (`src`'s) contribution to dq4 and to dkv ([2, B, Hkv, len, D]).
 void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& do4,
-                    const RowStats& rs, const at::Tensor& delta, const at::Tensor& kb_in,
-                    const at::Tensor& vb_in, int64_t n, int64_t src, at::Tensor& dq4,
-                    at::Tensor& dkv, const Progress& progress) {
+                    const RowStats& rs, const at::Tensor& delta, const FiniteLocals& fin,
+                    const at::Tensor& kb_in, const at::Tensor& vb_in, int64_t n, int64_t src,
+                    at::Tensor& dq4, at::Tensor& dkv, const Progress& progress) {
   const int64_t g = p.groups;
   const at::Tensor kb = kb_in.to(q4.scalar_type()), vb = vb_in.to(q4.scalar_type());
+  FiniteOnce k_finite(kb), v_finite(vb);
+  // Note [non-finite attention inputs]: ds = p (dP - delta) is exactly 0 where
+  // p is unless dP, delta or p is not finite; only then are the hidden
+  // positions zeroed explicitly.
+  const bool may_hide = p.causal || (p.mask5.defined() && p.mask5.scalar_type() == at::kBool);
+  const bool zero_hidden = may_hide && !(fin.dout && fin.delta && fin.rows && v_finite());
   for (const Run& qr : p.q_runs) {
     if (qr.len == 0) continue;
     at::Tensor qq = rows4(q4, g, n, qr), dd = rows4(do4, g, n, qr);
@@ -333,11 +446,35 @@ void backward_block(const RingPlan& p, const at::Tensor& q4, const at::Tensor& d
       dkv[1].narrow(2, kr.local + c0, cl).add_(at::matmul(pr.transpose(-2, -1), dd));
       at::Tensor ds = at::matmul(dd, vc.transpose(-2, -1));
       ds.sub_(de.unsqueeze(-1)).mul_(pr);
+      if (zero_hidden) {
+        if (const at::Tensor hidden = chunk_hidden(p, qr, kr.global + c0, cl); hidden.defined()) {
+          ds.view({ds.size(0), ds.size(1), g, qr.len, cl}).masked_fill_(hidden, 0.0);
+        }
+      }
       pr = at::Tensor();
       dq.add_(at::matmul(ds, kc).view(dq.sizes()), p.scale);
       dkv[0].narrow(2, kr.local + c0, cl).add_(at::matmul(ds.transpose(-2, -1), qq), p.scale);
       progress();
     });
+    // Note [non-finite attention inputs]: the keys hidden from the whole run.
+    for (const Run& kr : p.kv_runs[src]) {
+      const int64_t h = hidden_from(p, qr, kr);
+      if (h == kr.len) continue;
+      if (!fin.dout || !fin.rows) {  // dv[j][d] += 0 * dO[i][d], or NaN * dO[i][d]
+        at::Tensor bad = nonfinite_any(dd, {2}).logical_or(
+            nonfinite_any(mx, {2}).logical_or(nonfinite_any(ls, {2})).unsqueeze(-1));
+        dkv[1].narrow(2, kr.local + h, kr.len - h).masked_fill_(bad.unsqueeze(2), kNaN);
+      }
+      if (!fin.q) {  // dk[j][d] += 0 * q[i][d]
+        dkv[0]
+            .narrow(2, kr.local + h, kr.len - h)
+            .masked_fill_(nonfinite_any(qq, {2}).unsqueeze(2), kNaN);
+      }
+      if (!k_finite()) {  // dq[i][d] += 0 * k[j][d]
+        at::Tensor bad = nonfinite_any(kb.narrow(2, kr.local + h, kr.len - h), {2});
+        dq.masked_fill_(bad.unsqueeze(2).unsqueeze(3), kNaN);
+      }
+    }
   }
 }
 
@@ -471,6 +608,11 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
     // Note [ring attention precision]: delta = rowsum(p ∘ dO vᵀ) over every
     // block, a first trip of K/V around the ring.
     at::Tensor delta = at::zeros({B, Hkv, G}, acc);
+    // Note [non-finite attention inputs]: what the rules need, checked once.
+    FiniteLocals fin;
+    fin.q = all_finite(q4);
+    fin.dout = all_finite(do4);
+    fin.rows = all_finite(rs.max) && all_finite(rs.log_sum);
     const at::Tensor own = at::stack({k, v}).contiguous();
     at::Tensor cur = own;
     for (int64_t t = 0; t < p.P; ++t) {
@@ -481,9 +623,10 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
         next = comm::RingShift::start(cur, kv_shape(k, p.kv_sizes[nsrc]), p.mesh, p.ring_dim,
                                       comm::kRingTagBlocks);
       }
-      delta_block(p, q4, do4, rs, cur[0], cur[1], n, src, delta, [&] { next.progress(); });
+      delta_block(p, q4, do4, rs, fin, cur[0], cur[1], n, src, delta, [&] { next.progress(); });
       if (t + 1 < p.P) cur = next.finish();
     }
+    fin.delta = all_finite(delta);
     // The second trip (dQ, dK, dV) starts again from this rank's own block.
     cur = own;
     comm::RingShift acc_in;
@@ -496,7 +639,7 @@ struct RingAttentionFn : torch::autograd::Function<RingAttentionFn> {
                                       comm::kRingTagBlocks);
       }
       at::Tensor dkv = at::zeros(kv_shape(k, p.kv_sizes[src]), acc);
-      backward_block(p, q4, do4, rs, delta, cur[0], cur[1], n, src, dq4, dkv, [&] {
+      backward_block(p, q4, do4, rs, delta, fin, cur[0], cur[1], n, src, dq4, dkv, [&] {
         next.progress();
         if (t > 0) acc_in.progress();
       });
