@@ -121,6 +121,22 @@ TEST(Scan, LogcumsumexpComplex) {
       }
     }
   }
+  // It gathers the scanned dim: a visible gather (Note [visible gathers]),
+  // counted and refused in strict mode on every rank, where that dim is sharded.
+  const Placements p = fit_placements(mesh, {S1, S0});
+  const bool sharded = mesh.size(0) > 1;
+  const at::Tensor u = st::distribute_tensor(x, mesh, p);
+  st::set_strict(false);
+  st::reset_comm_stats();
+  (void)u.logcumsumexp(1);
+  const int64_t gathered_here = st::comm_stats().gathered_bytes;
+  EXPECT_TRUE(all_ranks(sharded ? gathered_here > 0 : gathered_here == 0))
+      << "gathered_bytes " << gathered_here << " on " << st::to_string(p);
+  if (sharded) {
+    st::set_strict(true);
+    EXPECT_TRUE(throws_everywhere([&] { (void)u.logcumsumexp(1); }, {"logcumsumexp", "strict"}));
+    st::set_strict(false);
+  }
 }
 
 // Note [no lazy bits in buffers]: libtorch's complex logcumsumexp backward

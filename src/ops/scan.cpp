@@ -53,6 +53,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
+#include <numeric>
 
 #include "comm/function_output.h"
 #include "ops/common.h"
@@ -220,6 +221,15 @@ void scan_rule(Scan kind, const c10::OperatorHandle& op, Stack* stack) {
     at::Tensor y;
     if (x.is_complex()) {  // Note [complex logcumsumexp]
       const std::vector<int64_t>& sizes = p.spec->shard_sizes(p.m);
+      // A visible gather (Note [visible gathers]): counted, warned once,
+      // refused in strict mode.
+      std::vector<int64_t> grown = x.sizes().vec();
+      grown[p.d] = std::accumulate(sizes.begin(), sizes.end(), int64_t{0}) - grown[p.d];
+      if (mesh.size(p.m) > 1) {
+        note_gather(op, args, mesh, c10::multiply_integers(grown) * x.element_size(),
+                    "a complex logcumsumexp along a sharded dim gathers that dim (Note [complex "
+                    "logcumsumexp])");
+      }
       at::Tensor whole = comm::all_gather(x, mesh, p.m, p.d, sizes);
       y = comm::shard_slice(at::logcumsumexp(whole, p.d), mesh, p.m, p.d, sizes);
     } else {
