@@ -509,7 +509,14 @@ void var_rule(const c10::OperatorHandle& op, Stack* stack, bool is_std, bool wit
   at::Tensor dev = local - mean.detach();
   at::Tensor sums = sum_over(at::stack({(dev * dev).sum(p.dims, true), dev.sum(p.dims, true)}),
                              mesh, p.mesh_dims);
-  at::Tensor m2 = sums[0] - sums[1] * sums[1] / n;
+  // The correction term's gradient, -2 sum(d) / n per element, is ~0 and
+  // only mends a rounded mean; where sum(d) is not finite (Inf/NaN inputs) it
+  // would put NaN on every element of the slice, where libtorch's
+  // var_backward, 2 (x - mean) / (N - c), has +-Inf or a NaN at the
+  // non-finite inputs only (Note [variance]). There it passes no gradient.
+  const at::Tensor s1 = sums[1];
+  const at::Tensor s1g = at::where(at::isfinite(s1.detach()), s1, s1.detach());
+  at::Tensor m2 = sums[0] - s1g * s1g / n;
   at::Tensor var = m2 / std::max(n - static_cast<double>(correction), 0.0);
   at::Tensor out = var;
   if (is_std) {
