@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <deque>
 #include <numeric>
@@ -187,8 +188,13 @@ void Exchange::finish(const char* what) {
     std::chrono::milliseconds left{0};  // 0: no timeout (c10d::kNoTimeout)
     if (limit > 0) {
       const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      // Rounded up, plus 1 ms: Gloo's own timeout must not fire before the
+      // watchdog's limit, or the check below (waited >= limit) misses it and
+      // the expiry is reported as a plain failure instead of the watchdog's
+      // message and exit code (truncating gave a wait 1 ms short: CTest
+      // watchdog.skip_exchange.torchrun.np2 failed once in a CI run).
       left = std::chrono::milliseconds(
-          std::max<int64_t>(1, static_cast<int64_t>((limit - waited) * 1000.0)));
+          std::max<int64_t>(1, static_cast<int64_t>(std::ceil((limit - waited) * 1000.0)) + 1));
     }
     try {
       if (!work->wait(left)) cut_short = true;
